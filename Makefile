@@ -1,0 +1,31 @@
+# Two commands do everything on a fresh machine:
+#   make demo   create .venv, install, train the CPU default config on an embedded Ray cluster
+#   make test   create .venv, install with the dev extra, run the test suite
+# On a GPU machine whose system Python already has CUDA torch:  make test-gpu
+
+VENV    := .venv
+PYTHON  := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed-dev
+
+.PHONY: demo test test-gpu clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PYTHON) -m pip install -q --upgrade pip
+	@# Without a GPU, take the CPU build of torch first; otherwise torch>=2.11 pulls a multi-GB CUDA build.
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PYTHON) -m pip install -q torch==2.13.0; fi
+	$(PYTHON) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/archipelago fit examples/cpu-tiny.toml --overwrite
+
+# pytest exits 5 when it collects no tests; make treats any non-zero exit as a failure.
+test: $(STAMP)
+	$(PYTHON) -m pytest --timeout=900
+
+test-gpu:
+	PYTHONPATH=. python3 -m pytest -m gpu tests/gpu -p no:cacheprovider
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

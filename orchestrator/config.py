@@ -1,0 +1,261 @@
+"""Job configuration: one small typed dataclass per component, loaded from TOML.
+
+    config = JobConfig.from_toml("examples/cpu-tiny.toml")
+
+Every field has a default that runs. Unknown keys, wrong types and impossible values raise
+`ConfigError` naming the file, the section and key, and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from orchestrator.errors import ConfigError
+
+
+def _check(ok: bool, key: str, problem: str, fix: str) -> None:
+    if not ok:
+        raise ConfigError(problem, where=key, fix=fix)
+
+
+def _positive(section: str, **values: int | float) -> None:
+    for name, value in values.items():
+        _check(value > 0, f"[{section}] {name}", f"must be positive, got {value}", f"set {name} to a number above 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    n_layer: int = 4
+    """Transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block; must divide n_embd."""
+    n_embd: int = 128
+    """Width of the residual stream."""
+    seq_len: int = 128
+    """Tokens per training sample (the model's context length)."""
+    vocab_size: int = 257
+    """Embedding rows; at least the dataset tokenizer's vocabulary (257 for bytes + end-of-document).
+    Rounding up to a multiple of 64 is faster on GPUs."""
+    dropout: float = 0.0
+    """Dropout probability in attention and MLP outputs."""
+    bias: bool = False
+    """Bias terms in linear layers and layer norms."""
+
+    def __post_init__(self) -> None:
+        _positive("model", n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd,
+                  seq_len=self.seq_len, vocab_size=self.vocab_size)
+        _check(self.n_embd % self.n_head == 0, "[model] n_head",
+               f"n_embd = {self.n_embd} is not divisible by n_head = {self.n_head}",
+               "pick n_head so that n_embd / n_head is a whole number (e.g. 64 per head)")
+        _check(0.0 <= self.dropout < 1.0, "[model] dropout", f"must be in [0, 1), got {self.dropout}",
+               "set dropout = 0.0 for pretraining")
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    path: str = "data/stdlib-bytes"
+    """Directory of a prepared token dataset (manifest.parquet + shards), relative to the working directory."""
+    prepare_from: str = "stdlib"
+    """When `path` holds no dataset yet, prepare it from this source first: "stdlib" (the .py files of
+    the running Python's standard library), a directory of text files, or "" to require a prepared one."""
+    pattern: str = "*.py"
+    """Glob (matched recursively) selecting the text files of `prepare_from`."""
+    val_percent: float = 5.0
+    """Share of files (chosen by a hash of their path, so deterministic) held out for validation."""
+    shard_tokens: int = 16 * 2**20
+    """Tokens per shard file."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.path), "[data] path", "is empty", 'set path to a dataset directory, e.g. "data/stdlib-bytes"')
+        _check(0.0 < self.val_percent < 100.0, "[data] val_percent", f"must be in (0, 100), got {self.val_percent}",
+               "set val_percent = 5.0")
+        _positive("data", shard_tokens=self.shard_tokens)
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    steps: int = 300
+    """Optimizer steps to train for (the total, counting steps done before a resume)."""
+    global_batch_size: int = 32
+    """Samples per optimizer step across all workers; stays fixed when workers come and go."""
+    micro_batch_size: int = 16
+    """Samples per worker per forward pass; gradient accumulation makes up the rest."""
+    lr: float = 1e-3
+    """Peak learning rate (AdamW)."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 20
+    """Linear warmup steps before the cosine decay."""
+    weight_decay: float = 0.1
+    """AdamW weight decay on matrices (not on norms or biases)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    seed: int = 0
+    """Seeds model init and the data order."""
+    log_every: int = 10
+    """Steps between metric reports from the workers to the driver."""
+    eval_every: int = 100
+    """Steps between validation passes (and one at the end)."""
+    eval_samples: int = 64
+    """Validation samples per pass, split across workers."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """Autocast dtype: auto is bf16 on GPUs that support it and fp32 on CPU."""
+
+    def __post_init__(self) -> None:
+        _positive("train", steps=self.steps, global_batch_size=self.global_batch_size,
+                  micro_batch_size=self.micro_batch_size, lr=self.lr, log_every=self.log_every,
+                  eval_every=self.eval_every, eval_samples=self.eval_samples)
+        _check(0 <= self.min_lr <= self.lr, "[train] min_lr", f"must be in [0, lr = {self.lr}], got {self.min_lr}",
+               "set min_lr to about lr / 10")
+        _check(self.warmup_steps >= 0, "[train] warmup_steps", f"must be 0 or more, got {self.warmup_steps}",
+               "set warmup_steps = 0 to disable warmup")
+        _check(self.weight_decay >= 0, "[train] weight_decay", f"must be 0 or more, got {self.weight_decay}",
+               "set weight_decay = 0.1")
+        _check(self.grad_clip >= 0, "[train] grad_clip", f"must be 0 or more, got {self.grad_clip}",
+               "set grad_clip = 1.0, or 0 to disable clipping")
+
+
+@dataclass(kw_only=True, slots=True)
+class CompileConfig:
+    enable: bool = False
+    """Compile the model with torch.compile (needs a C++ compiler on CPU)."""
+    mode: Literal["default", "max-autotune", "reduce-overhead"] = "default"
+    """torch.compile mode."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    strategy: Literal["ddp"] = "ddp"
+    """How model replicas are kept in sync."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Process-group backend: auto is nccl on GPUs, gloo on CPUs."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    every_steps: int = 100
+    """Steps between committed checkpoints (and one at the end)."""
+    keep_last: int = 3
+    """Committed checkpoints kept; older ones are deleted."""
+
+    def __post_init__(self) -> None:
+        _positive("checkpoint", every_steps=self.every_steps, keep_last=self.keep_last)
+
+
+@dataclass(kw_only=True, slots=True)
+class ClusterConfig:
+    address: str = ""
+    """Ray cluster to join ("auto", "ray://host:10001", host:port); empty uses RAY_ADDRESS or starts
+    an embedded local cluster."""
+    num_workers: int = 2
+    """Ray Train workers (one per GPU when use_gpu)."""
+    use_gpu: bool = False
+    """Give each worker one GPU."""
+    cpus_per_worker: int = 1
+    """CPU cores reserved per worker (and torch threads on CPU workers)."""
+
+    def __post_init__(self) -> None:
+        _positive("cluster", num_workers=self.num_workers, cpus_per_worker=self.cpus_per_worker)
+
+
+@dataclass(kw_only=True, slots=True)
+class JobConfig:
+    name: str = "run"
+    """Run name: outputs go to <runs_dir>/<name>/."""
+    runs_dir: str = "runs"
+    """Directory holding one folder per run (metrics, report, checkpoints)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    def __post_init__(self) -> None:
+        _check(bool(self.name) and "/" not in self.name and self.name not in (".", ".."), "name",
+               f"{self.name!r} is not a usable run name", 'use letters, digits, "-" and "_", e.g. name = "cpu-tiny"')
+        per_pass = self.train.micro_batch_size * self.cluster.num_workers
+        _check(self.train.global_batch_size % per_pass == 0, "[train] global_batch_size",
+               f"{self.train.global_batch_size} is not a multiple of micro_batch_size × num_workers = "
+               f"{self.train.micro_batch_size} × {self.cluster.num_workers} = {per_pass}",
+               f"set global_batch_size to a multiple of {per_pass} (e.g. {per_pass * max(1, round(self.train.global_batch_size / per_pass))})")
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.cluster.num_workers)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.train.global_batch_size * self.model.seq_len
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> JobConfig:
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            raise ConfigError("config file not found", where=str(path),
+                              fix="check the path; examples/ holds ready-made configs such as examples/cpu-tiny.toml") from None
+        except OSError as e:
+            raise ConfigError(f"cannot read config file: {e.strerror}", where=str(path)) from None
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"malformed TOML: {e}", where=str(path), fix="fix the TOML syntax at that line") from None
+        try:
+            return cls.from_dict(data)
+        except ConfigError as e:
+            raise ConfigError(e.what, where=f"{path}: {e.where}" if e.where else str(path), fix=e.fix) from None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> JobConfig:
+        return _build(cls, data, section="")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _build(cls: type, data: dict[str, Any], section: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        where = f"[{section}] {key}" if section else key
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            fix = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(names)}"
+            raise ConfigError("unknown key", where=where, fix=fix)
+        kwargs[key] = _convert(value, hints[key], where, key)
+    return cls(**kwargs)
+
+
+def _convert(value: Any, hint: Any, where: str, key: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ConfigError(f"must be a table, got {type(value).__name__}", where=key, fix=f"write it as a [{key}] section")
+        return _build(hint, value, section=key)
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            raise ConfigError(f"{value!r} is not one of {', '.join(map(repr, choices))}", where=where,
+                              fix=f"set it to one of {', '.join(map(repr, choices))}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        return _convert(value, next(a for a in typing.get_args(hint) if a is not type(None)), where, key)
+    expected = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[hint]
+    ok = isinstance(value, hint) and not (hint is int and isinstance(value, bool))
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        value, ok = float(value), True
+    if not ok:
+        raise ConfigError(f"must be {expected}, got {value!r} ({type(value).__name__})", where=where,
+                          fix=f"write it as {expected}")
+    return value

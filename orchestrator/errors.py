@@ -1,0 +1,46 @@
+"""Typed errors for users: each says what was wrong, where, and what to do.
+
+The CLI prints `str(error)` as one line and exits non-zero; `--debug` shows the traceback.
+Workers raise these too; `Orchestrator.fit` unwraps them from Ray's wrappers so the user
+sees the same one line whether the problem was found on the driver or on a worker.
+"""
+
+
+class ArchipelagoError(Exception):
+    """Base class for errors caused by the user's input or environment, not by a bug."""
+
+    def __init__(self, what: str, *, where: str = "", fix: str = ""):
+        self.what = what
+        self.where = where
+        self.fix = fix
+        super().__init__(self._format())
+
+    def _format(self) -> str:
+        text = f"{self.where}: {self.what}" if self.where else self.what
+        if self.fix:
+            text += f" — {self.fix}"
+        return text
+
+    def __reduce__(self):
+        # Keyword-only arguments do not survive default pickling; Ray pickles errors raised in workers.
+        return _rebuild, (type(self), self.what, self.where, self.fix)
+
+
+def _rebuild(cls, what, where, fix):
+    return cls(what, where=where, fix=fix)
+
+
+class ConfigError(ArchipelagoError):
+    """A job config is missing, malformed, or asks for something impossible."""
+
+
+class DataError(ArchipelagoError):
+    """A dataset is missing, empty, corrupt, or does not match the job."""
+
+
+class CheckpointError(ArchipelagoError):
+    """A checkpoint is missing, incomplete, or belongs to another model or dataset."""
+
+
+class ClusterError(ArchipelagoError):
+    """The Ray cluster cannot be reached or cannot host the job."""

@@ -1,0 +1,185 @@
+"""The driver: check the job, start or join Ray, run the workers under Ray Train, report.
+
+    from orchestrator import Orchestrator, JobConfig
+    result = Orchestrator(JobConfig.from_toml("examples/cpu-tiny.toml")).fit()
+    print(result.report.final_val_loss, result.checkpoint)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+from ray.train import CheckpointConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchConfig, TorchTrainer
+from rich.console import Console
+
+from orchestrator.config import JobConfig
+from orchestrator.errors import ArchipelagoError, ClusterError, DataError
+from orchestrator.progress import MetricsSink, ProgressDisplay
+from orchestrator.report import RunReport
+from orchestrator.run_dir import RunDirectory
+from storage.prepare import prepare_dataset
+from storage.shards import TokenDataset, has_dataset
+from workers import checkpoint
+from workers.loop import WorkerJob, train_loop
+
+
+@dataclass(frozen=True, slots=True)
+class FitResult:
+    metrics: list[dict]
+    """Every row the workers reported in this invocation (also appended to metrics.jsonl)."""
+    checkpoint: Path | None
+    """The latest committed checkpoint."""
+    report: RunReport
+
+
+class Orchestrator:
+    def __init__(self, config: JobConfig, *, address: str = "", resume: bool = False, overwrite: bool = False,
+                 console: Console | None = None, verbose: bool = False):
+        self.config = config
+        self.address = address or config.cluster.address or os.environ.get("RAY_ADDRESS", "")
+        self.resume = resume
+        self.overwrite = overwrite
+        self.console = console or Console()
+        self.verbose = verbose
+        self.run = RunDirectory(config.runs_dir, config.name)
+
+    def fit(self) -> FitResult:
+        started = time.monotonic()
+        started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+        data_dir, tokenizer = self._dataset()
+        resume_from = self.run.open_for(resume=self.resume, overwrite=self.overwrite)
+        if resume_from is not None:
+            checkpoint.check_compatible(checkpoint.read_info(resume_from), self.config, tokenizer, resume_from)
+            self.console.print(f"resuming from {resume_from}")
+        with self._ray():
+            sink = MetricsSink.remote()
+            job = WorkerJob(config=self.config, data_dir=str(data_dir), tokenizer=tokenizer, metrics_sink=sink,
+                            resume_from=str(resume_from) if resume_from else None)
+            rows = self._train(job, sink)
+        latest = self.run.latest_checkpoint()
+        report = RunReport.from_rows(
+            rows, name=self.config.name, status="completed", run_dir=str(self.run.path), started_at=started_at,
+            wall_seconds=time.monotonic() - started, checkpoint_path=str(latest) if latest else None,
+            checkpoint_step=checkpoint.read_info(latest).step if latest else None,
+            metrics_path=str(self.run.metrics_path), config=self.config.to_dict())
+        report.save(self.run.report_path)
+        return FitResult(rows, latest, report)
+
+    def _dataset(self) -> tuple[Path, str]:
+        """The prepared dataset (preparing it first when the config says where from), checked against the job."""
+        data = self.config.data
+        path = Path(data.path).resolve()
+        if not has_dataset(path) and data.prepare_from:
+            self.console.print(f"preparing {path} from {data.prepare_from!r} (first run only)")
+            summary = prepare_dataset(data.prepare_from, path, pattern=data.pattern, val_percent=data.val_percent,
+                                      shard_tokens=data.shard_tokens)
+            self.console.print(f"prepared {summary.tokens['train']:,} train and {summary.tokens['val']:,} "
+                               f"validation tokens in {summary.shards} shards")
+        train = TokenDataset(path, "train", self.config.model.seq_len)
+        val = TokenDataset(path, "val", self.config.model.seq_len)
+        model, train_cfg = self.config.model, self.config.train
+        if train.vocab_size > model.vocab_size:
+            raise DataError(f"the dataset's tokenizer {train.tokenizer!r} has {train.vocab_size} tokens, "
+                            f"the model only {model.vocab_size}", where=f"{path} / [model] vocab_size",
+                            fix=f"set [model] vocab_size to at least {train.vocab_size}")
+        if train.num_samples < train_cfg.global_batch_size:
+            raise DataError(f"{train.num_samples} training samples of {model.seq_len + 1} tokens, fewer than one "
+                            f"global batch ({train_cfg.global_batch_size})", where=str(path),
+                            fix="add text to the corpus or lower [train] global_batch_size / [model] seq_len")
+        if val.num_samples < 1:
+            raise DataError(f"the validation split is shorter than one sample of {model.seq_len + 1} tokens",
+                            where=str(path), fix="raise [data] val_percent and prepare again")
+        return path, train.tokenizer
+
+    @contextlib.contextmanager
+    def _ray(self) -> Iterator[None]:
+        """Joins the cluster at `address`, or starts an embedded one that lives as long as this fit."""
+        if ray.is_initialized():
+            yield
+            return
+        cluster = self.config.cluster
+        try:
+            if self.address:
+                ray.init(address=self.address, log_to_driver=self.verbose)
+            else:
+                needed = cluster.num_workers * cluster.cpus_per_worker
+                ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed),
+                         num_gpus=None if cluster.use_gpu else 0, include_dashboard=False,
+                         log_to_driver=self.verbose)
+        except ConnectionError as e:
+            raise ClusterError(f"cannot connect to Ray ({e})", where=f"address {self.address!r}",
+                               fix="start a head with `ray start --head`, or unset RAY_ADDRESS to use an embedded cluster") from None
+        try:
+            yield
+        finally:
+            ray.shutdown()
+
+    def _train(self, job: WorkerJob, sink) -> list[dict]:
+        cfg = self.config
+        trainer = TorchTrainer(
+            train_loop,
+            train_loop_config={"job": job},
+            torch_config=TorchConfig(backend=self._backend()),
+            scaling_config=ScalingConfig(num_workers=cfg.cluster.num_workers, use_gpu=cfg.cluster.use_gpu,
+                                         resources_per_worker={"CPU": cfg.cluster.cpus_per_worker}),
+            run_config=RunConfig(name=cfg.name, storage_path=self.run.storage_path,
+                                 checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep_last)),
+        )
+        outcome: dict = {}
+        thread = threading.Thread(target=_fit_into, args=(trainer, outcome), daemon=True)
+        rows: list[dict] = []
+        first_step = checkpoint.read_info(Path(job.resume_from)).step if job.resume_from else 0
+        with ProgressDisplay(self.console, cfg.train.steps, first_step) as display:
+            thread.start()
+            while thread.is_alive():
+                thread.join(timeout=0.5)
+                self._collect(sink, rows, display)
+            self._collect(sink, rows, display)
+        if "error" in outcome:
+            raise _user_error(outcome["error"]) or outcome["error"]
+        return rows
+
+    def _collect(self, sink, rows: list[dict], display: ProgressDisplay) -> None:
+        new = ray.get(sink.drain.remote())
+        if new:
+            self.run.append_metrics(new)
+            display.update(new)
+            rows.extend(new)
+
+    def _backend(self) -> str:
+        backend = self.config.parallel.backend
+        if backend == "auto":
+            return "nccl" if self.config.cluster.use_gpu else "gloo"
+        return backend
+
+
+def _fit_into(trainer: TorchTrainer, outcome: dict) -> None:
+    try:
+        outcome["result"] = trainer.fit()
+    except Exception as e:  # handed to the driver thread, which re-raises it
+        outcome["error"] = e
+
+
+def _user_error(error: BaseException) -> ArchipelagoError | None:
+    """Finds an ArchipelagoError a worker raised inside Ray's wrappers, so the user sees it as is."""
+    seen: set[int] = set()
+    stack = [error]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, ArchipelagoError):
+            return e
+        stack.extend([e.__cause__, e.__context__, getattr(e, "cause", None), getattr(e, "controller_failure", None)])
+        stack.extend(getattr(e, "worker_failures", {}).values())
+    return None

@@ -1,0 +1,89 @@
+"""RunReport: what a run did, built on the driver from the metrics rows, saved as report.json."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from rich.console import Console
+from rich.table import Table
+
+
+@dataclass(kw_only=True, slots=True)
+class RunReport:
+    name: str
+    status: str
+    """"completed" when the last step ran."""
+    run_dir: str
+    started_at: str
+    """UTC, ISO 8601."""
+    wall_seconds: float
+    """This invocation of fit, from connecting to Ray to the end of training."""
+    world_size: int
+    device: str
+    num_params: int
+    start_step: int
+    """Step this invocation started from (0, or the resumed checkpoint's step)."""
+    final_step: int
+    tokens_seen: int
+    """Tokens trained on since step 0, resumed runs included."""
+    tokens_this_run: int
+    tokens_per_second: float
+    """Median over the run's metric reports (startup and checkpoints excluded)."""
+    final_train_loss: float | None
+    final_val_loss: float | None
+    checkpoint_path: str | None
+    checkpoint_step: int | None
+    metrics_path: str
+    config: dict[str, Any]
+    versions: dict[str, str]
+
+    @classmethod
+    def from_rows(cls, rows: list[dict], **fields: Any) -> RunReport:
+        steps = [r for r in rows if "loss" in r]
+        vals = [r["val_loss"] for r in steps if "val_loss" in r]
+        start = next((r for r in rows if r.get("event") == "start"), {})
+        last_consumed = next((r["consumed_samples"] for r in reversed(steps) if "consumed_samples" in r), 0)
+        seq_len = fields["config"]["model"]["seq_len"]
+        start_step = start.get("step", 0)
+        global_batch = fields["config"]["train"]["global_batch_size"]
+        return cls(
+            world_size=start.get("world_size", 0),
+            device=start.get("device", ""),
+            num_params=start.get("params", 0),
+            start_step=start_step,
+            final_step=steps[-1]["step"] if steps else start_step,
+            tokens_seen=last_consumed * seq_len,
+            tokens_this_run=(steps[-1]["step"] - start_step) * global_batch * seq_len if steps else 0,
+            tokens_per_second=statistics.median(r["tokens_per_s"] for r in steps) if steps else 0.0,
+            final_train_loss=steps[-1]["loss"] if steps else None,
+            final_val_loss=vals[-1] if vals else None,
+            versions={"python": platform.python_version(), "torch": torch.__version__, "ray": ray.__version__},
+            **fields,
+        )
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        tmp.replace(path)  # atomic: a reader never sees half a report
+
+    def print_summary(self, console: Console) -> None:
+        table = Table(title=f"archipelago run {self.name!r}: {self.status}", show_header=False)
+        table.add_column(style="bold")
+        table.add_column()
+        loss = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
+        table.add_row("steps", f"{self.start_step} → {self.final_step}")
+        table.add_row("final train loss", loss(self.final_train_loss))
+        table.add_row("final validation loss", loss(self.final_val_loss))
+        table.add_row("tokens seen", f"{self.tokens_seen:,} ({self.tokens_this_run:,} this run)")
+        table.add_row("throughput", f"{self.tokens_per_second:,.0f} tokens/s on {self.world_size} × {self.device}")
+        table.add_row("wall time", f"{self.wall_seconds:.1f} s")
+        table.add_row("checkpoint", self.checkpoint_path or "-")
+        table.add_row("report", str(Path(self.run_dir) / "report.json"))
+        console.print(table)

@@ -1,0 +1,1 @@
+"""Token datasets: the shard format, `prepare` (text → shards), the deterministic sampler."""
