@@ -44,3 +44,7 @@ class CheckpointError(ArchipelagoError):
 
 class ClusterError(ArchipelagoError):
     """The Ray cluster cannot be reached or cannot host the job."""
+
+
+class TopologyError(ArchipelagoError):
+    """A topology file, nvidia-smi text or probe result is malformed or contradicts itself."""
