@@ -14,8 +14,10 @@ import argparse
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 
 from orchestrator.errors import ArchipelagoError
+from orchestrator.topology.cli import add_commands as add_topology_commands
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     except ArchipelagoError as e:
         if args.debug:
             raise
-        console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         return 2
     except KeyboardInterrupt:
         console.print("interrupted; `archipelago fit CONFIG --resume` continues from the last committed checkpoint")
@@ -36,9 +38,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _fit(args: argparse.Namespace, console: Console) -> int:
     from orchestrator.config import JobConfig
+
+    config = JobConfig.from_toml(args.config)  # before importing Ray: config errors answer at once
     from orchestrator.fit import Orchestrator
 
-    config = JobConfig.from_toml(args.config)
     result = Orchestrator(config, address=args.address or "", resume=args.resume, overwrite=args.overwrite,
                           console=console, verbose=args.debug).fit()
     result.report.print_summary(console)
@@ -71,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     fit.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else an embedded cluster)")
     fit.add_argument("--resume", action="store_true", help="continue from the run's latest committed checkpoint")
     fit.add_argument("--overwrite", action="store_true", help="delete an earlier run of the same name first")
-    fit.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    fit.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     fit.set_defaults(command=_fit)
 
     prepare = commands.add_parser("prepare", help="turn text files into a token dataset")
@@ -81,8 +84,10 @@ def _parser() -> argparse.ArgumentParser:
     prepare.add_argument("--val-percent", type=float, default=5.0, help="share of files held out for validation")
     prepare.add_argument("--shard-tokens", type=int, default=16 * 2**20, help="tokens per shard file")
     prepare.add_argument("--overwrite", action="store_true", help="replace an existing dataset at --out")
-    prepare.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    prepare.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     prepare.set_defaults(command=_prepare)
+
+    add_topology_commands(commands)
     return parser
 
 

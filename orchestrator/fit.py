@@ -22,7 +22,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from rich.console import Console
 
 from orchestrator.config import JobConfig
-from orchestrator.errors import ArchipelagoError, ClusterError, DataError
+from orchestrator.errors import ArchipelagoError, ClusterError, ConfigError, DataError
 from orchestrator.progress import MetricsSink, ProgressDisplay
 from orchestrator.report import RunReport
 from orchestrator.run_dir import RunDirectory
@@ -56,10 +56,7 @@ class Orchestrator:
         started = time.monotonic()
         started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         data_dir, tokenizer = self._dataset()
-        resume_from = self.run.open_for(resume=self.resume, overwrite=self.overwrite)
-        if resume_from is not None:
-            checkpoint.check_compatible(checkpoint.read_info(resume_from), self.config, tokenizer, resume_from)
-            self.console.print(f"resuming from {resume_from}")
+        resume_from = self._open_run(tokenizer)
         with self._ray():
             sink = MetricsSink.remote()
             job = WorkerJob(config=self.config, data_dir=str(data_dir), tokenizer=tokenizer, metrics_sink=sink,
@@ -74,12 +71,27 @@ class Orchestrator:
         report.save(self.run.report_path)
         return FitResult(rows, latest, report)
 
+    def _open_run(self, tokenizer: str) -> Path | None:
+        """Creates the run directory, or checks the checkpoint to resume from; returns that checkpoint."""
+        if self.resume and self.overwrite:
+            raise ConfigError("--resume and --overwrite contradict each other", where="command line",
+                              fix="pass --resume to continue the run, or --overwrite to start it over")
+        if not self.resume:
+            self.run.create(overwrite=self.overwrite)
+            return None
+        latest = self.run.checkpoint_to_resume()
+        info = checkpoint.read_info(latest)
+        checkpoint.check_compatible(info, self.config, tokenizer, latest)
+        self.run.rewind_metrics(info.step)
+        self.console.print(f"resuming from {latest}", markup=False)
+        return latest
+
     def _dataset(self) -> tuple[Path, str]:
         """The prepared dataset (preparing it first when the config says where from), checked against the job."""
         data = self.config.data
         path = Path(data.path).resolve()
         if not has_dataset(path) and data.prepare_from:
-            self.console.print(f"preparing {path} from {data.prepare_from!r} (first run only)")
+            self.console.print(f"preparing {path} from {data.prepare_from!r} (first run only)", markup=False)
             summary = prepare_dataset(data.prepare_from, path, pattern=data.pattern, val_percent=data.val_percent,
                                       shard_tokens=data.shard_tokens)
             self.console.print(f"prepared {summary.tokens['train']:,} train and {summary.tokens['val']:,} "

@@ -76,7 +76,7 @@ class RunReport:
     def print_summary(self, console: Console) -> None:
         table = Table(title=f"archipelago run {self.name!r}: {self.status}", show_header=False)
         table.add_column(style="bold")
-        table.add_column()
+        table.add_column(overflow="fold")  # paths are printed whole: users copy them
         loss = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
         table.add_row("steps", f"{self.start_step} → {self.final_step}")
         table.add_row("final train loss", loss(self.final_train_loss))

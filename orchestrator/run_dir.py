@@ -42,18 +42,15 @@ class RunDirectory:
         found = self.committed_checkpoints()
         return found[-1] if found else None
 
-    def open_for(self, *, resume: bool, overwrite: bool) -> Path | None:
-        """Makes the directory ready; returns the checkpoint to resume from, if any."""
-        if resume and overwrite:
-            raise ConfigError("--resume and --overwrite contradict each other", where="command line",
-                              fix="pass --resume to continue the run, or --overwrite to start it over")
-        if resume:
-            latest = self.latest_checkpoint()
-            if latest is None:
-                raise CheckpointError("no committed checkpoint to resume from", where=str(self.path),
-                                      fix="run without --resume to start this run")
-            self._drop_rows_after(checkpoint.read_info(latest).step)
-            return latest
+    def checkpoint_to_resume(self) -> Path:
+        latest = self.latest_checkpoint()
+        if latest is None:
+            raise CheckpointError("no committed checkpoint to resume from", where=str(self.path),
+                                  fix="run without --resume to start this run")
+        return latest
+
+    def create(self, *, overwrite: bool) -> None:
+        """A fresh, empty run directory; an earlier run's files go only when overwrite is asked for."""
         if self.path.is_dir() and any(self.path.iterdir()):
             if not overwrite:
                 raise ConfigError("the run directory already holds a run", where=str(self.path),
@@ -61,14 +58,13 @@ class RunDirectory:
                                       "or set another name in the config")
             shutil.rmtree(self.path)
         self.path.mkdir(parents=True, exist_ok=True)
-        return None
 
     def append_metrics(self, rows: list[dict]) -> None:
         with self.metrics_path.open("a") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
 
-    def _drop_rows_after(self, step: int) -> None:
+    def rewind_metrics(self, step: int) -> None:
         """Steps after the checkpoint were not committed and will be trained again: their rows go."""
         if not self.metrics_path.is_file():
             return

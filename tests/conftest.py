@@ -1,0 +1,50 @@
+"""Shared fixtures: a small real corpus and a tiny job config that trains in seconds."""
+
+from __future__ import annotations
+
+import shutil
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from orchestrator.config import JobConfig
+from storage.prepare import prepare_dataset
+
+# A slice of the standard library: real text, present on every machine, a few hundred KB.
+CORPUS_SOURCE = Path(sysconfig.get_paths()["stdlib"]) / "email"
+
+
+@pytest.fixture(scope="session")
+def corpus_dir(tmp_path_factory) -> Path:
+    """A directory of text files (copied so tests can add or damage files)."""
+    target = tmp_path_factory.mktemp("corpus") / "email"
+    shutil.copytree(CORPUS_SOURCE, target, ignore=shutil.ignore_patterns("__pycache__"))
+    return target
+
+
+@pytest.fixture(scope="session")
+def dataset_dir(corpus_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("data") / "email-bytes"
+    prepare_dataset(str(corpus_dir), out, val_percent=25.0, shard_tokens=64 * 1024)
+    return out
+
+
+def tiny_job(dataset_dir: Path, runs_dir: Path, **sections) -> JobConfig:
+    """A job small enough to run a dozen steps in a few seconds on two CPU workers."""
+    base = {
+        "name": "tiny",
+        "runs_dir": str(runs_dir),
+        "model": {"n_layer": 1, "n_head": 2, "n_embd": 32, "seq_len": 32},
+        "data": {"path": str(dataset_dir), "prepare_from": ""},
+        "train": {"steps": 8, "global_batch_size": 8, "micro_batch_size": 2, "lr": 1e-2, "min_lr": 1e-2,
+                  "warmup_steps": 0, "log_every": 2, "eval_every": 4, "eval_samples": 8},
+        "checkpoint": {"every_steps": 4, "keep_last": 2},
+        "cluster": {"num_workers": 2},
+    }
+    for section, values in sections.items():
+        if isinstance(values, dict):
+            base[section] = {**base.get(section, {}), **values}
+        else:
+            base[section] = values
+    return JobConfig.from_dict(base)

@@ -1,0 +1,97 @@
+"""Bad input on the command line: one clear line, a non-zero exit, no traceback."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from orchestrator.cli import main
+from tests.conftest import tiny_job
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def write_job(tmp_path, text):
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_missing_config_file(capsys, tmp_path):
+    code, out = run_cli(capsys, "fit", str(tmp_path / "missing.toml"))
+    assert code == 2
+    assert "error:" in out and "missing.toml: config file not found" in out
+    assert "Traceback" not in out
+
+
+def test_malformed_toml(capsys, tmp_path):
+    code, out = run_cli(capsys, "fit", write_job(tmp_path, "name = \n"))
+    assert code == 2 and "malformed TOML" in out and "line 1" in out
+
+
+def test_unknown_key(capsys, tmp_path):
+    code, out = run_cli(capsys, "fit", write_job(tmp_path, "[cluster]\nnum_worker = 2\n"))
+    assert code == 2 and "[cluster] num_worker: unknown key" in out and "num_workers" in out
+
+
+def test_negative_batch_size(capsys, tmp_path):
+    code, out = run_cli(capsys, "fit", write_job(tmp_path, "[train]\nglobal_batch_size = -8\n"))
+    assert code == 2 and "[train] global_batch_size: must be positive, got -8" in out
+
+
+def test_empty_corpus_directory(capsys, tmp_path):
+    (tmp_path / "empty").mkdir()
+    job = write_job(tmp_path, f'[data]\npath = "{tmp_path / "data"}"\nprepare_from = "{tmp_path / "empty"}"\n')
+    code, out = run_cli(capsys, "fit", job)
+    assert code == 2 and "no files matching '*.py'" in out and str(tmp_path / "empty") in out
+
+
+def test_prepare_into_an_occupied_directory(capsys, tmp_path, corpus_dir):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "mine.txt").write_text("keep")
+    code, out = run_cli(capsys, "prepare", "--source", str(corpus_dir), "--out", str(tmp_path / "out"))
+    assert code == 2 and "holds no prepared dataset" in out
+    assert (tmp_path / "out" / "mine.txt").read_text() == "keep"
+
+
+def test_resume_with_a_checkpoint_of_another_model(capsys, tmp_path, dataset_dir):
+    # A committed checkpoint of a 2-layer model, then a config for a 1-layer model resuming the run.
+    job = tiny_job(dataset_dir, tmp_path / "runs")
+    checkpoint = tmp_path / "runs" / "tiny" / "step_00000004"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / ".metadata").write_bytes(b"")
+    info = {"step": 4, "consumed_samples": 32, "model": {**job.to_dict()["model"], "n_layer": 2},
+            "tokenizer": "bytes", "seed": 0, "global_batch_size": 8}
+    (checkpoint / "archipelago.json").write_text(json.dumps(info))
+    toml = "\n".join([f'name = "tiny"', f'runs_dir = "{tmp_path / "runs"}"',
+                      "[model]", "n_layer = 1", "n_head = 2", "n_embd = 32", "seq_len = 32",
+                      "[data]", f'path = "{dataset_dir}"'])
+    code, out = run_cli(capsys, "fit", write_job(tmp_path, toml), "--resume")
+    assert code == 2
+    assert "checkpoint is from another model (n_layer: checkpoint 2, config 1)" in out
+    assert str(checkpoint) in out.replace("\n", "")
+
+
+def test_resume_without_a_checkpoint(capsys, tmp_path, dataset_dir):
+    toml = f'runs_dir = "{tmp_path}"\n[data]\npath = "{dataset_dir}"\n'
+    code, out = run_cli(capsys, "fit", write_job(tmp_path, toml), "--resume")
+    assert code == 2 and "no committed checkpoint to resume from" in out
+
+
+def test_a_real_process_prints_one_line_and_exits_2(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "fit", str(tmp_path / "nope.toml")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stdout.strip().count("\n") == 0 and "config file not found" in proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    from orchestrator.errors import ConfigError
+    with pytest.raises(ConfigError):
+        main(["--debug", "fit", str(tmp_path / "nope.toml")])

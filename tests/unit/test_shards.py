@@ -1,0 +1,107 @@
+import zlib
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from orchestrator.errors import DataError
+from storage.prepare import prepare_dataset, split_of
+from storage.shards import HEADER_BYTES, MANIFEST, TokenDataset, read_manifest
+from storage.tokenizers import ByteTokenizer
+
+
+def make_corpus(root, files):
+    root.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (root / name).write_text(text)
+    return root
+
+
+def test_tokens_round_trip_to_the_source_text(corpus_dir, dataset_dir):
+    manifest = read_manifest(dataset_dir)
+    assert manifest["vocab_size"] == 257
+    train = TokenDataset(dataset_dir, "train", seq_len=64)
+    expected = [p for p in sorted(corpus_dir.rglob("*.py")) if split_of(p.relative_to(corpus_dir).as_posix(), 25.0) == "train"]
+    first = expected[0].read_bytes()
+    tokens = train.tokens(0, len(first) + 1)
+    assert bytes(tokens[:-1].astype(np.uint8)) == first
+    assert tokens[-1] == ByteTokenizer().eos_id
+    assert train.num_tokens == sum(len(p.read_bytes()) + 1 for p in expected)
+
+
+def test_shards_are_aligned_and_checksummed(dataset_dir):
+    for shard in read_manifest(dataset_dir)["shards"]:
+        raw = (dataset_dir / shard.path).read_bytes()
+        assert raw[:8] == b"ARCHTOK1"
+        assert len(raw) == HEADER_BYTES + 2 * shard.num_tokens  # uint16 payload from the 4 KiB boundary
+        assert zlib.crc32(raw[HEADER_BYTES:]) == shard.crc32
+        assert shard.doc_offsets == sorted(shard.doc_offsets)
+
+
+def test_samples_cross_shard_boundaries(dataset_dir):
+    train = TokenDataset(dataset_dir, "train", seq_len=100)
+    assert len(train.shards) > 1
+    boundary = train.shards[0].num_tokens
+    sample = boundary // 100  # the sample that straddles the first boundary
+    batch = train.batch(np.array([sample]))
+    assert batch.shape == (1, 101)
+    assert np.array_equal(batch[0], train.tokens(sample * 100, 101))
+
+
+def test_split_is_a_stable_function_of_the_path():
+    assert split_of("a/b.py", 5.0) == split_of("a/b.py", 5.0)
+    shares = [split_of(f"f{i}.py", 10.0) for i in range(5000)]
+    assert 0.08 < shares.count("val") / 5000 < 0.12
+
+
+def test_empty_corpus_directory_is_a_data_error(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError) as info:
+        prepare_dataset(str(tmp_path / "empty"), tmp_path / "out")
+    assert "no files matching '*.py'" in str(info.value) and str(tmp_path / "empty") in str(info.value)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_missing_source_directory(tmp_path):
+    with pytest.raises(DataError, match="source directory does not exist"):
+        prepare_dataset(str(tmp_path / "nowhere"), tmp_path / "out")
+
+
+def test_never_deletes_a_directory_it_did_not_write(tmp_path):
+    src = make_corpus(tmp_path / "src", {f"{i}.py": "x = 1\n" * 50 for i in range(40)})
+    keep = make_corpus(tmp_path / "precious", {"notes.txt": "mine"})
+    with pytest.raises(DataError, match="holds no prepared dataset"):
+        prepare_dataset(str(src), keep, overwrite=True, val_percent=30)
+    assert (keep / "notes.txt").read_text() == "mine"
+
+
+def test_existing_dataset_needs_overwrite(tmp_path):
+    src = make_corpus(tmp_path / "src", {f"{i}.py": "y = 2\n" * 50 for i in range(40)})
+    prepare_dataset(str(src), tmp_path / "out", val_percent=30)
+    with pytest.raises(DataError, match="already here"):
+        prepare_dataset(str(src), tmp_path / "out", val_percent=30)
+    assert prepare_dataset(str(src), tmp_path / "out", val_percent=30, overwrite=True).shards == 2
+
+
+def test_truncated_shard_names_file_and_offset(dataset_dir, tmp_path):
+    import shutil
+    copy = tmp_path / "copy"
+    shutil.copytree(dataset_dir, copy)
+    shard = read_manifest(copy)["shards"][0]
+    path = copy / shard.path
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(DataError) as info:
+        TokenDataset(copy, "train", 32).tokens(0, 10)
+    assert str(path) in str(info.value) and "truncated" in str(info.value)
+
+
+def test_missing_manifest(tmp_path):
+    with pytest.raises(DataError) as info:
+        TokenDataset(tmp_path, "train", 32)
+    assert "manifest.parquet is missing" in str(info.value) and "archipelago prepare" in str(info.value)
+
+
+def test_manifest_is_plain_parquet(dataset_dir):
+    table = pq.read_table(dataset_dir / MANIFEST)
+    assert set(table.column("split").to_pylist()) == {"train", "val"}
+    assert table.schema.metadata[b"format_version"] == b"1"
