@@ -108,7 +108,8 @@ def check_declared(declared: list[NvlinkIsland], computed: list[NvlinkIsland], *
             raise TopologyError(f"island {island.island_id} ({', '.join(island.gpu_uuids)}) does not match the "
                                 "NVLink links of its GPUs", where=f"{where}[{i}]",
                                 fix="islands are computed from the links: delete nvlink_islands to recompute them")
-    missing = [island for key, island in expected.items() if key not in {frozenset(d.gpu_uuids) for d in declared}]
+    declared_groups = {frozenset(island.gpu_uuids) for island in declared}
+    missing = [island for key, island in expected.items() if key not in declared_groups]
     if missing:
         raise TopologyError(f"island {missing[0].island_id} ({', '.join(missing[0].gpu_uuids)}) is missing",
                             where=where, fix="delete nvlink_islands to recompute them")

@@ -12,6 +12,7 @@ CUDA_VISIBLE_DEVICES does not, so an index means nothing outside the node that p
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
@@ -25,6 +26,13 @@ from orchestrator.topology.links import (NETWORK_LATENCY_US, PCIE_PATHS, LinkKin
 
 FORMAT = "archipelago.topology"
 VERSION = 1
+_UUID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "archipelago/topology")
+
+
+def stable_uuid(prefix: str, *parts: object) -> str:
+    """A made-up device UUID ("GPU-…", "MIG-…") that is the same every run for the same parts:
+    for generated machines and for nvidia-smi text without `-L`. Never a real device's UUID."""
+    return f"{prefix}-{uuid.uuid5(_UUID_NAMESPACE, '/'.join(map(str, parts)))}"
 
 
 class NicKind(StrEnum):

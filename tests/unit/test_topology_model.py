@@ -1,0 +1,143 @@
+"""The map itself: catalog, generated machines, islands, links between any two devices, strict JSON."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from orchestrator.errors import TopologyError
+from orchestrator.topology import ClusterTopology, LinkKind, catalog, machines
+
+
+def test_catalog_knows_every_model_by_the_name_nvml_prints():
+    for model in catalog.MODELS:
+        assert catalog.lookup(model.nvml_name) is model
+    assert catalog.lookup("NVIDIA H100 80GB HBM3").peak_tflops["fp8"] == 1978.9
+    assert catalog.lookup("NVIDIA A100-SXM4-40GB").key == "A100-SXM4-40GB"
+    assert catalog.lookup("Tesla V100-SXM2-16GB").peak_tflops.get("bf16") is None
+    assert catalog.lookup("NVIDIA GeForce RTX 4090") is None
+    assert set(catalog.lookup("NVIDIA L40S").peak_tflops) <= set(catalog.DTYPES)
+
+
+@pytest.mark.parametrize("name, slices, gb, share", [("1g.10gb", 1, 10, 1 / 7), ("3g.71gb", 3, 71, 3 / 7),
+                                                     ("1g.10gb+me", 1, 10, 1 / 7), ("1c.3g.40gb", 1, 40, 1 / 7)])
+def test_mig_profiles_give_their_sm_share(name, slices, gb, share):
+    profile = catalog.mig_profile(name)
+    assert (profile.compute_slices, profile.memory_gb, profile.sm_share(7)) == (slices, gb, share)
+
+
+def test_a_bad_mig_profile_says_the_form():
+    with pytest.raises(TopologyError, match="not of the form 1g.10gb"):
+        catalog.mig_profile("one-seventh")
+
+
+def test_generated_machines_have_the_islands_of_their_design():
+    cluster = machines.cluster("8xH100-SXM:2,4xA100-PCIE-bridged:1,8xV100-SXM2:1,8xL40S:1,1xH100-MIG7:1")
+    sizes = [(i.island_id, i.size, i.interconnect, i.fully_connected) for i in cluster.nvlink_islands]
+    assert sizes[:4] == [("8xh100-sxm-0-nvl0", 8, LinkKind.NVSWITCH, True),
+                         ("8xh100-sxm-1-nvl0", 8, LinkKind.NVSWITCH, True),
+                         ("4xa100-pcie-bridged-0-nvl0", 2, LinkKind.NVLINK, True),
+                         ("4xa100-pcie-bridged-0-nvl1", 2, LinkKind.NVLINK, True)]
+    assert sizes[4] == ("8xv100-sxm2-0-nvl0", 8, LinkKind.NVLINK, False)
+    assert [s for _, s, _, _ in sizes[5:]] == [1] * 8  # the L40S box; the MIG GPU is in no island
+    mig = cluster.node("1xh100-mig7-0")
+    assert len(mig.mig_slices) == 7 and {s.profile for s in mig.mig_slices} == {"1g.10gb"}
+    assert mig.mig_slices[0].peak_tflops["bf16"] == round(989.4 / 7, 2)
+
+
+def test_links_between_any_two_devices():
+    cluster = machines.cluster("8xH100-SXM:2,8xL40S:1,1xH100-MIG7:1")
+    h0, h1, l40s, mig = (cluster.node(n) for n in ("8xh100-sxm-0", "8xh100-sxm-1", "8xl40s-0", "1xh100-mig7-0"))
+    inside = cluster.link(h0.gpus[0].uuid, h0.gpus[5].uuid)
+    assert (inside.kind, inside.nvlink_count, inside.bandwidth_gb_per_s, inside.pcie_path) == (
+        LinkKind.NVSWITCH, 18, 450.0, LinkKind.CROSS_SOCKET)
+    across = cluster.link(h0.gpus[0].uuid, h1.gpus[0].uuid)
+    assert (across.kind, across.bandwidth_gb_per_s, across.latency_us) == (LinkKind.NETWORK, 200.0, 2.5)
+    mixed = cluster.link(h0.gpus[0].uuid, l40s.gpus[0].uuid)
+    assert (mixed.bandwidth_gb_per_s, mixed.latency_us) == (100.0, 4.0)  # 4×200G RoCE: the slower end decides
+    assert cluster.link(l40s.gpus[0].uuid, l40s.gpus[1].uuid).kind == LinkKind.PCIE_SWITCH
+    slices = cluster.link(mig.mig_slices[0].uuid, mig.mig_slices[1].uuid)
+    assert (slices.kind, slices.bandwidth_gb_per_s) == (LinkKind.HOST_MEMORY, 23.4)
+    assert cluster.island_of(h1.gpus[3].uuid).island_id == "8xh100-sxm-1-nvl0"
+    with pytest.raises(TopologyError, match="no GPU or MIG slice 'GPU-nope'"):
+        cluster.link("GPU-nope", h0.gpus[0].uuid)
+
+
+def test_json_round_trips_every_machine():
+    cluster = machines.cluster([(name, 1) for name in machines.MACHINES])
+    loaded = ClusterTopology.from_dict(json.loads(cluster.to_json()))
+    assert loaded == cluster and loaded.nvlink_islands == cluster.nvlink_islands
+
+
+def test_a_thousand_node_cluster_builds_and_loads_quickly():
+    started = time.perf_counter()
+    cluster = machines.cluster("8xH100-SXM:512,8xA100-SXM:256,8xL40S:192,1xH100-MIG7:64")
+    assert sum(len(node.gpus) for node in cluster.nodes) == 7744 and len(cluster.nodes) == 1024
+    assert len([i for i in cluster.nvlink_islands if i.size == 8]) == 768
+    assert ClusterTopology.from_dict(cluster.to_dict()) == cluster
+    assert time.perf_counter() - started < 60  # about 5 s on a 2-core CI machine
+
+
+def _two_gpu_json() -> dict:
+    return machines.cluster("4xA100-PCIE-bridged:1").to_dict()
+
+
+def _load(data: dict, tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(data))
+    return ClusterTopology.load(path)
+
+
+def _gpu_in_two_islands(d):
+    d["nvlink_islands"][1]["gpu_uuids"].append(d["nvlink_islands"][0]["gpu_uuids"][0])
+
+
+def _orphan_slice(d):
+    d["nodes"][0]["mig_slices"].append({"uuid": "MIG-x", "parent_uuid": "GPU-gone", "profile": "1g.10gb"})
+
+
+def _slice_of_non_mig_gpu(d):
+    d["nodes"][0]["mig_slices"].append({"uuid": "MIG-x", "parent_uuid": d["nodes"][0]["gpus"][0]["uuid"],
+                                        "profile": "1g.10gb"})
+
+
+@pytest.mark.parametrize("damage, where, what", [
+    (_gpu_in_two_islands, "t.json: nvlink_islands[1].gpu_uuids", "is in two islands"),
+    (_orphan_slice, "t.json: nodes[0].mig_slices[0].parent_uuid", "has no parent GPU 'GPU-gone'"),
+    (_slice_of_non_mig_gpu, "t.json: nodes[0].mig_slices[0].parent_uuid", "which is not in MIG mode"),
+    (lambda d: d["nodes"][0]["gpus"][1].update(uuid=d["nodes"][0]["gpus"][0]["uuid"]),
+     "t.json: nodes[0].gpus[1].uuid", "is listed twice"),
+    (lambda d: d["nodes"][0]["links"][0].update(kind="warp_drive"), "t.json: nodes[0].links[0].kind", "is not one of"),
+    (lambda d: d["nodes"][0]["links"][0].update(nvlink_count=0), "t.json: nodes[0].links[0]", "with nvlink_count 0"),
+    (lambda d: d["nodes"][0]["links"][0].update(gpu_b="GPU-elsewhere"), "t.json: nodes[0].links[0].gpu_b",
+     "is not a GPU of node"),
+    (lambda d: d["nodes"][0]["gpus"][0].update(memory_bytes="80GB"), "t.json: nodes[0].gpus[0].memory_bytes",
+     "expected a whole number, got str"),
+    (lambda d: d["nodes"][0]["gpus"][0].update(colour="green"), "t.json: nodes[0].gpus[0]", "unknown field 'colour'"),
+    (lambda d: d["nodes"][0]["gpus"][0].pop("uuid"), "t.json: nodes[0].gpus[0]", "missing field 'uuid'"),
+    (lambda d: d["nvlink_islands"].pop(), "t.json: nvlink_islands", "is missing"),
+    (lambda d: d["nvlink_islands"][0]["gpu_uuids"].pop(), "t.json: nvlink_islands[0]", "does not match the NVLink"),
+    (lambda d: d.update(version=9), "t.json: version", "topology version 9"),
+])
+def test_bad_json_names_the_field(tmp_path, damage, where, what):
+    data = _two_gpu_json()
+    damage(data)
+    with pytest.raises(TopologyError) as caught:
+        _load(data, tmp_path)
+    assert caught.value.where == f"{tmp_path}/{where}"
+    assert what in caught.value.what
+
+
+def test_a_file_that_is_not_json_says_where(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text('{"format": ')
+    with pytest.raises(TopologyError, match=r"t.json: not JSON: Expecting value at line 1 column 12"):
+        ClusterTopology.load(path)
+
+
+def test_islands_are_recomputed_when_the_file_has_none(tmp_path):
+    data = _two_gpu_json()
+    del data["nvlink_islands"]
+    assert [i.size for i in _load(data, tmp_path).nvlink_islands] == [2, 2]
