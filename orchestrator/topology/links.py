@@ -72,7 +72,9 @@ NETWORK_LATENCY_US = {"infiniband": 2.5, "roce": 4.0, "ethernet": 25.0}
 
 
 def nvlink_gb_per_s(count: int, generation: int) -> float:
-    per_link = NVLINK_GB_PER_S_PER_LINK.get(generation, NVLINK_GB_PER_S_PER_LINK[max(NVLINK_GB_PER_S_PER_LINK)])
+    """An unknown generation counts as the slowest; one newer than the table as the fastest known."""
+    newest = max(NVLINK_GB_PER_S_PER_LINK)
+    per_link = NVLINK_GB_PER_S_PER_LINK.get(min(generation, newest), NVLINK_GB_PER_S_PER_LINK[1])
     return count * per_link
 
 

@@ -109,6 +109,7 @@ class MigSlice:
     """As nvidia-smi prints it: "1g.10gb"."""
     memory_bytes: int = 0
     sm_count: int = 0
+    """As NVML reports it; 0 where the map was imported or generated (sm_share still holds)."""
     sm_share: float = 0.0
     """Fraction of the parent GPU's SMs."""
     gpu_instance_id: int | None = None
@@ -217,9 +218,7 @@ class ClusterTopology:
         if node_a is not node_b and not (gpu_a.nvlink_domain and gpu_a.nvlink_domain == gpu_b.nvlink_domain):
             return _network_link(uuid_a, uuid_b, node_a, node_b)
         if gpu_a.uuid == gpu_b.uuid:  # two slices of one GPU: staged through host memory
-            bandwidth, latency = pcie_cost(LinkKind.HOST_MEMORY, _pcie_gb_per_s(gpu_a))
-            return GpuLink(gpu_a=uuid_a, gpu_b=uuid_b, kind=LinkKind.HOST_MEMORY, bandwidth_gb_per_s=bandwidth,
-                           latency_us=latency)
+            return _host_memory_link(uuid_a, uuid_b, None, gpu_a, gpu_b)
         if node_a is not node_b:  # one NVLink fabric spanning nodes
             return _fabric_link(uuid_a, uuid_b, gpu_a, self._island_of[gpu_a.uuid])
         physical = self._links.get(frozenset((gpu_a.uuid, gpu_b.uuid)))
@@ -228,7 +227,7 @@ class ClusterTopology:
                                 where=f"nodes[{self.nodes.index(node_a)}].links",
                                 fix="re-run discovery; an unreadable GPU has no links")
         if isinstance(device_a, MigSlice) or isinstance(device_b, MigSlice):
-            return _host_memory_link(uuid_a, uuid_b, physical, gpu_a, gpu_b)
+            return _host_memory_link(uuid_a, uuid_b, physical.pcie_path, gpu_a, gpu_b)
         return GpuLink(**{**asdict(physical), "gpu_a": uuid_a, "gpu_b": uuid_b})
 
     def _whole_gpu(self, device: Gpu | MigSlice) -> Gpu:
@@ -358,10 +357,11 @@ def _pcie_gb_per_s(gpu: Gpu) -> float:
     return pcie_gb_per_s(gpu.pcie_generation, gpu.pcie_width or 16)
 
 
-def _host_memory_link(uuid_a: str, uuid_b: str, physical: GpuLink, gpu_a: Gpu, gpu_b: Gpu) -> GpuLink:
+def _host_memory_link(uuid_a: str, uuid_b: str, pcie_path: LinkKind | None, gpu_a: Gpu, gpu_b: Gpu) -> GpuLink:
+    """MIG slices have no peer-to-peer: a copy goes device → host → device over both GPUs' PCIe links."""
     slower = min(_pcie_gb_per_s(gpu_a), _pcie_gb_per_s(gpu_b))
     bandwidth, latency = pcie_cost(LinkKind.HOST_MEMORY, slower)
-    return GpuLink(gpu_a=uuid_a, gpu_b=uuid_b, kind=LinkKind.HOST_MEMORY, pcie_path=physical.pcie_path,
+    return GpuLink(gpu_a=uuid_a, gpu_b=uuid_b, kind=LinkKind.HOST_MEMORY, pcie_path=pcie_path,
                    bandwidth_gb_per_s=bandwidth, latency_us=latency)
 
 

@@ -5,7 +5,8 @@
     nvml.uuid(handle), nvml.nvlink_ports(handle)
 
 Tests pass `Nvml.open(module=fake)`, a small module with the same function names as pynvml
-(nvmlDeviceGetUUID, nvmlDeviceGetNvLinkState, …) and an `NVMLError` class carrying `.value`.
+(nvmlDeviceGetUUID, nvmlDeviceGetNvLinkState, …) and an `NVMLError` class carrying `.value`;
+for NVLink fabric domains also `c_nvmlGpuFabricInfo_t` and `byref` (pynvml re-exports ctypes').
 Every method returns plain Python values; NVML's "this GPU or driver does not do that" answers
 become defaults here, any other NVML error propagates as `nvml.Error`.
 """
