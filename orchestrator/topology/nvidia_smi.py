@@ -101,10 +101,10 @@ def _parse_matrix(lines: list[str], source: str) -> _Matrix:
     columns, affinity_columns = tokens[:split], tokens[split:]
     rows: dict[str, tuple[int, list[str], list[str]]] = {}
     for number, line in enumerate(lines[start + 1:], start + 2):
-        if not line.strip():
+        if not line.strip() or line.strip().startswith("Legend"):
+            if rows:  # the matrix ends at its first blank line (before the legend, or pasted -L text)
+                break
             continue
-        if line.strip().startswith("Legend"):
-            break
         values = line.split()
         name, codes, affinity = values[0], values[1:1 + len(columns)], values[1 + len(columns):]
         expected = columns[len(rows)] if len(rows) < len(columns) else None

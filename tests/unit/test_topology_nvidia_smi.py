@@ -177,6 +177,13 @@ def test_mig_devices_become_slices_of_their_gpu():
     assert [i.gpu_uuids for i in cluster.nvlink_islands] == [[n.gpus[1].uuid]]
 
 
+def test_gpu_list_pasted_right_after_the_matrix_without_its_legend():
+    matrix = A100_BRIDGED.split("\nLegend:")[0]
+    gpu_list = A100_BRIDGED.split("NV#  = Connection traversing a bonded set of # NVLinks\n")[1]
+    n = node(matrix + "\n\n" + gpu_list)
+    assert [g.uuid[-2:] for g in n.gpus] == ["d0", "d1", "d2", "d3"]
+
+
 def test_old_mig_uuids_carry_instance_ids():
     n = node(OLD_MIG)
     assert [(s.gpu_instance_id, s.compute_instance_id, s.profile) for s in n.mig_slices] == [
