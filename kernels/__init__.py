@@ -1,1 +1,21 @@
-"""Triton kernels for the hot paths, each with a plain-torch reference twin used on CPU and in tests."""
+"""Triton kernels for the hot paths, each with a plain-torch reference twin used on CPU and in tests.
+
+Gradient compression for comm hooks (see kernels.compression for the guarantees):
+compress() selects the largest magnitudes of bucket + residual and quantises them to int8,
+decompress_accumulate() adds a payload into a dense fp32 bucket, topk_by_magnitude() is the
+selection alone. Importing this package needs neither triton nor CUDA.
+"""
+
+from kernels.compression import DEFAULT_BLOCK, compress, decompress_accumulate, topk_by_magnitude
+from kernels.errors import NonFiniteGradientError
+from kernels.payload import CompressedBucket, PayloadLayout
+
+__all__ = [
+    "DEFAULT_BLOCK",
+    "CompressedBucket",
+    "NonFiniteGradientError",
+    "PayloadLayout",
+    "compress",
+    "decompress_accumulate",
+    "topk_by_magnitude",
+]

@@ -1,0 +1,118 @@
+"""Plain-torch twins of the Triton kernels: the CPU implementation and the reference in tests.
+
+Each function has the signature and the bit-exact results of its namesake in
+kernels/triton_kernels.py (except the order of entries in a payload, which is ascending here and
+in completion order there). The arithmetic is chosen so both agree to the bit: integer histogram
+maths for the threshold, correctly rounded division, round-half-even, and no fused multiply-add.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.payload import QUANT_MAX, CompressedBucket
+from kernels.plan import COARSE_BINS, FINE_BINS, KEY_SHIFT, NONFINITE_KEY, SelectionPlan
+
+NONFINITE_BITS = NONFINITE_KEY << KEY_SHIFT
+
+
+def magnitude_bits(x: torch.Tensor) -> torch.Tensor:
+    """fp32 bits of |x| as int32: ordered like the magnitudes, with inf and NaN above every finite value."""
+    return x.view(torch.int32) & 0x7FFFFFFF
+
+
+def histogram_parts(histogram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(coarse counts per exponent, fine counts per key, largest magnitude bits per key)."""
+    return histogram[:COARSE_BINS], histogram[COARSE_BINS:COARSE_BINS + FINE_BINS], histogram[COARSE_BINS + FINE_BINS:]
+
+
+def estimate_threshold(source: torch.Tensor, residual: torch.Tensor | None, plan: SelectionPlan,
+                       header: torch.Tensor, histogram: torch.Tensor) -> None:
+    """Histogram the sampled magnitudes of source (+ residual) into the zeroed `histogram` and
+    write the threshold's fp32 bits to header[2]."""
+    positions = torch.arange(plan.sample_size, dtype=torch.int64, device=source.device) * plan.sample_stride % plan.numel
+    sample = source[positions].float()
+    if residual is not None:
+        sample = sample + residual[positions]
+    bits = magnitude_bits(sample)
+    finite = (bits >> KEY_SHIFT) < NONFINITE_KEY
+    bits = bits[finite]
+    keys = (bits >> KEY_SHIFT).long()
+    coarse, fine, fine_max = histogram_parts(histogram)
+    coarse += torch.bincount(keys >> 8, minlength=COARSE_BINS).to(torch.int32)
+    fine += torch.bincount(keys, minlength=FINE_BINS).to(torch.int32)
+    fine_max.scatter_reduce_(0, keys, bits, reduce="amax")
+    header[2] = threshold_bits(histogram, plan.sample_need)
+
+
+def threshold_bits(histogram: torch.Tensor, need: int) -> int:
+    """fp32 bits of a threshold that `need` of the histogrammed magnitudes reach.
+
+    The coarse histogram finds the exponent, the fine one the 0.4 %-wide key bin; inside that
+    bin the threshold is interpolated by rank between the bin's lower edge and the largest
+    magnitude seen in it, so tied values (all equal to that largest) are all kept.
+    """
+    coarse, fine, fine_max = histogram_parts(histogram)
+    exponent, need, _ = _bin_from_top(coarse.tolist(), need)
+    if exponent < 0:
+        return 0
+    key_bin, need, count = _bin_from_top(fine[exponent * 256:(exponent + 1) * 256].tolist(), need)
+    key = exponent * 256 + key_bin
+    low = key << KEY_SHIFT
+    return low + (int(fine_max[key]) - low) * (count - need) // count
+
+
+def _bin_from_top(counts: list[int], need: int) -> tuple[int, int, int]:
+    """(highest bin whose count with all above it reaches need, how many of need it must supply,
+    its count); bin -1 when all bins together fall short."""
+    above = 0
+    for b in range(len(counts) - 1, -1, -1):
+        if above + counts[b] >= need:
+            return b, need - above, counts[b]
+        above += counts[b]
+    return -1, 0, 0
+
+
+def select(source: torch.Tensor, residual: torch.Tensor | None, out: CompressedBucket) -> None:
+    """Keep elements of source (+ residual) at or above out.threshold into `out` (zeroed but for
+    the threshold); with a residual, leave in it exactly what was not sent."""
+    acc = source.float() if residual is None else source.float() + residual
+    out.header[1] = int((magnitude_bits(acc) >= NONFINITE_BITS).sum())
+    magnitude = acc.abs()
+    chosen = (magnitude >= out.threshold) & (magnitude > 0)
+    if out.layout.block is None:
+        stored, sent_values = source, acc
+    else:
+        codes, scale_per_element = _quantise(acc, torch.where(chosen, magnitude, 0.0), out)
+        chosen &= codes != 0
+        stored, sent_values = codes, codes * scale_per_element
+    index = chosen.nonzero().squeeze(1)
+    out.header[0] = index.numel()
+    sent = index[:out.capacity]
+    out.indices[:sent.numel()] = sent.to(torch.int32)
+    out.values[:sent.numel()] = stored[sent].to(out.layout.value_dtype)
+    if residual is not None:
+        residual.copy_(acc)
+        residual[sent] = acc[sent] - sent_values[sent]
+
+
+def _quantise(acc: torch.Tensor, chosen_magnitude: torch.Tensor, out: CompressedBucket) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write one scale per block (its largest chosen magnitude / 127); return every element's
+    code (round-half-even, in [-127, 127], 0 where the block's scale is 0) and scale."""
+    block, blocks = out.layout.block, out.layout.num_blocks
+    padded = torch.zeros(blocks * block, dtype=torch.float32, device=acc.device)
+    padded[:acc.numel()] = chosen_magnitude
+    scales = padded.view(blocks, block).amax(dim=1) / QUANT_MAX
+    out.scales.copy_(scales)
+    scale = scales.repeat_interleave(block)[:acc.numel()]
+    codes = torch.round(acc / torch.where(scale > 0, scale, 1.0)).clamp_(-QUANT_MAX, QUANT_MAX)
+    return torch.where(scale > 0, codes, 0.0), scale
+
+
+def decompress_accumulate(dense_out: torch.Tensor, compressed: CompressedBucket) -> None:
+    """dense_out[index] += code * scale for every valid entry (indices out of range are skipped)."""
+    count = min(int(compressed.header[0]), compressed.capacity)
+    index, codes = compressed.indices[:count].long(), compressed.values[:count]
+    valid = (index >= 0) & (index < compressed.numel)
+    index, codes = index[valid], codes[valid]
+    dense_out.index_add_(0, index, codes.float() * compressed.scales[index // compressed.layout.block])
