@@ -48,3 +48,7 @@ class ClusterError(ArchipelagoError):
 
 class TopologyError(ArchipelagoError):
     """A topology file, nvidia-smi text or probe result is malformed or contradicts itself."""
+
+
+class PlacementError(ArchipelagoError):
+    """A job cannot be placed on the cluster: which constraint failed and what would make it fit."""

@@ -1,0 +1,307 @@
+"""The placement plan: where every worker runs, how much work it gets, in which groups, and what a step costs.
+
+    plan = Plan.load("runs/job/plan.json")          # or placement.plan(topology, config)
+    worker = plan.worker(rank)                      # node, device UUID, island, micro-batch, CPU cores
+    layout = plan.batch_layout()                    # storage.sampler.BatchLayout for the step's samples
+    plan.predicted.step_seconds, plan.predicted.dollars_per_million_tokens
+
+One plain object from the planner to the workers: it prints, saves as JSON and loads back, and it
+checks itself on construction (ranks, one shared accumulation count, the global batch, the groups),
+so a plan read from a file is as trustworthy as one the planner just made.
+
+Batch layout: every data-parallel replica r trains on `micro_batch_size` samples per micro-step,
+`grad_accum_steps` micro-steps per optimizer step, with ONE accumulation count for the whole job
+(the sampler's `BatchLayout` has one); heterogeneous devices differ in micro-batch, not in
+accumulation. The ranks of one tensor-parallel group are one replica and read the same samples.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+from orchestrator.errors import PlacementError, TopologyError
+
+FORMAT = "archipelago.plan"
+VERSION = 1
+
+
+class Objective(StrEnum):
+    FASTEST = "fastest"
+    """Shortest predicted step."""
+    CHEAPEST = "cheapest"
+    """Fewest dollars per million training tokens."""
+    CHEAPEST_UNDER_DEADLINE = "cheapest_under_deadline"
+    """Fewest dollars per million tokens among plans that finish `[train] steps` before the deadline."""
+
+
+class DataParallel(StrEnum):
+    DDP = "ddp"
+    """Every replica holds the whole model, gradients and AdamW states; gradients are all-reduced."""
+    FSDP = "fsdp"
+    """FSDP2 (`fully_shard`): parameters, gradients and optimizer states sharded over the replicas;
+    parameters all-gathered per block, gradients reduce-scattered."""
+
+
+class AllReduce(StrEnum):
+    RING = "ring"
+    TREE = "tree"
+    HIERARCHICAL = "hierarchical"
+    """Reduce-scatter inside each island, all-reduce of the shards across islands, all-gather inside
+    each island: the inter-node links carry 1/island-size of the gradient per rank."""
+    NONE = "none"
+    """One replica: nothing to reduce."""
+
+
+class DeviceKind(StrEnum):
+    GPU = "gpu"
+    MIG = "mig"
+    CPU = "cpu"
+
+
+@dataclass(kw_only=True, slots=True)
+class WorkerPlacement:
+    rank: int
+    """Global rank, 0 … world_size − 1; the Ray Train world rank of the worker that takes this place."""
+    node_id: str
+    """The topology's node id (hostname); `ray_node_id` is Ray's id for the same node when known."""
+    device_uuid: str | None
+    """`GPU-…` or `MIG-…` to bind with CUDA_VISIBLE_DEVICES; None for a CPU worker."""
+    device_kind: DeviceKind
+    device_model: str
+    """Catalog key (H100-SXM5-80GB), with the MIG profile for a slice ("H100-SXM5-80GB 1g.10gb"), or "cpu"."""
+    island_id: str | None
+    """NVLink island of the GPU; None for MIG slices and CPU workers."""
+    micro_batch_size: int
+    """Samples per micro-step (the same for every rank of one tensor-parallel group)."""
+    grad_accum_steps: int
+    """Micro-steps per optimizer step; the same for every worker."""
+    data_parallel_rank: int = 0
+    """Which replica this worker belongs to: its index into `Plan.batch_layout()`."""
+    tensor_parallel_rank: int = 0
+    cpus: int = 1
+    """CPU cores reserved for the worker (Ray's CPU resource; torch threads on CPU workers)."""
+    cpu_affinity: str = ""
+    """NUMA-local cores to pin the worker to, as a kernel CPU list ("0-55,112-167"); "" leaves it unpinned."""
+    numa_node: int | None = None
+    ray_node_id: str = ""
+    predicted_compute_seconds: float = 0.0
+    """This worker's compute per optimizer step, all micro-steps together."""
+    predicted_peak_memory_bytes: int = 0
+    memory_capacity_bytes: int = 0
+    """What the device (or, for CPU workers, the node) has; 0 when unknown."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Prediction:
+    step_seconds: float
+    """compute_seconds + exposed_communication_seconds."""
+    compute_seconds: float
+    """The slowest worker's forward, backward and optimizer time per step."""
+    exposed_communication_seconds: float
+    """Collective time not hidden behind the backward pass."""
+    communication_seconds: float
+    """All collective time per step, hidden or not."""
+    tokens_per_second: float
+    dollars_per_hour: float
+    """Price of every device the plan uses, per hour."""
+    dollars_per_step: float
+    dollars_per_million_tokens: float
+    job_hours: float
+    """`[train] steps` × step_seconds."""
+    job_dollars: float
+
+
+@dataclass(kw_only=True, slots=True)
+class Plan:
+    job_name: str
+    objective: Objective
+    workers: list[WorkerPlacement]
+    global_batch_size: int
+    """Samples per optimizer step, exactly as the job asked."""
+    seq_len: int
+    grad_accum_steps: int
+    data_parallel: DataParallel
+    tensor_parallel_size: int = 1
+    allreduce: AllReduce = AllReduce.NONE
+    """How the gradient reduction is predicted to run (and what the process groups are for)."""
+    intra_island_groups: list[list[int]] = field(default_factory=list)
+    """Ranks that share a fast domain: an NVLink island, or the PCIe/host domain of one node for GPUs
+    without NVLink peers, MIG slices and CPU workers. Every rank is in exactly one."""
+    inter_island_groups: list[list[int]] = field(default_factory=list)
+    """The k-th rank of every intra-island group, for each k: the groups that cross islands in a
+    hierarchical all-reduce. Empty when the intra-island groups differ in size."""
+    tensor_parallel_groups: list[list[int]] = field(default_factory=list)
+    """Consecutive ranks inside one NVLink island; one group per rank when tensor_parallel_size is 1."""
+    data_parallel_groups: list[list[int]] = field(default_factory=list)
+    """Ranks with the same tensor-parallel rank: they reduce gradients together."""
+    ddp_bucket_bytes: dict[str, int] = field(default_factory=dict)
+    """Gradient bucket size per link class the reduction crosses (nvswitch, pcie, infiniband, …)."""
+    bottleneck_link_class: str = ""
+    """The slowest link class of the flat all-reduce: the bucket size a single DDP group uses."""
+    price_basis: str = "on_demand"
+    """"on_demand" or "spot": which column of the price table the dollars come from."""
+    predicted: Prediction
+    notes: list[str] = field(default_factory=list)
+    """Why the planner chose what it did, in words (shown under the table)."""
+
+    def __post_init__(self) -> None:
+        _check_workers(self)
+        _check_batch(self)
+        _check_groups(self)
+
+    # ---- what the workers read --------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return len(self.workers)
+
+    @property
+    def uses_gpus(self) -> bool:
+        return any(worker.device_kind != DeviceKind.CPU for worker in self.workers)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.seq_len
+
+    @property
+    def ddp_bucket_cap_mb(self) -> float:
+        """`DistributedDataParallel(bucket_cap_mb=…)` for one flat DDP group over all ranks."""
+        return self.ddp_bucket_bytes.get(self.bottleneck_link_class, 25 * 2**20) / 2**20
+
+    def worker(self, rank: int) -> WorkerPlacement:
+        if not 0 <= rank < len(self.workers):
+            raise PlacementError(f"rank {rank} is not in this plan of {len(self.workers)} workers",
+                                 where="plan", fix="start as many workers as the plan has (Plan.world_size)")
+        return self.workers[rank]
+
+    def replica_micro_batch_sizes(self) -> tuple[int, ...]:
+        """Micro-batch of each data-parallel replica, in data_parallel_rank order."""
+        sizes: dict[int, int] = {}
+        for worker in self.workers:
+            sizes.setdefault(worker.data_parallel_rank, worker.micro_batch_size)
+        return tuple(sizes[r] for r in range(len(sizes)))
+
+    def batch_layout(self):
+        """The sampler's layout; a worker reads `rank_micro_batches(consumed, layout, worker.data_parallel_rank)`."""
+        from storage.sampler import BatchLayout
+        return BatchLayout(self.replica_micro_batch_sizes(), self.grad_accum_steps)
+
+    # ---- JSON -------------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {"format": FORMAT, "version": VERSION, **asdict(self)}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_dict(cls, data: object, *, where: str = "plan") -> Plan:
+        from orchestrator.topology import codec
+
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise PlacementError(f"not an archipelago plan (no \"format\": \"{FORMAT}\")", where=where,
+                                 fix="write it with `archipelago plan --json FILE`")
+        if data.get("version") != VERSION:
+            raise PlacementError(f"plan version {data.get('version')!r}; this archipelago reads {VERSION}",
+                                 where=f"{where}: version", fix="plan again with `archipelago plan --json FILE`")
+        fields = {key: value for key, value in data.items() if key not in ("format", "version")}
+        try:
+            return codec.decode(cls, fields, where)
+        except TopologyError as e:  # the shared strict decoder speaks of topologies; say plan
+            raise PlacementError(e.what, where=e.where, fix="plan again with `archipelago plan --json FILE`") from None
+
+    @classmethod
+    def from_json(cls, text: str, *, where: str = "plan") -> Plan:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlacementError(f"not JSON: {e.msg} at line {e.lineno} column {e.colno}", where=where,
+                                 fix="write it with `archipelago plan --json FILE`") from None
+        return cls.from_dict(data, where=where)
+
+    def save(self, path: str | Path) -> Path:
+        """Write atomically: a reader never sees half a file."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(self.to_json() + "\n")
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            raise PlacementError("file not found", where=str(path),
+                                 fix="write one with `archipelago plan --json FILE`") from None
+        return cls.from_json(text, where=str(path))
+
+
+def _invalid(what: str, where: str, fix: str = "plan again; a plan file is not meant to be edited by hand") -> None:
+    raise PlacementError(what, where=f"plan: {where}", fix=fix)
+
+
+def _check_workers(plan: Plan) -> None:
+    if not plan.workers:
+        _invalid("has no workers", "workers")
+    for i, worker in enumerate(plan.workers):
+        if worker.rank != i:
+            _invalid(f"workers[{i}] has rank {worker.rank}", f"workers[{i}].rank", "ranks run 0, 1, 2, … in order")
+        if (worker.device_uuid is None) != (worker.device_kind == DeviceKind.CPU):
+            _invalid(f"a {worker.device_kind.value} worker with device_uuid {worker.device_uuid!r}",
+                     f"workers[{i}].device_uuid", "GPU and MIG workers name their device; CPU workers name none")
+        if worker.micro_batch_size < 1 or worker.cpus < 1:
+            _invalid(f"micro_batch_size {worker.micro_batch_size}, cpus {worker.cpus}", f"workers[{i}]",
+                     "every worker trains on at least one sample per micro-step, with at least one core")
+    taken = Counter(worker.device_uuid for worker in plan.workers if worker.device_uuid)
+    twice = [uuid for uuid, count in taken.items() if count > 1]
+    if twice:
+        _invalid(f"device {twice[0]} is given to {taken[twice[0]]} workers", "workers",
+                 "NCCL runs one rank per device: give every worker its own GPU or MIG slice")
+
+
+def _check_batch(plan: Plan) -> None:
+    accum = {worker.grad_accum_steps for worker in plan.workers}
+    if accum != {plan.grad_accum_steps}:
+        _invalid(f"grad_accum_steps {sorted(accum)} across workers, plan says {plan.grad_accum_steps}", "workers",
+                 "every worker accumulates the same number of micro-steps")
+    replicas: dict[int, set[int]] = {}
+    for worker in plan.workers:
+        replicas.setdefault(worker.data_parallel_rank, set()).add(worker.micro_batch_size)
+    if sorted(replicas) != list(range(len(replicas))):
+        _invalid(f"data_parallel_rank values {sorted(replicas)}", "workers", "replicas are numbered 0, 1, 2, …")
+    split = [r for r, sizes in replicas.items() if len(sizes) > 1]
+    if split:
+        _invalid(f"replica {split[0]} has micro-batches {sorted(replicas[split[0]])}", "workers",
+                 "the ranks of one tensor-parallel group train on the same micro-batch")
+    total = sum(next(iter(sizes)) for sizes in replicas.values()) * plan.grad_accum_steps
+    if total != plan.global_batch_size:
+        _invalid(f"micro-batches × accumulation = {total}, global_batch_size = {plan.global_batch_size}",
+                 "workers", "the replicas' micro-batches times grad_accum_steps must add up to the global batch")
+
+
+def _check_groups(plan: Plan) -> None:
+    ranks = set(range(plan.world_size))
+    for name in ("intra_island_groups", "tensor_parallel_groups", "data_parallel_groups"):
+        groups = getattr(plan, name)
+        flat = [rank for group in groups for rank in group]
+        if groups and (sorted(flat) != sorted(ranks)):
+            _invalid(f"{name} do not hold every rank exactly once", name)
+    if plan.tensor_parallel_size < 1 or plan.world_size % plan.tensor_parallel_size:
+        _invalid(f"tensor_parallel_size {plan.tensor_parallel_size} does not divide {plan.world_size} workers",
+                 "tensor_parallel_size")
+    for group in plan.tensor_parallel_groups:
+        if len(group) != plan.tensor_parallel_size:
+            _invalid(f"tensor-parallel group {group} has {len(group)} ranks, not {plan.tensor_parallel_size}",
+                     "tensor_parallel_groups")
+        if len({plan.workers[rank].data_parallel_rank for rank in group}) != 1:
+            _invalid(f"tensor-parallel group {group} spans several replicas", "tensor_parallel_groups")
+        if plan.tensor_parallel_size > 1 and any(plan.workers[rank].device_kind != DeviceKind.GPU or
+                                                 plan.workers[rank].island_id != plan.workers[group[0]].island_id
+                                                 for rank in group):
+            _invalid(f"tensor-parallel group {group} leaves one NVLink island (or holds a MIG slice or CPU)",
+                     "tensor_parallel_groups", "tensor-parallel groups stay inside one NVLink island of whole GPUs")

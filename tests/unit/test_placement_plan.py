@@ -1,0 +1,92 @@
+"""The Plan object: it checks itself, describes CPU and GPU workers, and survives a JSON round trip."""
+
+import json
+
+import pytest
+
+from orchestrator.errors import PlacementError
+from orchestrator.placement import AllReduce, DataParallel, DeviceKind, Objective, Plan, Prediction, WorkerPlacement
+from storage.sampler import BatchLayout, DeterministicSampler
+
+
+def prediction(**overrides) -> Prediction:
+    values = dict(step_seconds=1.0, compute_seconds=0.8, exposed_communication_seconds=0.2,
+                  communication_seconds=0.5, tokens_per_second=1000.0, dollars_per_hour=3.6, dollars_per_step=0.001,
+                  dollars_per_million_tokens=1.0, job_hours=1.0, job_dollars=3.6)
+    return Prediction(**{**values, **overrides})
+
+
+def cpu_plan(**overrides) -> Plan:
+    workers = [WorkerPlacement(rank=r, node_id="laptop", device_uuid=None, device_kind=DeviceKind.CPU,
+                               device_model="cpu", island_id=None, micro_batch_size=16, grad_accum_steps=1,
+                               data_parallel_rank=r, cpus=1, cpu_affinity=f"{r}") for r in range(2)]
+    values = dict(job_name="cpu-tiny", objective=Objective.FASTEST, workers=workers, global_batch_size=32,
+                  seq_len=128, grad_accum_steps=1, data_parallel=DataParallel.DDP, allreduce=AllReduce.RING,
+                  intra_island_groups=[[0, 1]], inter_island_groups=[[0], [1]], tensor_parallel_groups=[[0], [1]],
+                  data_parallel_groups=[[0, 1]], ddp_bucket_bytes={"loopback": 2**20},
+                  bottleneck_link_class="loopback", predicted=prediction())
+    return Plan(**{**values, **overrides})
+
+
+def gpu_worker(rank, uuid, micro_batch, *, dp=None, tp=0, island="n0-nvl0", kind=DeviceKind.GPU, accum=2):
+    return WorkerPlacement(rank=rank, node_id="n0", device_uuid=uuid, device_kind=kind, device_model="H100-SXM5-80GB",
+                           island_id=island, micro_batch_size=micro_batch, grad_accum_steps=accum,
+                           data_parallel_rank=rank if dp is None else dp, tensor_parallel_rank=tp)
+
+
+def test_a_cpu_plan_describes_the_cpu_demo_and_round_trips():
+    plan = cpu_plan()
+    assert not plan.uses_gpus and plan.world_size == 2 and plan.tokens_per_step == 32 * 128
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    assert again.workers[0].device_kind is DeviceKind.CPU and again.objective is Objective.FASTEST
+    assert again.batch_layout() == BatchLayout((16, 16), 1)
+
+
+def test_heterogeneous_micro_batches_drive_the_sampler_with_one_accumulation_count(tmp_path):
+    workers = [gpu_worker(0, "GPU-a", 12), gpu_worker(1, "GPU-b", 4)]
+    plan = cpu_plan(workers=workers, global_batch_size=32, grad_accum_steps=2, intra_island_groups=[[0, 1]],
+                    tensor_parallel_groups=[[0], [1]])
+    layout = plan.batch_layout()
+    assert layout.global_batch == 32 and layout.micro_batch_sizes == (12, 4)
+    sampler = DeterministicSampler(1000, seed=0)
+    seen = [i for rank in range(2) for batch in sampler.rank_micro_batches(0, layout, rank) for i in batch]
+    assert sorted(seen) == sorted(sampler.samples_at(0, 32))
+    assert Plan.load(plan.save(tmp_path / "plan.json")) == plan
+
+
+def test_tensor_parallel_ranks_share_one_replica():
+    workers = [gpu_worker(r, f"GPU-{r}", 8, dp=r // 2, tp=r % 2) for r in range(4)]
+    plan = cpu_plan(workers=workers, global_batch_size=32, grad_accum_steps=2, tensor_parallel_size=2,
+                    tensor_parallel_groups=[[0, 1], [2, 3]], data_parallel_groups=[[0, 2], [1, 3]],
+                    intra_island_groups=[[0, 1, 2, 3]])
+    assert plan.replica_micro_batch_sizes() == (8, 8)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(global_batch_size=30), "must add up to the global batch"),
+    (dict(workers=[gpu_worker(0, "GPU-a", 16, accum=1), gpu_worker(1, "GPU-a", 16, accum=1)]), "given to 2 workers"),
+    (dict(workers=[gpu_worker(1, "GPU-a", 16, accum=1), gpu_worker(0, "GPU-b", 16, accum=1)]), "has rank 1"),
+    (dict(workers=[gpu_worker(0, "GPU-a", 16, accum=1), gpu_worker(1, "GPU-b", 16, accum=2)]), "same number"),
+    (dict(tensor_parallel_groups=[[0]]), "every rank exactly once"),
+])
+def test_a_plan_that_contradicts_itself_is_refused(change, message):
+    with pytest.raises(PlacementError, match=message):
+        cpu_plan(**change)
+
+
+def test_a_tensor_parallel_group_never_holds_a_mig_slice():
+    workers = [gpu_worker(0, "GPU-a", 16, dp=0, tp=0, accum=1),
+               gpu_worker(1, "MIG-b", 16, dp=0, tp=1, kind=DeviceKind.MIG, island=None, accum=1)]
+    with pytest.raises(PlacementError, match="tensor-parallel groups stay inside one NVLink island"):
+        cpu_plan(workers=workers, global_batch_size=16, tensor_parallel_size=2, tensor_parallel_groups=[[0, 1]],
+                 data_parallel_groups=[[0], [1]])
+
+
+def test_a_damaged_plan_file_names_the_field():
+    data = json.loads(cpu_plan().to_json())
+    data["workers"][1]["micro_batch_size"] = "16"
+    with pytest.raises(PlacementError, match=r"workers\[1\]\.micro_batch_size"):
+        Plan.from_dict(data)
+    with pytest.raises(PlacementError, match="not an archipelago plan"):
+        Plan.from_dict({"workers": []})
