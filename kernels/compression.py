@@ -38,7 +38,7 @@ import torch
 from kernels import reference
 from kernels.errors import NonFiniteGradientError
 from kernels.payload import CompressedBucket, PayloadLayout, allocate
-from kernels.plan import HISTOGRAM_INT32S, SelectionPlan, check_k_ratio
+from kernels.plan import SelectionPlan, check_k_ratio
 
 DEFAULT_BLOCK = 4096
 """Elements per scale: at k = 1 % about 41 entries share 4 bytes of scale (2 % overhead)."""
@@ -65,11 +65,9 @@ def compress(bucket: torch.Tensor, residual: torch.Tensor, k_ratio: float, block
     check_k_ratio(k_ratio)
     plan = SelectionPlan.for_ratio(flat.numel(), k_ratio) if flat.numel() else None
     layout = PayloadLayout(flat.numel(), plan.capacity if plan else 0, torch.int8, block)
-    out, histogram = allocate(layout, HISTOGRAM_INT32S if plan else 0, flat.device)
+    out, workspace = allocate(layout, plan, flat.device)
     if plan:
-        backend = _backend(flat)
-        backend.estimate_threshold(flat, residual, plan, out.header, histogram)
-        backend.select(flat, residual, out)
+        _backend(flat).select(flat, residual, plan, out, workspace)
     if check_finite:
         out.raise_if_nonfinite()
     return out
@@ -106,11 +104,8 @@ def topk_by_magnitude(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
             raise ValueError(f"k must be 0 for an empty tensor, got {k}")
         return torch.empty(0, dtype=torch.int32, device=flat.device), flat[:0]
     plan = SelectionPlan.for_k(flat.numel(), k)
-    out, histogram = allocate(PayloadLayout(flat.numel(), plan.capacity, flat.dtype, None), HISTOGRAM_INT32S,
-                              flat.device)
-    backend = _backend(flat)
-    backend.estimate_threshold(flat, None, plan, out.header, histogram)
-    backend.select(flat, None, out)
+    out, workspace = allocate(PayloadLayout(flat.numel(), plan.capacity, flat.dtype, None), plan, flat.device)
+    _backend(flat).select(flat, None, plan, out, workspace)
     selected, nonfinite = out.counts()
     if nonfinite:
         raise NonFiniteGradientError(nonfinite, flat.numel(), with_residual=False)

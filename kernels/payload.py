@@ -17,11 +17,12 @@ refuse a poisoned bucket too.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from kernels.errors import NonFiniteGradientError
+from kernels.plan import WORKSPACE_SAMPLES, SelectionPlan
 
 HEADER_BYTES = 16
 QUANT_MAX = 127
@@ -65,13 +66,28 @@ class CompressedBucket:
     payload: torch.Tensor
     """uint8, 1-D, contiguous, exactly layout.nbytes long."""
     layout: PayloadLayout
+    header: torch.Tensor = field(init=False, repr=False)
+    """int32[4] view: selected, nonfinite, threshold bits, 0."""
+    indices: torch.Tensor = field(init=False, repr=False)
+    """int32[capacity] view."""
+    values: torch.Tensor = field(init=False, repr=False)
+    """layout.value_dtype[capacity] view."""
+    scales: torch.Tensor = field(init=False, repr=False)
+    """float32[num_blocks] view."""
 
     def __post_init__(self):
-        p = self.payload
-        if p.dtype != torch.uint8 or p.dim() != 1 or not p.is_contiguous() or p.numel() != self.layout.nbytes:
-            raise ValueError(f"a payload for {self.layout} must be a contiguous 1-D uint8 tensor of "
-                             f"{self.layout.nbytes} bytes, got {p.dtype} of shape {tuple(p.shape)}; "
+        p, layout = self.payload, self.layout
+        if p.dtype != torch.uint8 or p.dim() != 1 or not p.is_contiguous() or p.numel() != layout.nbytes:
+            raise ValueError(f"a payload for {layout} must be a contiguous 1-D uint8 tensor of "
+                             f"{layout.nbytes} bytes, got {p.dtype} of shape {tuple(p.shape)}; "
                              "gather payloads of compress() calls with the same bucket size, k_ratio and block")
+        # Views made once: a comm hook touches them every step, and each view costs host time.
+        values_end = layout.values_offset + layout.capacity * layout.value_dtype.itemsize
+        object.__setattr__(self, "header", p[:HEADER_BYTES].view(torch.int32))
+        object.__setattr__(self, "indices", p[HEADER_BYTES:layout.values_offset].view(torch.int32))
+        object.__setattr__(self, "values", p[layout.values_offset:values_end].view(layout.value_dtype))
+        scales_end = layout.scales_offset + 4 * layout.num_blocks
+        object.__setattr__(self, "scales", p[layout.scales_offset:scales_end].view(torch.float32))
 
     @property
     def numel(self) -> int:
@@ -82,27 +98,9 @@ class CompressedBucket:
         return self.layout.capacity
 
     @property
-    def header(self) -> torch.Tensor:
-        return self.payload[:HEADER_BYTES].view(torch.int32)
-
-    @property
     def threshold(self) -> torch.Tensor:
         """The magnitude threshold used, as a one-element float32 tensor (on the device)."""
         return self.header[2:3].view(torch.float32)
-
-    @property
-    def indices(self) -> torch.Tensor:
-        return self.payload[HEADER_BYTES:self.layout.values_offset].view(torch.int32)
-
-    @property
-    def values(self) -> torch.Tensor:
-        size = self.capacity * self.layout.value_dtype.itemsize
-        return self.payload[self.layout.values_offset:self.layout.values_offset + size].view(self.layout.value_dtype)
-
-    @property
-    def scales(self) -> torch.Tensor:
-        start = self.layout.scales_offset
-        return self.payload[start:start + 4 * self.layout.num_blocks].view(torch.float32)
 
     def counts(self) -> tuple[int, int]:
         """(selected, nonfinite) read from the header; waits for the device."""
@@ -121,10 +119,13 @@ class CompressedBucket:
 
     def with_payload(self, payload: torch.Tensor) -> CompressedBucket:
         """The same layout over another rank's payload, e.g. a row of an all-gather."""
-        return replace(self, payload=payload)
+        return CompressedBucket(payload, self.layout)
 
 
-def allocate(layout: PayloadLayout, histogram_int32s: int, device: torch.device) -> tuple[CompressedBucket, torch.Tensor]:
-    """A zeroed payload and a zeroed int32 workspace, from one allocation and one memset."""
-    buffer = torch.zeros(layout.nbytes + 4 * histogram_int32s, dtype=torch.uint8, device=device)
+def allocate(layout: PayloadLayout, plan: SelectionPlan | None, device: torch.device) -> tuple[CompressedBucket, torch.Tensor]:
+    """A zeroed payload and the plan's int32 workspace (histograms zeroed, samples not), from one
+    allocation and one memset."""
+    workspace = plan.workspace_int32s if plan else 0
+    buffer = torch.empty(layout.nbytes + 4 * workspace, dtype=torch.uint8, device=device)
+    buffer[:layout.nbytes + 4 * min(workspace, WORKSPACE_SAMPLES)].zero_()
     return CompressedBucket(buffer[:layout.nbytes], layout), buffer[layout.nbytes:].view(torch.int32)

@@ -20,6 +20,7 @@ up to capacity).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -56,6 +57,10 @@ class SelectionPlan:
     sample_need: int
     """Sampled magnitudes the threshold should leave at or above it: k scaled to the sample."""
 
+    @property
+    def workspace_int32s(self) -> int:
+        return WORKSPACE_SAMPLES + self.sample_size
+
     @classmethod
     def for_k(cls, numel: int, k: int) -> SelectionPlan:
         if not 1 <= numel <= MAX_NUMEL:
@@ -70,7 +75,9 @@ class SelectionPlan:
         return cls(numel, k, capacity, sample_size, _weyl_stride(numel), sample_need)
 
     @classmethod
+    @functools.lru_cache(maxsize=1024)
     def for_ratio(cls, numel: int, k_ratio: float) -> SelectionPlan:
+        """Cached: a comm hook asks for the same few buckets every step."""
         check_k_ratio(k_ratio)
         return cls.for_k(numel, max(1, min(numel, round(k_ratio * numel))))
 
@@ -89,13 +96,14 @@ def _weyl_stride(numel: int) -> int:
 
 KEY_SHIFT = 15
 """A magnitude's histogram key is its fp32 bits >> 15: 8 exponent bits, then 8 mantissa bits,
-so bins are 0.4 % wide and ordered like the magnitudes."""
+so key bins are 0.4 % wide and ordered like the magnitudes."""
 
-NONFINITE_KEY = 0xFF00
-"""Keys from here up are inf and NaN (exponent all ones); they are counted in no bin."""
+EXPONENT_SHIFT = 23
+NONFINITE_EXPONENT = 255
+"""inf and NaN have an all-ones exponent; they are counted in no bin."""
 
-COARSE_BINS = 256
-FINE_BINS = 1 << 16
-HISTOGRAM_INT32S = COARSE_BINS + 2 * FINE_BINS
-"""Threshold workspace: counts per exponent (coarse), counts per key (fine), and the largest
-magnitude bits seen per key, so a bin of tied values puts the threshold on the tie."""
+BINS = 256
+WORKSPACE_SAMPLES = 3 * BINS
+"""Threshold workspace, int32: counts per exponent, counts per key bin inside the exponent that
+holds the threshold, the largest magnitude bits per such key bin (so a bin of tied values puts
+the threshold on the tie), then the sampled magnitude bits from offset WORKSPACE_SAMPLES on."""

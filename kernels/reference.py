@@ -1,6 +1,6 @@
 """Plain-torch twins of the Triton kernels: the CPU implementation and the reference in tests.
 
-Each function has the signature and the bit-exact results of its namesake in
+Each public function has the signature and the bit-exact results of its namesake in
 kernels/triton_kernels.py (except the order of entries in a payload, which is ascending here and
 in completion order there). The arithmetic is chosen so both agree to the bit: integer histogram
 maths for the threshold, correctly rounded division, round-half-even, and no fused multiply-add.
@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from kernels.payload import QUANT_MAX, CompressedBucket
-from kernels.plan import COARSE_BINS, FINE_BINS, KEY_SHIFT, NONFINITE_KEY, SelectionPlan
+from kernels.plan import BINS, EXPONENT_SHIFT, KEY_SHIFT, NONFINITE_EXPONENT, WORKSPACE_SAMPLES, SelectionPlan
 
-NONFINITE_BITS = NONFINITE_KEY << KEY_SHIFT
+NONFINITE_BITS = NONFINITE_EXPONENT << EXPONENT_SHIFT
 
 
 def magnitude_bits(x: torch.Tensor) -> torch.Tensor:
@@ -21,61 +21,63 @@ def magnitude_bits(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int32) & 0x7FFFFFFF
 
 
-def histogram_parts(histogram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(coarse counts per exponent, fine counts per key, largest magnitude bits per key)."""
-    return histogram[:COARSE_BINS], histogram[COARSE_BINS:COARSE_BINS + FINE_BINS], histogram[COARSE_BINS + FINE_BINS:]
+def workspace_parts(workspace: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(counts per exponent, counts per key bin, largest bits per key bin, sampled bits)."""
+    return workspace[:BINS], workspace[BINS:2 * BINS], workspace[2 * BINS:WORKSPACE_SAMPLES], workspace[WORKSPACE_SAMPLES:]
 
 
-def estimate_threshold(source: torch.Tensor, residual: torch.Tensor | None, plan: SelectionPlan,
-                       header: torch.Tensor, histogram: torch.Tensor) -> None:
-    """Histogram the sampled magnitudes of source (+ residual) into the zeroed `histogram` and
+def _estimate_threshold(source: torch.Tensor, residual: torch.Tensor | None, plan: SelectionPlan,
+                       header: torch.Tensor, workspace: torch.Tensor) -> None:
+    """Sample source (+ residual), histogram the sample into `workspace` (zeroed histograms) and
     write the threshold's fp32 bits to header[2]."""
+    exponents, key_bins, key_max, samples = workspace_parts(workspace)
     positions = torch.arange(plan.sample_size, dtype=torch.int64, device=source.device) * plan.sample_stride % plan.numel
     sample = source[positions].float()
     if residual is not None:
         sample = sample + residual[positions]
-    bits = magnitude_bits(sample)
-    finite = (bits >> KEY_SHIFT) < NONFINITE_KEY
-    bits = bits[finite]
-    keys = (bits >> KEY_SHIFT).long()
-    coarse, fine, fine_max = histogram_parts(histogram)
-    coarse += torch.bincount(keys >> 8, minlength=COARSE_BINS).to(torch.int32)
-    fine += torch.bincount(keys, minlength=FINE_BINS).to(torch.int32)
-    fine_max.scatter_reduce_(0, keys, bits, reduce="amax")
-    header[2] = threshold_bits(histogram, plan.sample_need)
+    samples.copy_(magnitude_bits(sample))
+    exponent = (samples >> EXPONENT_SHIFT).long()
+    exponents += torch.bincount(exponent[exponent < NONFINITE_EXPONENT], minlength=BINS).to(torch.int32)
+    top, need, _ = _bin_from_top(exponents.tolist(), plan.sample_need)
+    inside = samples[exponent == top]
+    key_bin = ((inside >> KEY_SHIFT) & (BINS - 1)).long()
+    key_bins += torch.bincount(key_bin, minlength=BINS).to(torch.int32)
+    key_max.scatter_reduce_(0, key_bin, inside, reduce="amax")
+    header[2] = threshold_bits(workspace, plan.sample_need)
 
 
-def threshold_bits(histogram: torch.Tensor, need: int) -> int:
+def threshold_bits(workspace: torch.Tensor, need: int) -> int:
     """fp32 bits of a threshold that `need` of the histogrammed magnitudes reach.
 
-    The coarse histogram finds the exponent, the fine one the 0.4 %-wide key bin; inside that
-    bin the threshold is interpolated by rank between the bin's lower edge and the largest
-    magnitude seen in it, so tied values (all equal to that largest) are all kept.
+    The exponent histogram finds the binade, the key-bin histogram inside it the 0.4 %-wide bin;
+    inside that bin the threshold is interpolated by rank between the bin's lower edge and the
+    largest magnitude seen in it, so tied values (all equal to that largest) are all kept.
     """
-    coarse, fine, fine_max = histogram_parts(histogram)
-    exponent, need, _ = _bin_from_top(coarse.tolist(), need)
-    if exponent < 0:
+    exponents, key_bins, key_max, _ = workspace_parts(workspace)
+    top, need, _ = _bin_from_top(exponents.tolist(), need)
+    key_bin, need, count = _bin_from_top(key_bins.tolist(), need)
+    if count == 0:
         return 0
-    key_bin, need, count = _bin_from_top(fine[exponent * 256:(exponent + 1) * 256].tolist(), need)
-    key = exponent * 256 + key_bin
-    low = key << KEY_SHIFT
-    return low + (int(fine_max[key]) - low) * (count - need) // count
+    low = (top * BINS + key_bin) << KEY_SHIFT
+    return low + (int(key_max[key_bin]) - low) * (count - need) // count
 
 
 def _bin_from_top(counts: list[int], need: int) -> tuple[int, int, int]:
     """(highest bin whose count with all above it reaches need, how many of need it must supply,
-    its count); bin -1 when all bins together fall short."""
+    its count); bin -1 and count 0 when all bins together fall short."""
     above = 0
     for b in range(len(counts) - 1, -1, -1):
         if above + counts[b] >= need:
             return b, need - above, counts[b]
         above += counts[b]
-    return -1, 0, 0
+    return -1, need, 0
 
 
-def select(source: torch.Tensor, residual: torch.Tensor | None, out: CompressedBucket) -> None:
-    """Keep elements of source (+ residual) at or above out.threshold into `out` (zeroed but for
-    the threshold); with a residual, leave in it exactly what was not sent."""
+def select(source: torch.Tensor, residual: torch.Tensor | None, plan: SelectionPlan, out: CompressedBucket,
+           workspace: torch.Tensor) -> None:
+    """Estimate the threshold, then keep elements of source (+ residual) at or above it into `out`
+    (zeroed); with a residual, leave in it exactly what was not sent."""
+    _estimate_threshold(source, residual, plan, out.header, workspace)
     acc = source.float() if residual is None else source.float() + residual
     out.header[1] = int((magnitude_bits(acc) >= NONFINITE_BITS).sum())
     magnitude = acc.abs()
@@ -102,7 +104,10 @@ def _quantise(acc: torch.Tensor, chosen_magnitude: torch.Tensor, out: Compressed
     block, blocks = out.layout.block, out.layout.num_blocks
     padded = torch.zeros(blocks * block, dtype=torch.float32, device=acc.device)
     padded[:acc.numel()] = chosen_magnitude
-    scales = padded.view(blocks, block).amax(dim=1) / QUANT_MAX
+    amax = padded.view(blocks, block).amax(dim=1)
+    # Divide by a tensor, not the number 127: on CUDA, torch turns division by a number into
+    # multiplication by its reciprocal, which is not correctly rounded.
+    scales = amax / torch.full_like(amax, QUANT_MAX)
     out.scales.copy_(scales)
     scale = scales.repeat_interleave(block)[:acc.numel()]
     codes = torch.round(acc / torch.where(scale > 0, scale, 1.0)).clamp_(-QUANT_MAX, QUANT_MAX)

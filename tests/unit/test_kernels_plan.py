@@ -1,13 +1,14 @@
 """The selection plan, the payload layout and the threshold search, each on its own."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from kernels.payload import PayloadLayout
-from kernels.plan import HISTOGRAM_INT32S, KEY_SHIFT, MAX_SAMPLE_SIZE, SAMPLE_HITS, SelectionPlan
-from kernels.reference import histogram_parts, threshold_bits
+from kernels import reference
+from kernels.payload import PayloadLayout, allocate
+from kernels.plan import KEY_SHIFT, MAX_SAMPLE_SIZE, SAMPLE_HITS, SelectionPlan
 
 
 def test_small_bucket_is_sampled_whole_in_a_permutation():
@@ -46,15 +47,13 @@ def test_payload_layout_aligns_arrays_for_vector_access():
     assert raw.num_blocks == 0 and raw.nbytes == 16 + 400 + 208
 
 
-def histogram_of(values: torch.Tensor) -> torch.Tensor:
-    histogram = torch.zeros(HISTOGRAM_INT32S, dtype=torch.int32)
-    coarse, fine, fine_max = histogram_parts(histogram)
-    bits = values.float().view(torch.int32)
-    keys = (bits >> KEY_SHIFT).long()
-    coarse += torch.bincount(keys >> 8, minlength=256).int()
-    fine += torch.bincount(keys, minlength=1 << 16).int()
-    fine_max.scatter_reduce_(0, keys, bits, reduce="amax")
-    return histogram
+def select_all(values: torch.Tensor, need: int):
+    """The twin's selection with the whole of `values` as the sample, and room for all of it."""
+    n = values.numel()
+    plan = dataclasses.replace(SelectionPlan.for_k(n, need), sample_size=n, sample_need=need)
+    out, workspace = allocate(PayloadLayout(n, n, values.dtype, None), plan, values.device)
+    reference.select(values, None, plan, out, workspace)
+    return out
 
 
 def as_float(bits: int) -> float:
@@ -64,18 +63,22 @@ def as_float(bits: int) -> float:
 def test_threshold_falls_in_the_right_bin_and_interpolates_inside_it():
     values = torch.rand(100_000, generator=torch.Generator().manual_seed(0)) * 3
     for need in (1, 100, 5_000, 99_999):
-        bits = threshold_bits(histogram_of(values), need)
+        out = select_all(values, need)
+        bits = int(out.header[2])
         low, high = as_float(bits >> KEY_SHIFT << KEY_SHIFT), as_float(((bits >> KEY_SHIFT) + 1) << KEY_SHIFT)
         assert int((values >= low).sum()) >= need > int((values >= high).sum())
         # Inside the 0.4 %-wide bin the threshold is interpolated by rank: off by a few values.
-        assert abs(int((values >= as_float(bits)).sum()) - need) <= 2 + need // 20
+        assert abs(out.counts()[0] - need) <= 2 + need // 20
 
 
 def test_threshold_lands_on_tied_values_so_all_of_them_are_kept():
-    values = torch.cat([torch.full((500,), 1.0), torch.full((500,), 0.25)])
-    assert as_float(threshold_bits(histogram_of(values), 10)) == 1.0
-    assert as_float(threshold_bits(histogram_of(values), 700)) == 0.25
+    values = torch.cat([torch.full((500,), 1.0), torch.full((500,), -0.25)])
+    high, low = select_all(values, 10), select_all(values, 700)
+    assert high.threshold.item() == 1.0 and high.counts()[0] == 500
+    assert low.threshold.item() == 0.25 and low.counts()[0] == 1000
 
 
-def test_threshold_is_zero_when_too_few_values_were_seen():
-    assert threshold_bits(histogram_of(torch.ones(5)), 6) == 0
+def test_threshold_is_zero_when_too_few_finite_values_were_seen():
+    out = select_all(torch.tensor([float("inf"), float("nan"), 2.0, 0.0]), 2)
+    assert int(out.header[2]) == 0
+    assert out.counts()[1] == 2
