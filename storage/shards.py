@@ -1,36 +1,44 @@
-"""The token shard format and the dataset that reads it.
+"""The token shard format, its manifest, and `TokenDataset`: one split cut into fixed-length samples.
 
-A dataset directory holds `manifest.parquet` and shard files `<split>-<index>.tokens`.
-A shard file is a 4 KiB header (magic, then JSON: dtype, token count, tokenizer) followed by
-the tokens as raw little-endian integers. The payload starts on a 4 KiB boundary because
-GPUDirect Storage reads need aligned offsets.
+A dataset directory (local or any pyarrow.fs URI) holds `manifest.parquet` and shard files
+`<split>-<index>.tokens`. A shard file is a 4 KiB header (magic, then JSON: dtype, token count,
+tokenizer, format version) followed by the tokens as raw little-endian integers. The payload
+starts on a 4 KiB boundary because GPUDirect Storage reads need aligned offsets.
 
 The manifest has one row per shard: split, path (relative), dtype, num_tokens, doc_offsets
 (start of every document within the shard), crc32 of the payload, tokenizer. Its schema
-metadata carries the format version and the tokenizer's vocabulary size.
+metadata carries the format version and the tokenizer's vocabulary size. Format version 1 is
+the only one written so far; a manifest of another version is refused with a clear error.
 
 A sample is `seq_len + 1` consecutive tokens of a split's token stream (all shards of the split
 in manifest order): sample i starts at token i * seq_len, so inputs and shifted targets come
-from one read.
+from one read. `TokenDataset.extents()` turns sample ids into byte ranges of shard files; a
+reader (storage/readers.py) moves those ranges into host or GPU memory.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from orchestrator.errors import DataError
+from storage.fs import Location
 
 MAGIC = b"ARCHTOK1"
 HEADER_BYTES = 4096
 FORMAT_VERSION = 1
 MANIFEST = "manifest.parquet"
+TOKEN_DTYPES = ("uint16", "uint32")
+"""Token dtypes a shard may hold: uint16 up to 65,536 tokens of vocabulary, uint32 above."""
 
 MANIFEST_SCHEMA = pa.schema([
     ("split", pa.string()),
@@ -41,6 +49,8 @@ MANIFEST_SCHEMA = pa.schema([
     ("crc32", pa.int64()),
     ("tokenizer", pa.string()),
 ])
+
+PREPARE_AGAIN = "prepare the dataset again with `archipelago prepare`"
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,17 +63,50 @@ class ShardInfo:
     crc32: int
     tokenizer: str
 
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(self.dtype).itemsize
+
+    @property
+    def file_bytes(self) -> int:
+        return HEADER_BYTES + self.num_tokens * self.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    vocab_size: int
+    shards: list[ShardInfo]
+
+    def split(self, name: str) -> list[ShardInfo]:
+        return [s for s in self.shards if s.split == name]
+
+
+class Extent(NamedTuple):
+    """One contiguous byte range of a file, and where it lands in the destination buffer."""
+
+    path: str
+    file_offset: int
+    nbytes: int
+    buffer_offset: int
+
+
+def shard_header(dtype: str, num_tokens: int, tokenizer: str) -> bytes:
+    header = json.dumps({"dtype": dtype, "num_tokens": num_tokens, "tokenizer": tokenizer,
+                         "format_version": FORMAT_VERSION}).encode()
+    return (MAGIC + header).ljust(HEADER_BYTES, b"\0")
+
 
 def write_shard(directory: Path, split: str, index: int, tokens: np.ndarray, doc_offsets: list[int],
                 tokenizer: str) -> ShardInfo:
     name = f"{split}-{index:05d}.tokens"
-    payload = np.ascontiguousarray(tokens).astype(tokens.dtype.newbyteorder("<"), copy=False).tobytes()
-    header = json.dumps({"dtype": str(tokens.dtype), "num_tokens": int(tokens.size), "tokenizer": tokenizer,
-                         "format_version": FORMAT_VERSION}).encode()
+    dtype = str(tokens.dtype)
+    if dtype not in TOKEN_DTYPES:
+        raise ValueError(f"token dtype must be one of {TOKEN_DTYPES}, got {dtype}")
+    payload = np.ascontiguousarray(tokens, dtype=tokens.dtype.newbyteorder("<"))
     with open(directory / name, "wb") as f:
-        f.write((MAGIC + header).ljust(HEADER_BYTES, b"\0"))
-        f.write(payload)
-    return ShardInfo(split, name, str(tokens.dtype), int(tokens.size), doc_offsets, zlib.crc32(payload), tokenizer)
+        f.write(shard_header(dtype, int(tokens.size), tokenizer))
+        f.write(payload.data)
+    return ShardInfo(split, name, dtype, int(tokens.size), doc_offsets, zlib.crc32(payload.data), tokenizer)
 
 
 def write_manifest(directory: Path, shards: list[ShardInfo], vocab_size: int) -> None:
@@ -73,26 +116,120 @@ def write_manifest(directory: Path, shards: list[ShardInfo], vocab_size: int) ->
     pq.write_table(table, directory / MANIFEST)
 
 
-def has_dataset(directory: str | Path) -> bool:
-    return (Path(directory) / MANIFEST).is_file()
+def has_dataset(directory: str | Path | Location) -> bool:
+    return (Location.parse(directory, error=DataError) / MANIFEST).is_file()
+
+
+def read_manifest(directory: str | Path | Location) -> Manifest:
+    location = Location.parse(directory, error=DataError)
+    path = location / MANIFEST
+    if not path.is_file():
+        raise DataError("no prepared dataset here (manifest.parquet is missing)", where=str(location),
+                        fix="run `archipelago prepare --out DIR`, or set [data] prepare_from so fit prepares it")
+    try:
+        table = pq.read_table(path.path, filesystem=location.fs)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise DataError(f"manifest is not readable Parquet ({e})", where=str(path), fix=PREPARE_AGAIN) from None
+    meta = table.schema.metadata or {}
+    version = int(meta.get(b"format_version", b"0"))
+    if version != FORMAT_VERSION:
+        raise DataError(f"manifest format version {version}, this archipelago reads version {FORMAT_VERSION}",
+                        where=str(path), fix="prepare the dataset again with this version of `archipelago prepare`")
+    missing = set(MANIFEST_SCHEMA.names) - set(table.column_names)
+    if missing:
+        raise DataError(f"manifest lacks columns {sorted(missing)}", where=str(path), fix=PREPARE_AGAIN)
+    shards = [ShardInfo(**{k: row[k] for k in MANIFEST_SCHEMA.names}) for row in table.to_pylist()]
+    for shard in shards:
+        if shard.dtype not in TOKEN_DTYPES:
+            raise DataError(f"shard dtype {shard.dtype!r} is not one of {TOKEN_DTYPES}",
+                            where=f"{location / shard.path} (manifest row)", fix=PREPARE_AGAIN)
+    return Manifest(int(meta[b"vocab_size"]), shards)
+
+
+def check_shard(location: Location, shard: ShardInfo, header: bytes, size: int) -> None:
+    """Raises DataError unless the file's header and size agree with the manifest row."""
+    if not header.startswith(MAGIC):
+        raise DataError("not an archipelago token shard (bad magic bytes)", where=f"{location}, offset 0",
+                        fix=PREPARE_AGAIN)
+    try:
+        fields = json.loads(header[len(MAGIC):].rstrip(b"\0"))
+    except json.JSONDecodeError:
+        raise DataError("shard header is not valid JSON", where=f"{location}, offset {len(MAGIC)}",
+                        fix=PREPARE_AGAIN) from None
+    if fields.get("dtype") != shard.dtype:
+        raise DataError(f"dtype mismatch: the shard header says {fields.get('dtype')!r}, the manifest {shard.dtype!r}",
+                        where=f"{location}, offset {len(MAGIC)}",
+                        fix="the shard or the manifest was replaced; prepare the dataset again")
+    if fields.get("num_tokens") != shard.num_tokens or fields.get("tokenizer") != shard.tokenizer:
+        raise DataError("shard header disagrees with the manifest (token count or tokenizer)",
+                        where=f"{location}, offset {len(MAGIC)}",
+                        fix="the shard or the manifest was replaced; prepare the dataset again")
+    if size != shard.file_bytes:
+        raise DataError(f"shard is {size} bytes, the manifest says {shard.file_bytes}",
+                        where=f"{location}, offset {min(size, shard.file_bytes)}",
+                        fix="the file is truncated or was replaced; prepare the dataset again")
+
+
+def open_shard_checked(location: Location, shard: ShardInfo) -> None:
+    """Reads a shard's header and size and checks them (a missing file is a DataError too)."""
+    path = location / shard.path
+    try:
+        with location.fs.open_input_file(path.path) as f:
+            size = f.size()
+            header = f.read_at(min(HEADER_BYTES, size), 0)
+    except FileNotFoundError:
+        raise DataError("shard listed in the manifest is missing", where=str(path),
+                        fix="restore the file or prepare the dataset again") from None
+    check_shard(path, shard, header, size)
+
+
+def check_files(location: Location, shards: list[ShardInfo]) -> None:
+    """Every shard exists with the size the manifest gives: one directory listing, no reads."""
+    listing = location.fs.get_file_info(pafs.FileSelector(location.path, allow_not_found=True))
+    sizes = {info.base_name: info.size for info in listing if info.type == pafs.FileType.File}
+    for shard in shards:
+        size = sizes.get(shard.path)
+        if size is None:
+            raise DataError("shard listed in the manifest is missing", where=str(location / shard.path),
+                            fix="restore the file or prepare the dataset again")
+        if size != shard.file_bytes:
+            raise DataError(f"shard is {size} bytes, the manifest says {shard.file_bytes}",
+                            where=f"{location / shard.path}, offset {min(size, shard.file_bytes)}",
+                            fix="the file is truncated or was replaced; prepare the dataset again")
 
 
 class TokenDataset:
-    """One split of a prepared dataset, read through memory maps, cut into fixed-length samples."""
+    """One split of a prepared dataset, cut into fixed-length samples of `seq_len + 1` tokens.
 
-    def __init__(self, directory: str | Path, split: str, seq_len: int):
-        self.directory = Path(directory)
+    `extents(ids)` plans the byte ranges of a batch; `batch(ids)` reads one into host memory
+    (the training loop reads through `storage.loader.BatchLoader`, which can read into the GPU).
+    """
+
+    def __init__(self, directory: str | Path | Location, split: str, seq_len: int):
+        self.location = Location.parse(directory, error=DataError)
         self.split = split
         self.seq_len = seq_len
-        manifest = read_manifest(self.directory)
-        self.vocab_size = manifest["vocab_size"]
-        self.shards = [s for s in manifest["shards"] if s.split == split]
+        manifest = read_manifest(self.location)
+        self.vocab_size = manifest.vocab_size
+        self.shards = manifest.split(split)
         if not self.shards:
-            raise DataError(f"no {split!r} shards in the manifest", where=str(self.directory / MANIFEST),
-                            fix="prepare the dataset again with `archipelago prepare`")
+            raise DataError(f"no {split!r} shards in the manifest", where=str(self.location / MANIFEST),
+                            fix=PREPARE_AGAIN)
+        dtypes = {s.dtype for s in self.shards}
+        if len(dtypes) > 1:
+            raise DataError(f"dtype mismatch: the {split!r} shards mix {sorted(dtypes)}",
+                            where=str(self.location / MANIFEST), fix=PREPARE_AGAIN)
+        tokenizers = {s.tokenizer for s in self.shards}
+        if len(tokenizers) > 1:
+            raise DataError(f"the {split!r} shards were made by different tokenizers {sorted(tokenizers)}",
+                            where=str(self.location / MANIFEST), fix=PREPARE_AGAIN)
         self.tokenizer = self.shards[0].tokenizer
+        self.dtype = np.dtype(self.shards[0].dtype).newbyteorder("<")
         self._starts = np.cumsum([0] + [s.num_tokens for s in self.shards])
-        self._maps: list[np.ndarray | None] = [None] * len(self.shards)
+        self._paths = [(self.location / s.path).path for s in self.shards]
+        self._checked = [False] * len(self.shards)
+        self._lock = threading.Lock()
+        self._host_reader = None
 
     @property
     def num_tokens(self) -> int:
@@ -102,69 +239,63 @@ class TokenDataset:
     def num_samples(self) -> int:
         return max(0, (self.num_tokens - 1) // self.seq_len)
 
-    def tokens(self, start: int, count: int) -> np.ndarray:
-        """Tokens [start, start + count) of the split's stream, crossing shard boundaries as needed."""
-        out = np.empty(count, dtype=np.int64)
-        filled = 0
-        shard = int(np.searchsorted(self._starts, start, side="right")) - 1
-        while filled < count:
-            local = start + filled - int(self._starts[shard])
-            take = min(count - filled, self.shards[shard].num_tokens - local)
-            out[filled:filled + take] = self._shard(shard)[local:local + take]
-            filled += take
-            shard += 1
+    @property
+    def sample_bytes(self) -> int:
+        return (self.seq_len + 1) * self.dtype.itemsize
+
+    def extents(self, sample_ids: np.ndarray) -> list[Extent]:
+        """Byte ranges of the samples, laid out back to back: sample k lands at k * sample_bytes."""
+        ids = np.asarray(sample_ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_samples):
+            bad = int(ids[(ids < 0) | (ids >= self.num_samples)][0])
+            raise DataError(f"sample id {bad} out of range [0, {self.num_samples})",
+                            where=f"{self.location} ({self.split})", fix="this is a bug in the sampler; report it")
+        return self.token_extents(ids * self.seq_len, self.seq_len + 1)
+
+    def token_extents(self, starts: np.ndarray, count: int) -> list[Extent]:
+        """Byte ranges of tokens [s, s + count) for every s in `starts`, back to back in the buffer."""
+        first = np.searchsorted(self._starts, starts, side="right") - 1
+        last = np.searchsorted(self._starts, starts + count - 1, side="right") - 1
+        itemsize = self.dtype.itemsize
+        out: list[Extent] = []
+        for k, (start, a, b) in enumerate(zip(starts.tolist(), first.tolist(), last.tolist())):
+            dest = k * count * itemsize
+            for shard in range(a, b + 1):
+                self._check(shard)
+                lo = max(start, int(self._starts[shard])) - int(self._starts[shard])
+                hi = min(start + count, int(self._starts[shard + 1])) - int(self._starts[shard])
+                nbytes = (hi - lo) * itemsize
+                out.append(Extent(self._paths[shard], HEADER_BYTES + lo * itemsize, nbytes, dest))
+                dest += nbytes
         return out
+
+    def tokens(self, start: int, count: int) -> np.ndarray:
+        """Tokens [start, start + count) of the split's stream as int64, crossing shards as needed."""
+        if start < 0 or start + count > self.num_tokens:
+            raise DataError(f"tokens [{start}, {start + count}) out of range [0, {self.num_tokens})",
+                            where=f"{self.location} ({self.split})")
+        return self._read_host(self.token_extents(np.array([start]), count), count * self.dtype.itemsize).reshape(-1)
 
     def batch(self, sample_ids: np.ndarray) -> np.ndarray:
         """A (len(sample_ids), seq_len + 1) int64 array: inputs are [:, :-1], targets [:, 1:]."""
-        if len(sample_ids) and (sample_ids.min() < 0 or sample_ids.max() >= self.num_samples):
-            raise DataError(f"sample id out of range [0, {self.num_samples})", where=f"{self.directory} ({self.split})")
-        return np.stack([self.tokens(int(i) * self.seq_len, self.seq_len + 1) for i in sample_ids])
+        ids = np.asarray(sample_ids, dtype=np.int64)
+        flat = self._read_host(self.extents(ids), ids.size * self.sample_bytes)
+        return flat.reshape(ids.size, self.seq_len + 1)
 
-    def _shard(self, index: int) -> np.ndarray:
-        if self._maps[index] is None:
-            self._maps[index] = _open_shard(self.directory, self.shards[index])
-        return self._maps[index]
+    def _read_host(self, extents: list[Extent], nbytes: int) -> np.ndarray:
+        from storage.readers import host_reader_for
 
+        with self._lock:
+            if self._host_reader is None:
+                self._host_reader = host_reader_for(self.location)
+        buffer = np.empty(nbytes, dtype=np.uint8)
+        self._host_reader.read(extents, buffer).wait()
+        return buffer.view(self.dtype).astype(np.int64)
 
-def read_manifest(directory: Path) -> dict:
-    path = directory / MANIFEST
-    if not path.is_file():
-        raise DataError("no prepared dataset here (manifest.parquet is missing)", where=str(directory),
-                        fix="run `archipelago prepare --out DIR`, or set [data] prepare_from so fit prepares it")
-    try:
-        table = pq.read_table(path)
-    except (pa.ArrowInvalid, OSError) as e:
-        raise DataError(f"manifest is not readable Parquet ({e})", where=str(path),
-                        fix="prepare the dataset again with `archipelago prepare`") from None
-    meta = table.schema.metadata or {}
-    version = int(meta.get(b"format_version", b"0"))
-    if version != FORMAT_VERSION:
-        raise DataError(f"manifest format version {version}, this archipelago reads version {FORMAT_VERSION}",
-                        where=str(path), fix="prepare the dataset again with this version of `archipelago prepare`")
-    missing = set(MANIFEST_SCHEMA.names) - set(table.column_names)
-    if missing:
-        raise DataError(f"manifest lacks columns {sorted(missing)}", where=str(path),
-                        fix="prepare the dataset again with `archipelago prepare`")
-    shards = [ShardInfo(**{k: row[k] for k in MANIFEST_SCHEMA.names}) for row in table.to_pylist()]
-    return {"vocab_size": int(meta[b"vocab_size"]), "shards": shards}
-
-
-def _open_shard(directory: Path, shard: ShardInfo) -> np.ndarray:
-    path = directory / shard.path
-    try:
-        with open(path, "rb") as f:
-            header = f.read(HEADER_BYTES)
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise DataError("shard listed in the manifest is missing", where=str(path),
-                        fix="restore the file or prepare the dataset again") from None
-    if not header.startswith(MAGIC):
-        raise DataError("not an archipelago token shard (bad magic bytes)", where=f"{path}, offset 0",
-                        fix="prepare the dataset again")
-    dtype = np.dtype(shard.dtype).newbyteorder("<")
-    expected = HEADER_BYTES + shard.num_tokens * dtype.itemsize
-    if size != expected:
-        raise DataError(f"shard is {size} bytes, the manifest says {expected}", where=f"{path}, offset {size}",
-                        fix="the file is truncated or was replaced; prepare the dataset again")
-    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(shard.num_tokens,))
+    def _check(self, shard: int) -> None:
+        if self._checked[shard]:
+            return
+        with self._lock:
+            if not self._checked[shard]:
+                open_shard_checked(self.location, self.shards[shard])
+                self._checked[shard] = True

@@ -19,7 +19,7 @@ def make_corpus(root, files):
 
 def test_tokens_round_trip_to_the_source_text(corpus_dir, dataset_dir):
     manifest = read_manifest(dataset_dir)
-    assert manifest["vocab_size"] == 257
+    assert manifest.vocab_size == 257
     train = TokenDataset(dataset_dir, "train", seq_len=64)
     expected = [p for p in sorted(corpus_dir.rglob("*.py")) if split_of(p.relative_to(corpus_dir).as_posix(), 25.0) == "train"]
     first = expected[0].read_bytes()
@@ -30,7 +30,7 @@ def test_tokens_round_trip_to_the_source_text(corpus_dir, dataset_dir):
 
 
 def test_shards_are_aligned_and_checksummed(dataset_dir):
-    for shard in read_manifest(dataset_dir)["shards"]:
+    for shard in read_manifest(dataset_dir).shards:
         raw = (dataset_dir / shard.path).read_bytes()
         assert raw[:8] == b"ARCHTOK1"
         assert len(raw) == HEADER_BYTES + 2 * shard.num_tokens  # uint16 payload from the 4 KiB boundary
@@ -80,14 +80,14 @@ def test_existing_dataset_needs_overwrite(tmp_path):
     prepare_dataset(str(src), tmp_path / "out", val_percent=30)
     with pytest.raises(DataError, match="already here"):
         prepare_dataset(str(src), tmp_path / "out", val_percent=30)
-    assert prepare_dataset(str(src), tmp_path / "out", val_percent=30, overwrite=True).shards == 2
+    assert prepare_dataset(str(src), tmp_path / "out", val_percent=30, overwrite=True, workers=1).shards == 2
 
 
 def test_truncated_shard_names_file_and_offset(dataset_dir, tmp_path):
     import shutil
     copy = tmp_path / "copy"
     shutil.copytree(dataset_dir, copy)
-    shard = read_manifest(copy)["shards"][0]
+    shard = read_manifest(copy).shards[0]
     path = copy / shard.path
     path.write_bytes(path.read_bytes()[:-10])
     with pytest.raises(DataError) as info:
