@@ -4,6 +4,7 @@
     archipelago fit job.toml --address auto             # join a running cluster (or set RAY_ADDRESS)
     archipelago fit examples/cpu-tiny.toml --resume     # continue from the latest committed checkpoint
     archipelago prepare --source stdlib --out data/stdlib-bytes
+    archipelago verify data/stdlib-bytes                 # every shard's checksum; names any bad shard
 
 User errors print one line and exit 2; --debug shows the traceback.
 """
@@ -49,18 +50,44 @@ def _fit(args: argparse.Namespace, console: Console) -> int:
 
 
 def _prepare(args: argparse.Namespace, console: Console) -> int:
-    from rich.progress import Progress
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from storage.prepare import prepare_dataset
 
+    columns = (TextColumn("tokenizing"), BarColumn(), MofNCompleteColumn(), TextColumn("units"),
+               TextColumn("{task.fields[tokens]:,} tokens"), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("prepare", total=None, tokens=0)
+        summary = prepare_dataset(
+            args.source, args.out, pattern=args.pattern, source_format=args.format, text_column=args.text_column,
+            val_percent=args.val_percent, shard_tokens=args.shard_tokens, tokenizer=args.tokenizer,
+            workers=args.workers, overwrite=args.overwrite,
+            on_progress=lambda done, total, tokens: bar.update(task, completed=done, total=total, tokens=tokens))
+    console.print(f"{summary.directory}: {summary.documents['train']:,} train documents "
+                  f"({summary.tokens['train']:,} tokens), {summary.documents['val']:,} validation documents "
+                  f"({summary.tokens['val']:,} tokens), {summary.shards} shards, tokenizer {summary.tokenizer}, "
+                  f"{summary.workers} processes", markup=False, highlight=False)
+    return 0
+
+
+def _verify(args: argparse.Namespace, console: Console) -> int:
+    from rich.progress import Progress
+
+    from storage.verify import verify_dataset
+
     with Progress(console=console, transient=True) as bar:
-        task = bar.add_task("reading files")
-        summary = prepare_dataset(args.source, args.out, pattern=args.pattern, val_percent=args.val_percent,
-                                  shard_tokens=args.shard_tokens, overwrite=args.overwrite,
-                                  on_file=lambda done, total: bar.update(task, completed=done, total=total))
-    console.print(f"{summary.directory}: {summary.files['train']:,} train files ({summary.tokens['train']:,} tokens), "
-                  f"{summary.files['val']:,} validation files ({summary.tokens['val']:,} tokens), "
-                  f"{summary.shards} shards")
+        task = bar.add_task("checking shards")
+        report = verify_dataset(args.directory, threads=args.threads,
+                                on_shard=lambda done, total: bar.update(task, completed=done, total=total))
+    for problem in report.problems:
+        console.print(f"[bold red]bad shard:[/] {escape(problem.shard)}: {escape(problem.problem)}",
+                      highlight=False, soft_wrap=True)
+    if not report.ok:
+        console.print(f"{len(report.problems)} of {report.shards} shards are bad — prepare the dataset again "
+                      f"(`archipelago prepare ... --overwrite`)", markup=False, highlight=False)
+        return 1
+    console.print(f"{report.directory}: all {report.shards} shards good ({report.tokens:,} tokens, "
+                  f"{report.bytes / 1e9:.2f} GB checked)", markup=False, highlight=False)
     return 0
 
 
@@ -77,15 +104,27 @@ def _parser() -> argparse.ArgumentParser:
     fit.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     fit.set_defaults(command=_fit)
 
-    prepare = commands.add_parser("prepare", help="turn text files into a token dataset")
-    prepare.add_argument("--source", default="stdlib", help='directory of text files, or "stdlib" (default)')
+    prepare = commands.add_parser("prepare", help="turn text, JSONL or Parquet/Arrow documents into a token dataset")
+    prepare.add_argument("--source", default="stdlib", help='directory of source files, or "stdlib" (default)')
     prepare.add_argument("--out", default="data/stdlib-bytes", help="dataset directory to write")
-    prepare.add_argument("--pattern", default="*.py", help="glob of files to take, matched recursively")
-    prepare.add_argument("--val-percent", type=float, default=5.0, help="share of files held out for validation")
+    prepare.add_argument("--format", default="text", choices=["text", "jsonl", "parquet", "arrow"],
+                         help="text: one document per file; jsonl: per line; parquet/arrow: per row")
+    prepare.add_argument("--pattern", default=None,
+                         help="glob of files to take, matched recursively (default *.py, *.jsonl, *.parquet, *.arrow)")
+    prepare.add_argument("--text-column", default="text", help="JSON field or column holding the text (jsonl, parquet, arrow)")
+    prepare.add_argument("--tokenizer", default="bytes", help='"bytes" (default) or "hf:PATH" to a tokenizers JSON file')
+    prepare.add_argument("--val-percent", type=float, default=5.0, help="share of documents held out for validation")
     prepare.add_argument("--shard-tokens", type=int, default=16 * 2**20, help="tokens per shard file")
+    prepare.add_argument("--workers", type=int, default=0, help="tokenizing processes (default: every core)")
     prepare.add_argument("--overwrite", action="store_true", help="replace an existing dataset at --out")
     prepare.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     prepare.set_defaults(command=_prepare)
+
+    verify = commands.add_parser("verify", help="check a dataset's manifest and every shard's checksum")
+    verify.add_argument("directory", help="dataset directory or URI (s3://…)")
+    verify.add_argument("--threads", type=int, default=8, help="shards checked at once")
+    verify.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    verify.set_defaults(command=_verify)
 
     add_topology_commands(commands)
     return parser

@@ -61,22 +61,52 @@ class ModelConfig:
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
     path: str = "data/stdlib-bytes"
-    """Directory of a prepared token dataset (manifest.parquet + shards), relative to the working directory."""
+    """Directory of a prepared token dataset (manifest.parquet + shards), relative to the working directory,
+    or a pyarrow.fs URI ("s3://bucket/datasets/web?region=us-east-1") read with byte-range requests."""
     prepare_from: str = "stdlib"
     """When `path` holds no dataset yet, prepare it from this source first: "stdlib" (the .py files of
-    the running Python's standard library), a directory of text files, or "" to require a prepared one."""
-    pattern: str = "*.py"
-    """Glob (matched recursively) selecting the text files of `prepare_from`."""
+    the running Python's standard library), a directory of files, or "" to require a prepared one."""
+    source_format: Literal["text", "jsonl", "parquet", "arrow"] = "text"
+    """What `prepare_from` holds: text files (one document each), JSON Lines (one document per line),
+    or a Parquet / Arrow IPC dataset (one document per row)."""
+    pattern: str = ""
+    """Glob (matched recursively) selecting the files of `prepare_from`; empty is *.py for text,
+    *.jsonl, *.parquet or *.arrow for the other formats."""
+    text_column: str = "text"
+    """The JSON field or Parquet/Arrow column holding each document's text."""
+    tokenizer: str = "bytes"
+    """"bytes" (256 byte values + end-of-document, vocab 257) or "hf:PATH" for a tokenizers JSON file
+    (e.g. a BPE tokenizer.json); recorded in the manifest and in every checkpoint."""
     val_percent: float = 5.0
-    """Share of files (chosen by a hash of their path, so deterministic) held out for validation."""
+    """Share of documents (chosen by a hash of a stable key, so deterministic) held out for validation."""
     shard_tokens: int = 16 * 2**20
     """Tokens per shard file."""
+    prepare_workers: int = 0
+    """Processes tokenizing in parallel during prepare; 0 uses every core."""
+    verify_checksums: bool = False
+    """Before training, check every shard's crc32 on the driver (reads the whole dataset once);
+    `archipelago verify DIR` does the same on its own."""
+    reader: Literal["auto", "kvikio", "posix", "remote"] = "auto"
+    """How workers read shards: auto takes kvikio (GPU-direct) on GPU workers where it can run, the
+    POSIX reader for other local datasets, and pyarrow.fs byte ranges for URIs; the choice and the
+    reason are in the run's start event."""
+    reader_threads: int = 8
+    """IO threads per worker for the posix and remote readers (kvikio's thread pool for kvikio)."""
+    prefetch_steps: int = 2
+    """Steps whose input is read ahead while the current step trains (2 = double buffering)."""
 
     def __post_init__(self) -> None:
         _check(bool(self.path), "[data] path", "is empty", 'set path to a dataset directory, e.g. "data/stdlib-bytes"')
         _check(0.0 < self.val_percent < 100.0, "[data] val_percent", f"must be in (0, 100), got {self.val_percent}",
                "set val_percent = 5.0")
-        _positive("data", shard_tokens=self.shard_tokens)
+        _check(self.tokenizer == "bytes" or (self.tokenizer.startswith("hf:") and len(self.tokenizer) > 3),
+               "[data] tokenizer", f"{self.tokenizer!r} is not a tokenizer",
+               'use "bytes" or "hf:path/to/tokenizer.json"')
+        _check(bool(self.text_column), "[data] text_column", "is empty", 'name the text field, e.g. "text"')
+        _check(self.prepare_workers >= 0, "[data] prepare_workers", f"must be 0 or more, got {self.prepare_workers}",
+               "set prepare_workers = 0 to use every core")
+        _positive("data", shard_tokens=self.shard_tokens, reader_threads=self.reader_threads,
+                  prefetch_steps=self.prefetch_steps)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -143,7 +173,15 @@ class CheckpointConfig:
     every_steps: int = 100
     """Steps between committed checkpoints (and one at the end)."""
     keep_last: int = 3
-    """Committed checkpoints kept; older ones are deleted."""
+    """Committed checkpoints kept; older ones are deleted once a newer one is committed."""
+    storage: str = ""
+    """Where checkpoints go: empty is the run directory (<runs_dir>/<name>/step_*); otherwise a directory
+    or pyarrow.fs URI ("s3://bucket/ckpt?endpoint_override=host:9000&scheme=http") that gets <name>/step_*."""
+    async_save: bool = False
+    """Copy the state to host memory and write it in the background while training goes on; a step is
+    reported committed only once written."""
+    reader: Literal["auto", "kvikio", "posix", "remote"] = "auto"
+    """How a restore reads checkpoint files: auto reads straight into GPU memory with kvikio where it can."""
 
     def __post_init__(self) -> None:
         _positive("checkpoint", every_steps=self.every_steps, keep_last=self.keep_last)

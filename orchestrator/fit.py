@@ -26,8 +26,10 @@ from orchestrator.errors import ArchipelagoError, ClusterError, ConfigError, Dat
 from orchestrator.progress import MetricsSink, ProgressDisplay
 from orchestrator.report import RunReport
 from orchestrator.run_dir import RunDirectory
+from storage.fs import Location
 from storage.prepare import prepare_dataset
-from storage.shards import TokenDataset, has_dataset
+from storage.shards import TokenDataset, check_files, has_dataset
+from storage.verify import verify_dataset
 from workers import checkpoint
 from workers.loop import WorkerJob, train_loop
 
@@ -86,31 +88,46 @@ class Orchestrator:
         self.console.print(f"resuming from {latest}", markup=False)
         return latest
 
-    def _dataset(self) -> tuple[Path, str]:
-        """The prepared dataset (preparing it first when the config says where from), checked against the job."""
+    def _dataset(self) -> tuple[str, str]:
+        """The prepared dataset (preparing it first when the config says where from), checked against the job.
+
+        Returns its location (a local path or a URI) and the tokenizer identity.
+        """
         data = self.config.data
-        path = Path(data.path).resolve()
-        if not has_dataset(path) and data.prepare_from:
-            self.console.print(f"preparing {path} from {data.prepare_from!r} (first run only)", markup=False)
-            summary = prepare_dataset(data.prepare_from, path, pattern=data.pattern, val_percent=data.val_percent,
-                                      shard_tokens=data.shard_tokens)
+        location = Location.parse(data.path, error=DataError)
+        if not has_dataset(location) and data.prepare_from:
+            if not location.is_local:
+                raise DataError("prepare writes local datasets only", where=str(location),
+                                fix="prepare into a local directory, then copy it to object storage")
+            self.console.print(f"preparing {location} from {data.prepare_from!r} (first run only)", markup=False)
+            summary = prepare_dataset(data.prepare_from, location.local_path, pattern=data.pattern or None,
+                                      source_format=data.source_format, text_column=data.text_column,
+                                      val_percent=data.val_percent, shard_tokens=data.shard_tokens,
+                                      tokenizer=data.tokenizer, workers=data.prepare_workers)
             self.console.print(f"prepared {summary.tokens['train']:,} train and {summary.tokens['val']:,} "
-                               f"validation tokens in {summary.shards} shards")
-        train = TokenDataset(path, "train", self.config.model.seq_len)
-        val = TokenDataset(path, "val", self.config.model.seq_len)
+                               f"validation tokens in {summary.shards} shards ({summary.workers} processes)")
+        train = TokenDataset(location, "train", self.config.model.seq_len)
+        val = TokenDataset(location, "val", self.config.model.seq_len)
+        check_files(location, train.shards + val.shards)
+        if data.verify_checksums:
+            report = verify_dataset(location, threads=data.reader_threads)
+            if not report.ok:
+                bad = report.problems[0]
+                raise DataError(f"{len(report.problems)} bad shard(s); first: {bad.problem}", where=bad.shard,
+                                fix=f"run `archipelago verify {location}` for the list, then prepare the dataset again")
         model, train_cfg = self.config.model, self.config.train
         if train.vocab_size > model.vocab_size:
             raise DataError(f"the dataset's tokenizer {train.tokenizer!r} has {train.vocab_size} tokens, "
-                            f"the model only {model.vocab_size}", where=f"{path} / [model] vocab_size",
+                            f"the model only {model.vocab_size}", where=f"{location} / [model] vocab_size",
                             fix=f"set [model] vocab_size to at least {train.vocab_size}")
         if train.num_samples < train_cfg.global_batch_size:
             raise DataError(f"{train.num_samples} training samples of {model.seq_len + 1} tokens, fewer than one "
-                            f"global batch ({train_cfg.global_batch_size})", where=str(path),
+                            f"global batch ({train_cfg.global_batch_size})", where=str(location),
                             fix="add text to the corpus or lower [train] global_batch_size / [model] seq_len")
         if val.num_samples < 1:
             raise DataError(f"the validation split is shorter than one sample of {model.seq_len + 1} tokens",
-                            where=str(path), fix="raise [data] val_percent and prepare again")
-        return path, train.tokenizer
+                            where=str(location), fix="raise [data] val_percent and prepare again")
+        return str(location), train.tokenizer
 
     @contextlib.contextmanager
     def _ray(self) -> Iterator[None]:
