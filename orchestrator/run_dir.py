@@ -1,7 +1,10 @@
-"""A run's directory, <runs_dir>/<name>/: metrics.jsonl, report.json, and Ray's checkpoint folders.
+"""A run's directory, <runs_dir>/<name>/: metrics.jsonl, report.json, and (by default) its checkpoints.
 
-Ray Train keeps its own bookkeeping here too (the checkpoint manager snapshot), which is how a
-restarted run with the same name finds its checkpoints.
+Checkpoints live in `<storage_path>/<name>/step_*`: the run directory itself by default, or under
+`[checkpoint] storage` (another disk, or a pyarrow.fs URI such as s3://…) when set. `storage_path`
+is also Ray's RunConfig storage_path, so the workers find the same place through Ray's storage
+context. A step without `.metadata` is a save that never committed: it is never picked to resume
+from, and the workers delete it when they restore.
 """
 
 from __future__ import annotations
@@ -11,18 +14,21 @@ import shutil
 from pathlib import Path
 
 from orchestrator.errors import CheckpointError, ConfigError
-from workers import checkpoint
+from storage.checkpoint_io import CheckpointStore
+from storage.fs import Location
 
 
 class RunDirectory:
-    def __init__(self, runs_dir: str | Path, name: str):
+    def __init__(self, runs_dir: str | Path, name: str, checkpoint_storage: str = ""):
         self.path = Path(runs_dir).resolve() / name
         self.name = name
+        root = Location.parse(checkpoint_storage, error=ConfigError) if checkpoint_storage else Location.parse(self.path.parent)
+        self.checkpoints = CheckpointStore(root / name)
 
     @property
     def storage_path(self) -> str:
-        """The RunConfig storage_path: Ray writes checkpoints into <storage_path>/<name>/."""
-        return str(self.path.parent)
+        """The RunConfig storage_path: checkpoints (ours, and Ray's bookkeeping) go into <storage_path>/<name>/."""
+        return str(self.checkpoints.root.parent)
 
     @property
     def metrics_path(self) -> Path:
@@ -32,17 +38,15 @@ class RunDirectory:
     def report_path(self) -> Path:
         return self.path / "report.json"
 
-    def committed_checkpoints(self) -> list[Path]:
-        """Committed checkpoints, oldest first; half-written ones (no .metadata yet) are left out."""
-        if not self.path.is_dir():
-            return []
-        return sorted(p for p in self.path.glob("step_*") if checkpoint.is_committed(p))
+    def committed_checkpoints(self) -> list[Path | Location]:
+        """Committed checkpoints, oldest first (Paths on local disk); half-written ones are left out."""
+        return [_plain(where) for _, where in self.checkpoints.committed()]
 
-    def latest_checkpoint(self) -> Path | None:
+    def latest_checkpoint(self) -> Path | Location | None:
         found = self.committed_checkpoints()
         return found[-1] if found else None
 
-    def checkpoint_to_resume(self) -> Path:
+    def checkpoint_to_resume(self) -> Path | Location:
         latest = self.latest_checkpoint()
         if latest is None:
             raise CheckpointError("no committed checkpoint to resume from", where=str(self.path),
@@ -51,12 +55,16 @@ class RunDirectory:
 
     def create(self, *, overwrite: bool) -> None:
         """A fresh, empty run directory; an earlier run's files go only when overwrite is asked for."""
-        if self.path.is_dir() and any(self.path.iterdir()):
+        occupied = [str(p) for p in (self.path,) if p.is_dir() and any(p.iterdir())]
+        if not self.checkpoints.root.is_local and self.checkpoints.steps():
+            occupied.append(str(self.checkpoints.root))
+        if occupied:
             if not overwrite:
-                raise ConfigError("the run directory already holds a run", where=str(self.path),
+                raise ConfigError("the run directory already holds a run", where=" and ".join(occupied),
                                   fix="pass --resume to continue it, --overwrite to delete it and start over, "
                                       "or set another name in the config")
-            shutil.rmtree(self.path)
+            shutil.rmtree(self.path, ignore_errors=True)
+            self.checkpoints.root.remove()
         self.path.mkdir(parents=True, exist_ok=True)
 
     def append_metrics(self, rows: list[dict]) -> None:
@@ -71,3 +79,7 @@ class RunDirectory:
         rows = [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
         kept = [r for r in rows if r.get("step", 0) <= step]
         self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+
+def _plain(where: Location) -> Path | Location:
+    return where.local_path if where.is_local else where

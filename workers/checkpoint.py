@@ -1,12 +1,16 @@
-"""Checkpoints: model and optimizer through torch.distributed.checkpoint (DCP), plus `archipelago.json`.
+"""Checkpoints of a training job: model and optimizer through storage.checkpoint_io, plus `archipelago.json`.
+
+    pending = save(store.step(300), model, optimizer, info, async_save=True, process_group=group)
+    info, readers = load(store.latest(), model, optimizer, reader="auto")
 
 DCP writes one file per rank and `.metadata` last; it reshards at load time, so a checkpoint
-saved by N workers loads on M. `archipelago.json` (written by rank 0) holds what is needed to
-continue exactly — the step and the sampler position — and what identifies the job (model
-shape, tokenizer, seed, global batch) so a checkpoint of another model is refused with a clear
-error instead of a shape mismatch from deep inside torch.
+saved by N workers loads on M. `archipelago.json` (written by the coordinator before any tensor
+data) holds what is needed to continue exactly — the step, the sampler and its position — and
+what identifies the job (model shape, tokenizer, seed, global batch), so a checkpoint of another
+model is refused with a clear error instead of a shape mismatch from deep inside torch.
 
-A checkpoint directory counts as committed when both `.metadata` and `archipelago.json` exist.
+A step directory counts as committed when `.metadata` exists (storage.checkpoint_io explains why
+that is enough); checkpoints live on local disk or any pyarrow.fs URI.
 """
 
 from __future__ import annotations
@@ -18,14 +22,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from orchestrator.config import JobConfig
 from orchestrator.errors import CheckpointError
+from storage.checkpoint_io import (DCP_METADATA, PendingSave, is_committed, load_checkpoint, save_checkpoint,
+                                   step_dir_name)
+from storage.fs import Location
+from storage.readers import ReaderKind
+from storage.sampler import SAMPLER_NAME
 
 INFO_FILE = "archipelago.json"
-DCP_METADATA = ".metadata"
+LEGACY_SAMPLER = "numpy-permutation"
+"""The sampler of checkpoints that predate the `sampler` field."""
+
+__all__ = ["DCP_METADATA", "INFO_FILE", "CheckpointInfo", "check_compatible", "dir_name", "is_committed", "load",
+           "read_info", "save"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,33 +51,35 @@ class CheckpointInfo:
     tokenizer: str
     seed: int
     global_batch_size: int
+    sampler: str = LEGACY_SAMPLER
+    """Which sampler turned `consumed_samples` into sample ids (storage.sampler.SAMPLER_NAME)."""
+    world_size: int = 0
+    """Workers that saved it (for the log; any world size can load it)."""
 
     @classmethod
-    def for_job(cls, config: JobConfig, step: int, consumed_samples: int, tokenizer: str) -> CheckpointInfo:
+    def for_job(cls, config: JobConfig, step: int, consumed_samples: int, tokenizer: str,
+                world_size: int = 0) -> CheckpointInfo:
         return cls(step, consumed_samples, dataclasses.asdict(config.model), tokenizer, config.train.seed,
-                   config.train.global_batch_size)
+                   config.train.global_batch_size, SAMPLER_NAME, world_size)
 
 
 def dir_name(step: int) -> str:
-    return f"step_{step:08d}"
+    return step_dir_name(step)
 
 
-def is_committed(directory: Path) -> bool:
-    return (directory / DCP_METADATA).is_file() and (directory / INFO_FILE).is_file()
-
-
-def read_info(directory: Path) -> CheckpointInfo:
-    if not is_committed(directory):
+def read_info(directory: str | Path | Location) -> CheckpointInfo:
+    location = Location.parse(directory, error=CheckpointError)
+    if not is_committed(location) or not (location / INFO_FILE).is_file():
         raise CheckpointError(f"not a committed archipelago checkpoint (needs {DCP_METADATA} and {INFO_FILE})",
-                              where=str(directory), fix="point at a step_* directory inside a run directory")
+                              where=str(location), fix="point at a step_* directory inside a run directory")
     try:
-        return CheckpointInfo(**json.loads((directory / INFO_FILE).read_text()))
-    except (json.JSONDecodeError, TypeError) as e:
-        raise CheckpointError(f"{INFO_FILE} is unreadable ({e})", where=str(directory),
+        return CheckpointInfo(**json.loads((location / INFO_FILE).read_bytes()))
+    except (json.JSONDecodeError, TypeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{INFO_FILE} is unreadable ({e})", where=str(location),
                               fix="resume from an earlier checkpoint or start over") from None
 
 
-def check_compatible(info: CheckpointInfo, config: JobConfig, tokenizer: str, directory: Path) -> None:
+def check_compatible(info: CheckpointInfo, config: JobConfig, tokenizer: str, directory: str | Path | Location) -> None:
     """Refuses a checkpoint whose weights or data stream do not belong to this job."""
     current = dataclasses.asdict(config.model)
     differ = [f"{k}: checkpoint {info.model.get(k)!r}, config {v!r}" for k, v in current.items()
@@ -76,20 +90,86 @@ def check_compatible(info: CheckpointInfo, config: JobConfig, tokenizer: str, di
     if info.tokenizer != tokenizer:
         raise CheckpointError(f"checkpoint was trained on {info.tokenizer!r} tokens, the dataset has {tokenizer!r}",
                               where=str(directory), fix="resume with the dataset it was trained on")
+    if info.sampler != SAMPLER_NAME:
+        raise CheckpointError(f"checkpoint's data order came from sampler {info.sampler!r}, this archipelago uses "
+                              f"{SAMPLER_NAME!r}, so it would not continue at the same samples", where=str(directory),
+                              fix="start a new run (--overwrite or another name)")
 
 
-def save(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, info: CheckpointInfo,
-         rank: int) -> None:
+def save(location: str | Path | Location, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         info: CheckpointInfo, *, async_save: bool = False, process_group: Any = None) -> PendingSave:
+    """Collective: every rank calls it. With async_save the state is copied to host memory before it returns."""
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(directory))
-    if rank == 0:
-        (directory / INFO_FILE).write_text(json.dumps(dataclasses.asdict(info), indent=2))
+    extra = {INFO_FILE: json.dumps(dataclasses.asdict(info), indent=2).encode()}
+    return save_checkpoint({"model": model_state, "optimizer": optim_state}, location, extra=extra,
+                           async_save=async_save, process_group=process_group)
 
 
-def load(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> CheckpointInfo:
-    info = read_info(directory)
+def load(location: str | Path | Location, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+         reader: ReaderKind = "auto", process_group: Any = None) -> tuple[CheckpointInfo, set[str]]:
+    """Collective: loads weights and optimizer state in place; returns the info and the reader kinds used."""
+    info = read_info(location)
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
-    dcp.load(state, checkpoint_id=str(directory))
+    used = load_checkpoint(state, location, reader=reader, process_group=process_group)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    return info
+    return info, used
+
+
+class RunCheckpoints:
+    """One worker's side of a run's checkpoints: restore the newest committed step, save, keep the last K.
+
+    Every rank makes one (it creates a gloo group for checkpoint collectives, itself a collective).
+    An async save is awaited before the next save starts and at the end of training, so at most one
+    is in flight; a step is reported committed only once its `.metadata` is written.
+    """
+
+    def __init__(self, root: str | Path | Location, config: JobConfig, rank: int):
+        from storage.checkpoint_io import CheckpointStore, checkpoint_group
+
+        self.store = CheckpointStore(root)
+        self.config = config
+        self.rank = rank
+        self.group = checkpoint_group()
+        self._pending: tuple[int, PendingSave] | None = None
+
+    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokenizer: str,
+                resume_from: str | None = None) -> tuple[CheckpointInfo, set[str]] | None:
+        """Loads the newest committed step (after removing half-written ones); None for a fresh run."""
+        self._on_rank0(self.store.remove_uncommitted)
+        latest = self.store.latest()
+        if latest is None:
+            if resume_from:
+                raise CheckpointError("the checkpoint to resume from is gone", where=resume_from,
+                                      fix="run without --resume to start over")
+            return None
+        check_compatible(read_info(latest), self.config, tokenizer, latest)
+        return load(latest, model, optimizer, reader=self.config.checkpoint.reader, process_group=self.group)
+
+    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, info: CheckpointInfo) -> list[int]:
+        """Starts saving `info.step`; returns the steps committed during this call."""
+        committed = self.wait()
+        pending = save(self.store.step(info.step), model, optimizer, info,
+                       async_save=self.config.checkpoint.async_save, process_group=self.group)
+        self._pending = (info.step, pending)
+        return committed + ([] if self.config.checkpoint.async_save else self.wait())
+
+    def wait(self) -> list[int]:
+        """Blocks until the save in flight (if any) is committed, then applies retention."""
+        if self._pending is None:
+            return []
+        step, pending = self._pending
+        self._pending = None
+        pending.result()
+        self._on_rank0(lambda: self.store.prune(self.config.checkpoint.keep_last))
+        return [step]
+
+    def _on_rank0(self, fn) -> None:
+        import torch.distributed as dist
+
+        if self.group is None:
+            fn()
+            return
+        if self.rank == 0:
+            fn()
+        dist.barrier(group=self.group)

@@ -2,17 +2,18 @@
 
     restore the latest checkpoint → while step < steps: step; log; validate; checkpoint
 
-Rank 0 sends one metrics row per step to the driver's `MetricsSink` every `log_every` steps;
-`ray.train.report` is called (by every rank, it is a barrier) only with a checkpoint.
+Rank 0 sends one metrics row per step to the driver's `MetricsSink` every `log_every` steps.
+Input comes from `storage.loader.BatchLoader`, which reads the next steps' samples (with kvikio
+straight into GPU memory where it can) while this one trains. Checkpoints are written by every
+rank straight into the run's storage (`workers.checkpoint.RunCheckpoints`): the newest committed
+step there is what a restarted or resized worker group resumes from, so no `ray.train.report`
+is needed.
 """
 
 from __future__ import annotations
 
-import contextlib
-import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,9 @@ import torch
 import torch.distributed as dist
 
 from orchestrator.config import JobConfig
+from storage.fs import Location
+from storage.loader import BatchLoader
+from storage.readers import choose_reader
 from storage.sampler import BatchLayout, DeterministicSampler
 from storage.shards import TokenDataset
 from workers import checkpoint
@@ -90,21 +94,22 @@ def train_loop(loop_config: dict) -> dict:
     torch.manual_seed(cfg.train.seed)
     model = GPT(cfg.model).to(device)
     optimizer = build_optimizer(model, cfg.train, device)
-    progress = restore(job, model, optimizer)
+    checkpoints = checkpoint.RunCheckpoints(run_storage(), cfg, rank)
+    progress, checkpoint_readers = restore(job, checkpoints, model, optimizer)
     step_fn = TrainStep(model, optimizer, cfg, device)
 
-    train_data = TokenDataset(job.data_dir, "train", cfg.model.seq_len)
-    val_data = TokenDataset(job.data_dir, "val", cfg.model.seq_len)
-    sampler = DeterministicSampler(train_data.num_samples, cfg.train.seed)
+    train_loader, val_loader = open_loaders(job, device)
+    sampler = DeterministicSampler(train_loader.dataset.num_samples, cfg.train.seed)
     layout = BatchLayout.uniform(world, cfg.train.micro_batch_size, cfg.grad_accum_steps)
+    steps = train_loader.stream(sampler.steps(progress.consumed_samples, layout, rank))
     window = MetricsWindow()
     send(job, rank, [{"event": "start", "step": progress.step, "world_size": world, "device": str(device),
-                      "params": model.num_params(), "flops_per_token": model.flops_per_token()}])
+                      "params": model.num_params(), "flops_per_token": model.flops_per_token(),
+                      "reader": train_loader.reader_choice, "checkpoint_readers": sorted(checkpoint_readers)}])
 
     last_val_loss, rows = None, []
     while progress.step < cfg.train.steps:
-        ids = sampler.rank_micro_batches(progress.consumed_samples, layout, rank)
-        batches = [to_device(train_data.batch(i), device) for i in ids]
+        batches = next(steps)
         lr = lr_at(progress.step, cfg.train)
         loss, grad_norm = step_fn(batches, lr)
         progress.step += 1
@@ -115,13 +120,16 @@ def train_loop(loop_config: dict) -> dict:
         if progress.step % cfg.train.log_every == 0 or final:
             rows = window.flush(cfg.tokens_per_step, progress.consumed_samples)
             if progress.step % cfg.train.eval_every == 0 or final:
-                last_val_loss = rows[-1]["val_loss"] = validate(step_fn, val_data, cfg, rank, world, device)
+                last_val_loss = rows[-1]["val_loss"] = validate(step_fn, val_loader, cfg, rank, world)
             send(job, rank, rows)
         if progress.step % cfg.checkpoint.every_steps == 0 or final:
-            save_checkpoint(job, model, optimizer, progress, rank, rows[-1] if rows else {})
-            send(job, rank, [{"event": "checkpoint", "step": progress.step}])
+            info = checkpoint.CheckpointInfo.for_job(cfg, progress.step, progress.consumed_samples, job.tokenizer, world)
+            send(job, rank, [{"event": "checkpoint", "step": s} for s in checkpoints.save(model, optimizer, info)])
             window.started = time.perf_counter()  # checkpoint time is not training throughput
         rows = []
+    send(job, rank, [{"event": "checkpoint", "step": s} for s in checkpoints.wait()])
+    train_loader.close()
+    val_loader.close()
     return {"step": progress.step, "consumed_samples": progress.consumed_samples, "val_loss": last_val_loss}
 
 
@@ -134,46 +142,46 @@ def bind_device(cfg: JobConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def to_device(batch: np.ndarray, device: torch.device) -> torch.Tensor:
-    tensor = torch.from_numpy(batch)
-    return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor
+def run_storage() -> Location:
+    """The run's directory in Ray's storage (`RunDirectory.storage_path`/name): local disk or a pyarrow.fs URI."""
+    storage = ray.train.get_context().get_storage()
+    return Location.of(storage.storage_filesystem, storage.experiment_fs_path)
 
 
-def restore(job: WorkerJob, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Progress:
-    ray_checkpoint = ray.train.get_checkpoint()
-    if ray_checkpoint is None and job.resume_from is None:
-        return Progress()
-    with (ray_checkpoint.as_directory() if ray_checkpoint else contextlib.nullcontext(job.resume_from)) as directory:
-        directory = Path(directory)
-        checkpoint.check_compatible(checkpoint.read_info(directory), job.config, job.tokenizer, directory)
-        info = checkpoint.load(directory, model, optimizer)
-    return Progress(info.step, info.consumed_samples)
+def restore(job: WorkerJob, checkpoints: checkpoint.RunCheckpoints, model: torch.nn.Module,
+            optimizer: torch.optim.Optimizer) -> tuple[Progress, set[str]]:
+    """The newest committed checkpoint of the run (after a failure, a resize or --resume), or a fresh start."""
+    restored = checkpoints.restore(model, optimizer, job.tokenizer, job.resume_from)
+    if restored is None:
+        return Progress(), set()
+    info, readers = restored
+    return Progress(info.step, info.consumed_samples), readers
 
 
-def save_checkpoint(job: WorkerJob, model: torch.nn.Module, optimizer: torch.optim.Optimizer, progress: Progress,
-                    rank: int, metrics: dict) -> None:
-    info = checkpoint.CheckpointInfo.for_job(job.config, progress.step, progress.consumed_samples, job.tokenizer)
-    with tempfile.TemporaryDirectory(prefix="archipelago-ckpt-") as tmp:
-        checkpoint.save(Path(tmp), model, optimizer, info, rank)
-        # Every rank uploads its own DCP files; Ray merges them into one directory in storage.
-        ray.train.report({k: v for k, v in metrics.items() if isinstance(v, (int, float))},
-                         checkpoint=ray.train.Checkpoint.from_directory(tmp),
-                         checkpoint_dir_name=checkpoint.dir_name(progress.step))
+def open_loaders(job: WorkerJob, device: torch.device) -> tuple[BatchLoader, BatchLoader]:
+    """Train and validation loaders; the reader is chosen once (and reported in the start event)."""
+    data = job.config.data
+    train = TokenDataset(job.data_dir, "train", job.config.model.seq_len)
+    val = TokenDataset(job.data_dir, "val", job.config.model.seq_len)
+    choice = choose_reader(data.reader, train.location, device, threads=data.reader_threads)
+    train_loader = BatchLoader(train, choice, device, depth=data.prefetch_steps)
+    val_reader = choose_reader(choice.reader.kind, val.location, device, threads=data.reader_threads)
+    return train_loader, BatchLoader(val, val_reader, device, depth=1)
 
 
-def validate(step_fn: TrainStep, val_data: TokenDataset, cfg: JobConfig, rank: int, world: int,
-             device: torch.device) -> float:
+def validate(step_fn: TrainStep, val_loader: BatchLoader, cfg: JobConfig, rank: int, world: int) -> float:
     """Mean loss over a fixed, evenly spread set of validation samples, split across ranks."""
-    count = min(cfg.train.eval_samples, val_data.num_samples)
-    ids = np.linspace(0, val_data.num_samples - 1, count).astype(np.int64)[rank::world]
+    num_samples = val_loader.dataset.num_samples
+    count = min(cfg.train.eval_samples, num_samples)
+    ids = np.linspace(0, num_samples - 1, count).astype(np.int64)[rank::world]
     chunks = [ids[i:i + cfg.train.micro_batch_size] for i in range(0, len(ids), cfg.train.micro_batch_size)]
-    loss_sum, tokens = step_fn.evaluate([to_device(val_data.batch(c), device) for c in chunks])
-    totals = torch.tensor([loss_sum, tokens], dtype=torch.float64, device=device)
+    loss_sum, tokens = step_fn.evaluate(val_loader.load(chunks) if chunks else [])
+    totals = torch.tensor([loss_sum, tokens], dtype=torch.float64, device=step_fn.device)
     if dist.is_initialized():
         dist.all_reduce(totals)
     return float(totals[0] / totals[1])
 
 
 def send(job: WorkerJob, rank: int, rows: list[dict]) -> None:
-    if rank == 0:
+    if rank == 0 and rows:
         job.metrics_sink.record.remote(rows)  # fire and forget: the driver drains the sink

@@ -1,0 +1,506 @@
+"""Checkpoint IO: torch.distributed.checkpoint (DCP) with raw, 4 KiB-aligned tensor bytes, on any storage.
+
+    store = CheckpointStore("runs/cpu-tiny")                    # or "s3://bucket/runs/cpu-tiny?endpoint_override=..."
+    pending = save_checkpoint(state, store.step(300), extra={"archipelago.json": info}, async_save=True)
+    ...                                                         # training goes on while the files are written
+    pending.result()                                            # the step is committed
+    load_checkpoint(state, store.latest(), reader="auto")       # into GPU tensors with kvikio where it can
+
+Layout of a committed step directory (`step_00000300/`):
+- `archipelago.json` (and any other `extra` file), written first by the coordinator;
+- `__<rank>_<k>.distcp`, each rank's data: every tensor's raw bytes on a 4 KiB boundary, so a
+  loader reads them with one aligned read straight into the destination tensor (GPUDirect
+  Storage needs the alignment); small objects (pickled) in between;
+- `.metadata`, DCP's index, written last, by the coordinator, after every rank's data is durable
+  (DCP gathers every rank's write results before `finish`) — through a temporary name and a
+  rename on local disks, as one upload on object stores. A step counts as committed exactly
+  when `.metadata` exists; a step without it is a save that crashed, ignored by `latest()` and
+  removed by `remove_uncommitted()`.
+
+DCP reshards at load time: the index says which chunk of which tensor is where, so a checkpoint
+saved by N ranks loads on M. When a destination is exactly a contiguous byte range of a saved
+chunk (always for replicated DDP state; for FSDP shards split along the first dimension), the
+bytes are read straight into the destination — with kvikio into GPU memory. Other reshards read
+the chunk to host memory and copy the overlap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+import pickle
+import re
+import uuid
+import warnings
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan,
+                                                  SavePlanner, WriteItem, WriteItemType)
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+
+from orchestrator.errors import ArchipelagoError, CheckpointError
+from storage.fs import Location
+from storage.readers import RangeReader, ReaderKind, choose_reader, host_reader_for
+from storage.shards import Extent
+
+DCP_METADATA = ".metadata"
+ALIGN = 4096
+STEP_PATTERN = re.compile(r"step_(\d{8,})$")
+# DCP warns on every single-process save and load (also from async saves' threads); here that is a
+# deliberate mode, not a mistake.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                        category=UserWarning)
+STAGING_BYTES = 64 * 2**20
+"""Size of each of the two pinned buffers a GPU load goes through when kvikio cannot run."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+# ---- the store: committed steps of one run ----------------------------------------------------------------------
+
+class CheckpointStore:
+    """The checkpoints of one run: `<root>/step_XXXXXXXX/`, on local disk or any pyarrow.fs URI."""
+
+    def __init__(self, root: str | Path | Location):
+        self.root = Location.parse(root, error=CheckpointError)
+
+    def __repr__(self) -> str:
+        return f"CheckpointStore({str(self.root)!r})"
+
+    def step(self, step: int) -> Location:
+        return self.root / step_dir_name(step)
+
+    def steps(self) -> list[tuple[int, Location]]:
+        """Every step directory, committed or not, oldest first."""
+        found = []
+        for child in self.root.children():
+            match = STEP_PATTERN.match(child.name)
+            if match:
+                found.append((int(match.group(1)), child))
+        return sorted(found, key=lambda s: s[0])
+
+    def committed(self) -> list[tuple[int, Location]]:
+        return [(step, where) for step, where in self.steps() if is_committed(where)]
+
+    def latest(self) -> Location | None:
+        found = self.committed()
+        return found[-1][1] if found else None
+
+    def remove_uncommitted(self) -> list[Location]:
+        """Deletes the step directories of saves that never committed (a crash mid-save); returns them."""
+        removed = [where for _, where in self.steps() if not is_committed(where)]
+        for where in removed:
+            where.remove()
+        return removed
+
+    def prune(self, keep_last: int) -> list[Location]:
+        """Deletes all but the newest `keep_last` committed steps; returns what it deleted."""
+        old = [where for _, where in self.committed()[:-keep_last or None]] if keep_last > 0 else []
+        for where in old:
+            where.remove()
+        return old
+
+
+def is_committed(step_dir: str | Path | Location) -> bool:
+    return (Location.parse(step_dir, error=CheckpointError) / DCP_METADATA).is_file()
+
+
+# ---- writing ----------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class RawExtent:
+    """Where one saved item's bytes are: DCP's storage_data for this writer (pickled into `.metadata`)."""
+
+    relative_path: str
+    offset: int
+    length: int
+    dtype: str | None = None
+    """torch dtype name for tensors ("bfloat16"); None for pickled objects."""
+    shape: tuple[int, ...] | None = None
+
+
+class RawWriter(StorageWriter):
+    """A DCP StorageWriter that writes tensors as raw aligned bytes through `Location` (local or pyarrow.fs)."""
+
+    def __init__(self, location: Location, *, extra: dict[str, bytes] | None = None, threads: int = 4):
+        super().__init__()
+        self.location = location
+        self.extra = extra or {}
+        self.threads = threads
+        self.save_id = uuid.uuid4().hex
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        self.save_id = uuid.uuid4().hex
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # Runs on the coordinator only, after every rank planned and before any writes: a clean
+        # directory, then the extra files, so `.metadata` (written last) implies all of them.
+        self.location.remove()
+        self.location.mkdir()
+        for name, data in self.extra.items():
+            with _output(self.location / name) as out:
+                out.write(data)
+        return [dataclasses.replace(plan, storage_data=f"__{rank}_") for rank, plan in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future[list[WriteResult]]:
+        buckets = _balance(plan.items, self.threads)
+        names = [f"{plan.storage_data}{k}.distcp" for k in range(len(buckets))]
+        with ThreadPoolExecutor(max_workers=max(1, len(buckets)), thread_name_prefix="archipelago-ckpt-w") as pool:
+            parts = list(pool.map(lambda nb: self._write_file(nb[0], nb[1], planner), zip(names, buckets)))
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result([result for part in parts for result in part])
+        return future
+
+    def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+        target = self.location / name
+        results, offset = [], 0
+        with _output(target) as out:
+            for item in items:
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    payload, dtype, shape = data.getbuffer(), None, None
+                else:
+                    tensor = data.detach()
+                    tensor = tensor.cpu() if tensor.device.type != "cpu" else tensor
+                    tensor = tensor.contiguous()
+                    pad = -offset % ALIGN
+                    out.write(b"\0" * pad)
+                    offset += pad
+                    payload = tensor.reshape(-1).view(torch.uint8).numpy().data
+                    dtype, shape = str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)
+                out.write(payload)
+                extent = RawExtent(name, offset, payload.nbytes, dtype, shape)
+                results.append(WriteResult(index=item.index, size_in_bytes=payload.nbytes, storage_data=extent))
+                offset += payload.nbytes
+        return results
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        metadata.storage_data = {r.index: r.storage_data for part in results for r in part}
+        metadata.storage_meta = StorageMeta(checkpoint_id=str(self.location), save_id=self.save_id)
+        with _output(self.location / DCP_METADATA) as out:
+            pickle.dump(metadata, out)
+
+    def storage_meta(self) -> StorageMeta:
+        return StorageMeta(checkpoint_id=str(self.location), save_id=self.save_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False
+
+
+class _output:
+    """A file written whole or not at all: local files go through a temporary name, fsync and rename;
+    object-store uploads become visible only when closed."""
+
+    def __init__(self, target: Location):
+        self.target = target
+        self.temporary = target.parent / f".{target.name}.{uuid.uuid4().hex[:8]}.tmp" if target.is_local else target
+
+    def __enter__(self):
+        if self.target.is_local:
+            self.file = open(self.temporary.path, "wb")
+        else:
+            self.file = self.target.fs.open_output_stream(self.target.path)
+        return self.file
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self.target.is_local:
+            self.file.close()
+            return
+        try:
+            if exc_type is None:
+                self.file.flush()
+                os.fsync(self.file.fileno())
+        finally:
+            self.file.close()
+        if exc_type is None:
+            os.replace(self.temporary.path, self.target.path)
+            _fsync_dir(self.target.parent.path)
+        else:
+            Path(self.temporary.path).unlink(missing_ok=True)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _balance(items: Sequence[WriteItem], buckets: int) -> list[list[WriteItem]]:
+    """Largest first into the emptiest bucket, so each writing thread gets about the same bytes."""
+    sizes = [(_item_bytes(i), n) for n, i in enumerate(items)]
+    out: list[list[WriteItem]] = [[] for _ in range(max(1, min(buckets, len(items))))]
+    totals = [0] * len(out)
+    for size, n in sorted(sizes, reverse=True):
+        k = totals.index(min(totals))
+        out[k].append(items[n])
+        totals[k] += size
+    return [sorted(b, key=lambda i: (i.type != WriteItemType.BYTE_IO, str(i.index.fqn))) for b in out if b]
+
+
+def _item_bytes(item: WriteItem) -> int:
+    size = item.tensor_storage_size()
+    return size if size is not None else (item.bytes_io_data.nbytes if item.bytes_io_data else 0)
+
+
+# ---- reading ----------------------------------------------------------------------------------------------------
+
+class RawReader(StorageReader):
+    """Reads what RawWriter wrote: straight into destination tensors where the layout allows."""
+
+    def __init__(self, location: Location, *, reader: ReaderKind = "auto", threads: int = 8):
+        super().__init__()
+        self.location = location
+        self.reader_kind = reader
+        self.threads = threads
+        self.storage_data: dict[MetadataIndex, RawExtent] = {}
+        self._cuda: RangeReader | None = None
+        self.used: set[str] = set()
+        """Kinds of reader this load used ("kvikio", "posix", "remote"), for the run's log."""
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        self.storage_data = {}
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        where = self.location / DCP_METADATA
+        try:
+            metadata = pickle.loads(where.read_bytes())
+        except FileNotFoundError:
+            raise CheckpointError(f"no {DCP_METADATA}: the save of this step never committed", where=str(self.location),
+                                  fix="load an earlier committed step (CheckpointStore.latest() picks one)") from None
+        except (pickle.UnpicklingError, EOFError, AttributeError, ModuleNotFoundError) as e:
+            raise CheckpointError(f"{DCP_METADATA} is unreadable ({e})", where=str(where),
+                                  fix="load an earlier committed step") from None
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.storage_data = metadata.storage_data
+        foreign = next((v for v in self.storage_data.values() if not isinstance(v, RawExtent)), None)
+        if foreign is not None:
+            raise CheckpointError(f"written by another DCP writer ({type(foreign).__name__}), not archipelago's",
+                                  where=str(self.location), fix="start a new run, or load it with torch's own reader")
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        host = host_reader_for(self.location, self.threads)
+        try:
+            for item in (i for i in plan.items if i.type == LoadItemType.BYTE_IO):
+                extent = self.storage_data[item.storage_index]
+                planner.load_bytes(item, io.BytesIO(self._read_host(host, extent, 0, extent.length).numpy().tobytes()))
+            tensors = [i for i in plan.items if i.type != LoadItemType.BYTE_IO]
+            self._read_tensors(tensors, planner, host)
+        finally:
+            host.close()
+            if self._cuda is not None:
+                self._cuda.close()
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(None)
+        return future
+
+    def _read_tensors(self, items: list[ReadItem], planner: LoadPlanner, host: RangeReader) -> None:
+        targets = [planner.resolve_tensor(i).detach() for i in items]
+        cuda_direct, host_direct, staged, copied = [], [], [], []
+        for item, target in zip(items, targets):
+            extent = self.storage_data[item.storage_index]
+            span = _direct_span(item, extent, target)
+            if span is None:
+                copied.append((item, extent, target))
+            elif target.device.type == "cpu":
+                host_direct.append((extent, span, target))
+            else:
+                (cuda_direct if self._cuda_reader(target.device).into_cuda else staged).append((extent, span, target))
+        waits = [host.read([self._extent(e, s)], _bytes_of(t).numpy()) for e, s, t in host_direct]
+        if cuda_direct or staged:
+            # Reads bypass the CUDA streams: kernels still writing these tensors (initialisation) must finish first.
+            torch.cuda.synchronize((cuda_direct or staged)[0][2].device)
+        if cuda_direct:
+            reader = self._cuda_reader(cuda_direct[0][2].device)
+            waits += [reader.read([self._extent(e, s)], _bytes_of(t)) for e, s, t in cuda_direct]
+            self.used.add(reader.kind)
+        if host_direct or staged or copied:
+            self.used.add(host.kind)
+        for wait in waits:
+            wait.wait()
+        if staged:
+            _StagedCopy(host, staged[0][2].device).run([(self._extent(e, s), t) for e, s, t in staged])
+        for item, extent, target in copied:
+            chunk = self._read_host(host, extent, 0, extent.length)
+            saved = chunk.view(_torch_dtype(extent.dtype)).reshape(extent.shape)
+            for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                saved = saved.narrow(dim, start, length)
+            target.copy_(saved)
+        for item, target in zip(items, targets):
+            planner.commit_tensor(item, target)
+
+    def _cuda_reader(self, device: torch.device) -> RangeReader:
+        if self._cuda is None:
+            self._cuda = choose_reader(self.reader_kind, self.location, device, threads=self.threads).reader
+        return self._cuda
+
+    def _extent(self, extent: RawExtent, span: tuple[int, int]) -> Extent:
+        return Extent((self.location / extent.relative_path).path, extent.offset + span[0], span[1], 0)
+
+    def _read_host(self, host: RangeReader, extent: RawExtent, start: int, nbytes: int) -> torch.Tensor:
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        host.read([self._extent(extent, (start, nbytes))], out.numpy()).wait()
+        return out
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False
+
+
+def _direct_span(item: ReadItem, extent: RawExtent, target: torch.Tensor) -> tuple[int, int] | None:
+    """(byte offset in the chunk, byte count) when `target` is exactly a contiguous range of the saved chunk."""
+    if extent.dtype is None or _torch_dtype(extent.dtype) != target.dtype or not target.is_contiguous():
+        return None
+    shape, offsets, lengths = extent.shape, list(item.storage_offsets), list(item.lengths)
+    if len(shape) == 0:
+        return (0, extent.length)
+    if any(o != 0 or n != s for o, n, s in zip(offsets[1:], lengths[1:], shape[1:])):
+        return None  # a slice inside the inner dimensions is not one byte range
+    row = target.element_size()
+    for size in shape[1:]:
+        row *= size
+    return (offsets[0] * row, lengths[0] * row)
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+class _StagedCopy:
+    """Host reads into two pinned buffers, each copied to the GPU on a side stream while the other fills."""
+
+    def __init__(self, host: RangeReader, device: torch.device):
+        self.host = host
+        self.device = device
+
+    def run(self, reads: list[tuple[Extent, torch.Tensor]]) -> None:
+        largest = max(e.nbytes for e, _ in reads)
+        size = min(STAGING_BYTES, largest)
+        buffers = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        events: list[torch.cuda.Event | None] = [None, None]
+        stream = torch.cuda.Stream(self.device)
+        turn = 0
+        for extent, target in reads:
+            dest = _bytes_of(target)
+            for start in range(0, extent.nbytes, size):
+                n = min(size, extent.nbytes - start)
+                if events[turn] is not None:
+                    events[turn].synchronize()
+                piece = Extent(extent.path, extent.file_offset + start, n, 0)
+                self.host.read([piece], buffers[turn].numpy()).wait()
+                with torch.cuda.stream(stream):
+                    dest[start:start + n].copy_(buffers[turn][:n], non_blocking=True)
+                    events[turn] = torch.cuda.Event()
+                    events[turn].record(stream)
+                turn = 1 - turn
+        stream.synchronize()
+
+
+# ---- save and load ------------------------------------------------------------------------------------------------
+
+class PendingSave:
+    """A save in flight (or done); `result()` blocks until the step is committed and re-raises a failure."""
+
+    def __init__(self, location: Location, future: Future | None):
+        self.location = location
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future is None or self._future.done()
+
+    def result(self) -> Location:
+        if self._future is not None:
+            with _user_errors():
+                self._future.result()
+            self._future = None
+        return self.location
+
+
+def save_checkpoint(state: dict[str, Any], location: str | Path | Location, *, extra: dict[str, bytes] | None = None,
+                    async_save: bool = False, process_group: Any = None, threads: int = 4) -> PendingSave:
+    """Saves `state` (a DCP state dict) to `location`; collective when torch.distributed is initialised.
+
+    With `async_save`, the state is copied to host memory now and written by a background thread;
+    the caller may change its tensors as soon as this returns. `process_group` must then be one
+    whose collectives cannot interleave with training's (a separate gloo group: `checkpoint_group()`).
+    """
+    location = Location.parse(location, error=CheckpointError)
+    writer = RawWriter(location, extra=extra, threads=threads)
+    no_dist = not _distributed()
+    with _user_errors():
+        if not async_save:
+            dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=no_dist)
+            return PendingSave(location, None)
+        response = dcp.async_save(state, storage_writer=writer, process_group=process_group, no_dist=no_dist)
+    # torch ≥ 2.9 may answer with an AsyncSaveResponse (staging and upload futures) instead of a Future.
+    return PendingSave(location, getattr(response, "upload_completion", response))
+
+
+def load_checkpoint(state: dict[str, Any], location: str | Path | Location, *, reader: ReaderKind = "auto",
+                    process_group: Any = None, threads: int = 8) -> set[str]:
+    """Loads a committed step into `state`'s tensors in place; returns the reader kinds used."""
+    location = Location.parse(location, error=CheckpointError)
+    if not is_committed(location):
+        raise CheckpointError(f"not a committed checkpoint (no {DCP_METADATA})", where=str(location),
+                              fix="load an earlier committed step; CheckpointStore.latest() picks the newest")
+    storage_reader = RawReader(location, reader=reader, threads=threads)
+    with _user_errors():
+        dcp.load(state, storage_reader=storage_reader, process_group=process_group, no_dist=not _distributed())
+    return storage_reader.used
+
+
+def checkpoint_group() -> Any:
+    """A gloo group for checkpoint collectives (None without torch.distributed): async saves run their
+    collectives on a background thread, which must not share a communicator with training."""
+    return dist.new_group(backend="gloo") if _distributed() else None
+
+
+@contextlib.contextmanager
+def _user_errors() -> Iterator[None]:
+    """DCP wraps every rank's exception in a CheckpointException; an ArchipelagoError inside comes out as is."""
+    try:
+        yield
+    except CheckpointException as e:
+        for failure in e.failures.values():
+            error = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(error, ArchipelagoError):
+                raise error from None
+        raise
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+

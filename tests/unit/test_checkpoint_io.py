@@ -1,0 +1,148 @@
+"""Checkpoint IO in one process: raw aligned DCP files, atomic commit, retention, async save, bad input."""
+
+import json
+import pickle
+
+import pytest
+import torch
+
+from orchestrator.config import JobConfig
+from orchestrator.errors import CheckpointError
+from orchestrator.run_dir import RunDirectory
+from storage.checkpoint_io import (ALIGN, DCP_METADATA, CheckpointStore, RawExtent, is_committed, load_checkpoint,
+                                   save_checkpoint)
+from workers import checkpoint
+from workers.models.gpt import GPT
+from workers.optim import build_optimizer
+
+CONFIG = JobConfig.from_dict({"model": {"n_layer": 1, "n_head": 2, "n_embd": 32, "seq_len": 16},
+                              "train": {"global_batch_size": 4, "micro_batch_size": 2},
+                              "cluster": {"num_workers": 2}})
+
+
+def trained(seed: int):
+    torch.manual_seed(seed)
+    model = GPT(CONFIG.model)
+    optimizer = build_optimizer(model, CONFIG.train, torch.device("cpu"))
+    tokens = torch.randint(0, 257, (2, 17))
+    model(tokens[:, :-1], tokens[:, 1:]).backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def info(step: int) -> checkpoint.CheckpointInfo:
+    return checkpoint.CheckpointInfo.for_job(CONFIG, step, step * 4, "bytes", world_size=1)
+
+
+def test_round_trip_restores_weights_and_optimizer_exactly(tmp_path):
+    model, optimizer = trained(0)
+    checkpoint.save(tmp_path / "step_00000001", model, optimizer, info(1))
+    fresh, fresh_opt = trained(1)
+    assert not torch.equal(fresh.lm_head.weight, model.lm_head.weight) if hasattr(model, "lm_head") else True
+    loaded, readers = checkpoint.load(tmp_path / "step_00000001", fresh, fresh_opt)
+    assert loaded == info(1) and readers == {"posix"}
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), name
+    for a, b in zip(optimizer.state.values(), fresh_opt.state.values()):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_tensors_are_raw_bytes_on_4k_boundaries(tmp_path):
+    state = {"w": torch.arange(1000, dtype=torch.float32), "b": torch.ones(3, dtype=torch.bfloat16),
+             "scalar": torch.tensor(7), "meta": {"note": "hello"}}
+    save_checkpoint(state, tmp_path / "ck").result()
+    metadata = pickle.loads((tmp_path / "ck" / DCP_METADATA).read_bytes())
+    extents = [e for e in metadata.storage_data.values() if e.dtype is not None]
+    assert len(extents) == 3 and all(isinstance(e, RawExtent) and e.offset % ALIGN == 0 for e in extents)
+    w = next(e for e in extents if e.shape == (1000,))
+    raw = (tmp_path / "ck" / w.relative_path).read_bytes()[w.offset:w.offset + w.length]
+    assert raw == state["w"].numpy().tobytes()
+    target = {"w": torch.zeros(1000), "b": torch.zeros(3, dtype=torch.bfloat16), "scalar": torch.tensor(0),
+              "meta": {"note": ""}}
+    load_checkpoint(target, tmp_path / "ck")
+    assert torch.equal(target["w"], state["w"]) and torch.equal(target["b"], state["b"])
+    assert target["scalar"].item() == 7 and target["meta"] == {"note": "hello"}
+
+
+def test_a_step_without_metadata_is_not_committed_and_is_cleaned_up(tmp_path):
+    store = CheckpointStore(tmp_path)
+    for step in (1, 2):
+        save_checkpoint({"x": torch.full((10,), float(step))}, store.step(step),
+                        extra={checkpoint.INFO_FILE: b"{}"}).result()
+    (store.step(2) / DCP_METADATA).remove()  # as if the save of step 2 crashed before committing
+    assert [s for s, _ in store.committed()] == [1] and store.latest() == store.step(1)
+    assert store.remove_uncommitted() == [store.step(2)] and not store.step(2).exists()
+    with pytest.raises(CheckpointError, match="not a committed checkpoint"):
+        load_checkpoint({"x": torch.zeros(10)}, store.step(2))
+
+
+def test_extra_files_are_written_before_the_commit_and_a_save_replaces_a_stale_step(tmp_path):
+    target = tmp_path / "step_00000005"
+    target.mkdir()
+    (target / "__7_0.distcp").write_bytes(b"left by a crashed save with more ranks")
+    save_checkpoint({"x": torch.ones(4)}, target, extra={"archipelago.json": b'{"step": 5}'}).result()
+    assert sorted(p.name for p in target.iterdir()) == [".metadata", "__0_0.distcp", "archipelago.json"]
+    assert json.loads((target / "archipelago.json").read_text()) == {"step": 5}
+
+
+def test_retention_keeps_the_newest_k(tmp_path):
+    store = CheckpointStore(tmp_path)
+    for step in range(1, 6):
+        save_checkpoint({"x": torch.ones(2)}, store.step(step)).result()
+    deleted = store.prune(keep_last=2)
+    assert [d.name for d in deleted] == ["step_00000001", "step_00000002", "step_00000003"]
+    assert [s for s, _ in store.committed()] == [4, 5]
+
+
+def test_async_save_snapshots_the_state_before_returning(tmp_path):
+    state = {"x": torch.arange(100_000, dtype=torch.float32)}
+    pending = save_checkpoint(state, tmp_path / "ck", async_save=True)
+    state["x"].mul_(-1)  # training goes on and changes the tensors while the save is in flight
+    assert pending.result() == pending.location and is_committed(tmp_path / "ck")
+    target = {"x": torch.zeros(100_000)}
+    load_checkpoint(target, tmp_path / "ck")
+    assert torch.equal(target["x"], torch.arange(100_000, dtype=torch.float32))
+
+
+def test_run_checkpoints_saves_async_and_applies_retention(tmp_path):
+    config = JobConfig.from_dict({**CONFIG.to_dict(), "checkpoint": {"keep_last": 2, "async_save": True}})
+    model, optimizer = trained(0)
+    runs = checkpoint.RunCheckpoints(tmp_path, config, rank=0)
+    committed = []
+    for step in (1, 2, 3):
+        committed += runs.save(model, optimizer, checkpoint.CheckpointInfo.for_job(config, step, step, "bytes"))
+    assert committed == [1, 2]  # step 3 is still in flight until waited for
+    assert runs.wait() == [3] and [s for s, _ in runs.store.committed()] == [2, 3]
+    fresh, fresh_opt = trained(1)
+    restored_info, _ = runs.restore(fresh, fresh_opt, "bytes")
+    assert restored_info.step == 3
+
+
+def test_incompatible_checkpoints_are_refused_with_the_reason(tmp_path):
+    model, optimizer = trained(0)
+    checkpoint.save(tmp_path / "ck", model, optimizer, info(1))
+    saved = checkpoint.read_info(tmp_path / "ck")
+    with pytest.raises(CheckpointError, match="trained on 'bytes' tokens, the dataset has 'hf-json:abc'"):
+        checkpoint.check_compatible(saved, CONFIG, "hf-json:abc", tmp_path / "ck")
+    legacy = checkpoint.CheckpointInfo(**{**json.loads((tmp_path / "ck" / "archipelago.json").read_text()),
+                                          "sampler": "numpy-permutation"})
+    with pytest.raises(CheckpointError, match="sampler 'numpy-permutation'.*start a new run"):
+        checkpoint.check_compatible(legacy, CONFIG, "bytes", tmp_path / "ck")
+
+
+def test_a_checkpoint_of_another_writer_is_refused(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"x": torch.ones(3)}, checkpoint_id=str(tmp_path / "plain"))
+    with pytest.raises(CheckpointError, match="another DCP writer"):
+        load_checkpoint({"x": torch.zeros(3)}, tmp_path / "plain")
+
+
+def test_run_directory_lists_only_committed_steps(tmp_path):
+    run = RunDirectory(tmp_path, "job")
+    run.create(overwrite=False)
+    save_checkpoint({"x": torch.ones(2)}, run.checkpoints.step(4), extra={"archipelago.json": b"{}"}).result()
+    (run.path / "step_00000008").mkdir()  # a save that never committed
+    assert run.committed_checkpoints() == [run.path / "step_00000004"]
+    assert run.checkpoint_to_resume() == run.path / "step_00000004"
+    assert run.storage_path == str(tmp_path.resolve())
