@@ -92,7 +92,7 @@ def decompress_accumulate(dense_out: torch.Tensor, compressed: CompressedBucket)
 
 
 def topk_by_magnitude(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int32 indices, values) of about k elements of x with the largest |x|, in no order.
+    """(int32 indices, values) of about k elements of x with the largest |x|, indices ascending.
 
     A sampled threshold and one compaction pass instead of a sort: the count is k within the
     tolerance of kernels.plan (at most its capacity), and every element returned has a

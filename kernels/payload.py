@@ -6,7 +6,7 @@ settings) and hands each gathered row back through `CompressedBucket.with_payloa
 Layout (byte offsets; each array starts 16-byte aligned except the values):
 
     header   int32[4]          selected, nonfinite, threshold (fp32 bits), 0
-    indices  int32[capacity]   element index of each sent entry, in no particular order
+    indices  int32[capacity]   element index of each sent entry, ascending
     values   int8[capacity]    quantised codes (or raw values, for top-k)
     scales   float32[blocks]   one per `block` elements of the bucket: dequantised = code * scale
 

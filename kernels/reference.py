@@ -1,9 +1,9 @@
 """Plain-torch twins of the Triton kernels: the CPU implementation and the reference in tests.
 
 Each public function has the signature and the bit-exact results of its namesake in
-kernels/triton_kernels.py (except the order of entries in a payload, which is ascending here and
-in completion order there). The arithmetic is chosen so both agree to the bit: integer histogram
-maths for the threshold, correctly rounded division, round-half-even, and no fused multiply-add.
+kernels/triton_kernels.py, down to the payload's bytes. The arithmetic is chosen so both agree
+to the bit: integer histogram maths for the threshold, correctly rounded division,
+round-half-even, and no fused multiply-add.
 """
 
 from __future__ import annotations

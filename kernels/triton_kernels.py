@@ -4,18 +4,23 @@ Imported only when a CUDA tensor arrives (kernels.compression imports it lazily)
 without triton can import kernels. Every function matches its twin in kernels/reference.py bit
 for bit; the choices that make that so are noted where they are made.
 
-select() launches three kernels:
+select() runs, for a bucket of n elements:
   _sample_kernel     gathers the sample (at most 2**20 random elements of bucket and residual),
                      stores its magnitude bits and histograms their exponents
   _key_bins_kernel   histograms, within the exponent that holds the threshold, the next 8 bits
                      (few atomics: one per program per bin, and one per sample in that exponent)
-  _select_kernel     one pass over the bucket: reads bucket and residual, writes residual (12 n
-                     bytes for fp32) and the payload (about 0.06 n bytes at k = 1 %)
-A selecting program owns a contiguous run of tiles (one tile per scale block) and loads the next
-tile while it works on the current one. Its chosen entries go first to a private staging area
-(L2-resident) and reach the payload in batches, each claiming its slots with one atomic add: one
-atomic per tile on a single counter serialised the whole kernel (measured). That is also why
-entries land in the payload in batches, in no global order.
+  _threshold_kernel  turns the histograms into the threshold
+  _quantise_kernel   the one pass over the bucket: reads bucket and residual, writes residual
+                     (12 bytes per fp32 element), and compacts each tile's entries (index in the
+                     tile, code) into that tile's own slots of a scratch array, with a count
+  torch.cumsum       over the counts: where each tile's entries start in the payload
+  _gather_kernel     moves each tile's entries to the payload (about 8 bytes per entry), in
+                     ascending index order, so Triton and the twin give the same payload bytes
+An earlier single-pass design (programs compacting into the payload through staging and atomic
+slot claims) held ~16 registers per element, so few programs fit per multiprocessor and it
+stalled on load latency at ~35 % of copy bandwidth (measured); one slot-claiming atomic per tile
+on a single counter serialised an earlier one still. The scratch array costs memory (4 bytes
+per element, allocated per call) but almost no traffic: only the ~k entries are written.
 decompress_accumulate() adds each entry into its dense element: one read-modify-write of a
 32-byte sector per entry, since at k = 1 % entries are about 100 elements apart.
 """
@@ -23,7 +28,6 @@ decompress_accumulate() adds each entry into its dense element: one read-modify-
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 import triton
@@ -45,8 +49,9 @@ SAMPLE_TILE = 1024
 DECOMPRESS_TILE = 1024
 TOPK_TILE = 1024
 """Elements per selecting step when there are no scale blocks (top-k alone)."""
-STAGE_ENTRIES = 2048
-"""Entries a selecting program stages before claiming payload slots for them (at least a tile)."""
+GATHER_ROWS = 32
+GATHER_WIDTH = 16
+"""A gathering program moves the entries of 32 tiles, 16 per tile at a time (4 lanes a thread)."""
 
 
 @triton.jit
@@ -101,87 +106,80 @@ def _threshold_bits(workspace_ptr, need):
 
 
 @triton.jit
-def _flush(staged, stage, header_ptr, stage_indices_ptr, stage_values_ptr, indices_ptr, values_ptr, scales_ptr,
-           residual_ptr, capacity, COMPRESS: tl.constexpr, TILE: tl.constexpr, STAGE: tl.constexpr):
-    """Copy `staged` entries from this program's staging area to freshly claimed payload slots."""
-    tl.debug_barrier()  # every thread's staged stores (and residual stores) are visible
-    first = tl.atomic_add(header_ptr, staged, sem="relaxed")
-    for start in range(0, staged, TILE):
-        j = start + tl.arange(0, TILE)
-        valid = j < staged
-        index = tl.load(stage_indices_ptr + stage + j, mask=valid, other=0)
-        value = tl.load(stage_values_ptr + stage + j, mask=valid, other=0)
-        slot = first + j
-        fits = valid & (slot < capacity)
-        tl.store(indices_ptr + slot, index, mask=fits)
-        tl.store(values_ptr + slot, value, mask=fits)
-        if COMPRESS:
-            # Past capacity: give the value back to the residual, which held acc - code * scale;
-            # adding code * scale back restores acc exactly.
-            lost = valid & (slot >= capacity)
-            scale = tl.load(scales_ptr + index // TILE, mask=lost, other=0.0)
-            kept = tl.load(residual_ptr + index, mask=lost, other=0.0)
-            tl.store(residual_ptr + index, kept + value.to(tl.float32) * scale, mask=lost)
-    tl.debug_barrier()  # the staging area is free again
+def _threshold_kernel(workspace_ptr, header_ptr, need):
+    tl.store(header_ptr + 2, _threshold_bits(workspace_ptr, need))
 
 
 @triton.jit
-def _select_kernel(source_ptr, residual_ptr, workspace_ptr, need, header_ptr, indices_ptr, values_ptr, scales_ptr,
-                   stage_indices_ptr, stage_values_ptr, numel, capacity, tiles_per_program,
-                   COMPRESS: tl.constexpr, TILE: tl.constexpr, STAGE: tl.constexpr):
-    pid = tl.program_id(0)
-    threshold_bits = _threshold_bits(workspace_ptr, need)
-    if pid == 0:
-        tl.store(header_ptr + 2, threshold_bits)
-    threshold = threshold_bits.to(tl.float32, bitcast=True)
-    stage = pid * STAGE
-    first_tile = pid * tiles_per_program
-    tiles = tl.cdiv(numel, TILE)
-    end = tl.minimum((first_tile + tiles_per_program) * TILE, numel)
-    staged = 0
-    # Every program loops tiles_per_program times; only the last one can run past the bucket,
-    # and its empty tiles cost no memory traffic.
-    for step in range(tiles_per_program):
-        tile = first_tile + step
-        offsets = tile * TILE + tl.arange(0, TILE)
-        inside = offsets < end
-        acc = tl.load(source_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-        if COMPRESS:
-            acc += tl.load(residual_ptr + offsets, mask=inside, other=0.0)
+def _quantise_kernel(source_ptr, residual_ptr, header_ptr, scales_ptr, entries_ptr, counts_ptr, numel,
+                     COMPRESS: tl.constexpr, TILE: tl.constexpr):
+    # Few registers per element, so many programs fit on each multiprocessor and keep enough
+    # loads in flight to stream at copy speed; placing entries in the payload is left to
+    # _gather_kernel, which needs every tile's count first.
+    tile = tl.program_id(0)
+    offsets = tile * TILE + tl.arange(0, TILE)
+    inside = offsets < numel
+    acc = tl.load(source_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+    if COMPRESS:
+        acc += tl.load(residual_ptr + offsets, mask=inside, other=0.0)
+    threshold = tl.load(header_ptr + 2).to(tl.float32, bitcast=True)
+    exponent = (acc.to(tl.int32, bitcast=True) >> _EXPONENT_SHIFT) & 0xFF
+    nonfinite = tl.sum((exponent == _NONFINITE_EXPONENT).to(tl.int32), 0)
+    if nonfinite > 0:
+        tl.atomic_add(header_ptr + 1, nonfinite, sem="relaxed")
+    magnitude = tl.abs(acc)
+    chosen = (magnitude >= threshold) & (magnitude > 0.0)
+    if COMPRESS:
+        scale = tl.div_rn(tl.max(tl.where(chosen, magnitude, 0.0), 0), _QUANT_MAX)
+        tl.store(scales_ptr + tile, scale)
+        # Correctly rounded division and half-even rounding, as torch does: then a code of 1
+        # means |acc| > scale / 2, and acc - code * scale is exact (Sterbenz), which is what
+        # makes the residual update lossless.
+        ratio = tl.div_rn(acc, tl.where(scale > 0.0, scale, 1.0))
+        codes = tl.minimum(tl.maximum((ratio + _ROUND_MAGIC) - _ROUND_MAGIC, -_QUANT_MAX), _QUANT_MAX)
+        codes = tl.where(scale > 0.0, tl.where(chosen, codes, 0.0), 0.0)
+        chosen = codes != 0.0
+        tl.store(residual_ptr + offsets, acc - codes * scale, mask=inside)
+        entry = (tl.arange(0, TILE) | ((codes.to(tl.int32) & 0xFF) << 16))
+    else:
+        entry = tl.arange(0, TILE)
+    # The tile's entries, compacted to the front of its own TILE slots: no other tile's count
+    # is needed to place them, so no atomics and no second pass over the bucket.
+    tl.store(entries_ptr + tile * TILE + tl.cumsum(chosen.to(tl.int32), 0) - 1, entry, mask=chosen)
+    tl.store(counts_ptr + tile, tl.sum(chosen.to(tl.int32), 0))
 
-        exponent = (acc.to(tl.int32, bitcast=True) >> _EXPONENT_SHIFT) & 0xFF
-        nonfinite = tl.sum((exponent == _NONFINITE_EXPONENT).to(tl.int32), 0)
-        if nonfinite > 0:
-            tl.atomic_add(header_ptr + 1, nonfinite, sem="relaxed")
-        magnitude = tl.abs(acc)
-        chosen = (magnitude >= threshold) & (magnitude > 0.0)
+
+@triton.jit
+def _gather_kernel(source_ptr, residual_ptr, header_ptr, scales_ptr, entries_ptr, counts_ptr, ends_ptr, indices_ptr,
+                   values_ptr, capacity, tiles, COMPRESS: tl.constexpr, TILE: tl.constexpr, ROWS: tl.constexpr,
+                   WIDTH: tl.constexpr):
+    # ROWS tiles per program. ends_ptr holds the running sum of the counts, so every entry's
+    # slot is known without atomics and the payload comes out in ascending index order.
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_inside = row < tiles
+    if tl.program_id(0) == 0:
+        tl.store(header_ptr, tl.load(ends_ptr + tiles - 1))
+    count = tl.load(counts_ptr + row, mask=row_inside, other=0)
+    first = tl.load(ends_ptr + row, mask=row_inside, other=0) - count
+    for start in range(0, tl.max(count, 0), WIDTH):
+        j = start + tl.arange(0, WIDTH)
+        live = j[None, :] < count[:, None]
+        entry = tl.load(entries_ptr + row[:, None] * TILE + j[None, :], mask=live, other=0)
+        index = row[:, None] * TILE + (entry & 0xFFFF)
+        slot = first[:, None] + j[None, :]
+        fits = live & (slot < capacity)
+        tl.store(indices_ptr + slot, index, mask=fits)
         if COMPRESS:
-            scale = tl.div_rn(tl.max(tl.where(chosen, magnitude, 0.0), 0), _QUANT_MAX)
-            tl.store(scales_ptr + tile, scale, mask=tile < tiles)
-            # Correctly rounded division and half-even rounding, as torch does: then a code of 1
-            # means |acc| > scale / 2, and acc - code * scale is exact (Sterbenz), which is what
-            # makes the residual update lossless.
-            ratio = tl.div_rn(acc, tl.where(scale > 0.0, scale, 1.0))
-            codes = tl.minimum(tl.maximum((ratio + _ROUND_MAGIC) - _ROUND_MAGIC, -_QUANT_MAX), _QUANT_MAX)
-            codes = tl.where(scale > 0.0, codes, 0.0)
-            chosen = chosen & (codes != 0.0)
-            stored = codes
+            code = (entry << 8) >> 24  # the signed byte packed at bits 16..23
+            tl.store(values_ptr + slot, code.to(tl.int8), mask=fits)
+            # Past capacity: give the value back to the residual, which holds acc - code * scale;
+            # adding code * scale back restores acc exactly.
+            lost = live & (slot >= capacity)
+            scale = tl.load(scales_ptr + row, mask=row_inside, other=0.0)
+            kept = tl.load(residual_ptr + index, mask=lost, other=0.0)
+            tl.store(residual_ptr + index, kept + code.to(tl.float32) * scale[:, None], mask=lost)
         else:
-            stored = acc
-        count = tl.sum(chosen.to(tl.int32), 0)
-        if staged + count > STAGE:
-            _flush(staged, stage, header_ptr, stage_indices_ptr, stage_values_ptr, indices_ptr, values_ptr,
-                   scales_ptr, residual_ptr, capacity, COMPRESS, TILE, STAGE)
-            staged = 0
-        position = stage + staged + tl.cumsum(chosen.to(tl.int32), 0) - 1
-        tl.store(stage_indices_ptr + position, offsets, mask=chosen)
-        tl.store(stage_values_ptr + position, stored.to(stage_values_ptr.dtype.element_ty), mask=chosen)
-        if COMPRESS:
-            tl.store(residual_ptr + offsets, tl.where(chosen, acc - codes * scale, acc), mask=inside)
-        staged += count
-    if staged > 0:
-        _flush(staged, stage, header_ptr, stage_indices_ptr, stage_values_ptr, indices_ptr, values_ptr,
-               scales_ptr, residual_ptr, capacity, COMPRESS, TILE, STAGE)
+            tl.store(values_ptr + slot, tl.load(source_ptr + index, mask=fits, other=0.0), mask=fits)
 
 
 @triton.jit
@@ -203,49 +201,30 @@ def select(source: torch.Tensor, residual: torch.Tensor | None, plan: SelectionP
            workspace: torch.Tensor) -> None:
     compress = residual is not None
     tile = out.layout.block if compress else TOPK_TILE
-    options = _select_options(compress, tile)
     tiles = triton.cdiv(plan.numel, tile)
+    # Scratch: a slot per element for the entries each tile compacts into its own slots (only
+    # about k of them are written), and a count per tile, whose running sum places each tile's
+    # entries in the payload.
+    entries = torch.empty(tiles * tile, dtype=torch.int32, device=source.device)
+    counts = torch.empty(tiles, dtype=torch.int32, device=source.device)
+    residual_or_source = residual if compress else source
+    scales = out.scales if compress else counts
+    samples = (triton.cdiv(plan.sample_size, SAMPLE_TILE),)
     with _on_device(source):
-        per_program = triton.cdiv(tiles, _resident_programs(source.device, source.dtype, compress, tile))
-        programs = triton.cdiv(tiles, per_program)
-        stage_indices = torch.empty(programs * options["STAGE"], dtype=torch.int32, device=source.device)
-        stage_values = torch.empty(programs * options["STAGE"], dtype=out.values.dtype, device=source.device)
-        samples = (triton.cdiv(plan.sample_size, SAMPLE_TILE),)
-        _sample_kernel[samples](source, residual if compress else source, workspace, plan.numel, plan.sample_size,
+        _sample_kernel[samples](source, residual_or_source, workspace, plan.numel, plan.sample_size,
                                 plan.sample_stride, HAS_RESIDUAL=compress, TILE=SAMPLE_TILE, num_warps=4)
         _key_bins_kernel[samples](workspace, plan.sample_size, plan.sample_need, TILE=SAMPLE_TILE, num_warps=4)
-        _select_kernel[(programs,)](
-            source, residual if compress else source, workspace, plan.sample_need, out.header, out.indices,
-            out.values, out.scales if compress else out.header, stage_indices, stage_values, plan.numel,
-            out.capacity, per_program, **options)
-
-
-def _select_options(compress: bool, tile: int) -> dict:
-    # STAGE: a whole tile always fits after a flush. No fused multiply-add: acc - code * scale
-    # must round code * scale first, exactly as the receiver's dequantisation does, or the
-    # residual would not be exact.
-    return dict(COMPRESS=compress, TILE=tile, STAGE=max(STAGE_ENTRIES, tile), num_warps=max(1, min(16, tile // 256)),
-                enable_fp_fusion=False)
-
-
-@functools.cache
-def _resident_programs(device: torch.device, dtype: torch.dtype, compress: bool, tile: int) -> int:
-    """Selecting programs that fit on the GPU at once: each keeps its tile in registers, and a
-    program that waited for a second wave would finish last by a whole run of tiles."""
-    if device.type != "cuda":
-        return 4  # under TRITON_INTERPRET=1 there is no GPU to fill
-    f32, i32 = torch.empty(16, device=device), torch.empty(16, dtype=torch.int32, device=device)
-    source = torch.empty(16, dtype=dtype, device=device)
-    values = torch.empty(16, dtype=torch.int8 if compress else dtype, device=device)
-    kernel = _select_kernel.warmup(source, f32 if compress else source, i32, 17, i32, i32, values, f32, i32, values,
-                                   4096, 17, 17, grid=(1,), **_select_options(compress, tile))
-    kernel._init_handles()
-    props = torch.cuda.get_device_properties(device)
-    threads = kernel.metadata.num_warps * 32
-    registers = getattr(props, "regs_per_multiprocessor", 65536)  # 64 Ki on every NVIDIA GPU since sm_50
-    by_registers = registers // (-(-kernel.n_regs // 8) * 8 * threads)
-    by_threads = props.max_threads_per_multi_processor // threads
-    return props.multi_processor_count * max(1, min(by_registers, by_threads))
+        _threshold_kernel[(1,)](workspace, out.header, plan.sample_need, num_warps=4)
+        # No fused multiply-add: acc - code * scale must round code * scale first, exactly as
+        # the receiver's dequantisation does, or the residual would not be exact.
+        _quantise_kernel[(tiles,)](source, residual_or_source, out.header, scales, entries, counts, plan.numel,
+                                   COMPRESS=compress, TILE=tile, num_warps=max(1, min(16, tile // 256)),
+                                   enable_fp_fusion=False)
+        ends = torch.cumsum(counts, 0, dtype=torch.int32)
+        _gather_kernel[(triton.cdiv(tiles, GATHER_ROWS),)](
+            source, residual_or_source, out.header, scales, entries, counts, ends, out.indices, out.values,
+            out.capacity, tiles, COMPRESS=compress, TILE=tile, ROWS=GATHER_ROWS, WIDTH=GATHER_WIDTH, num_warps=4,
+            enable_fp_fusion=False)
 
 
 def decompress_accumulate(dense_out: torch.Tensor, compressed: CompressedBucket) -> None:
