@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 
 from orchestrator.errors import ArchipelagoError, CheckpointError
 from storage.fs import Location
+from storage.loader import read_to_device
 from storage.readers import RangeReader, ReaderKind, choose_reader, host_reader_for
 from storage.shards import Extent
 
@@ -61,8 +62,6 @@ STEP_PATTERN = re.compile(r"step_(\d{8,})$")
 # deliberate mode, not a mistake.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
                         category=UserWarning)
-STAGING_BYTES = 64 * 2**20
-"""Size of each of the two pinned buffers a GPU load goes through when kvikio cannot run."""
 
 
 def step_dir_name(step: int) -> str:
@@ -335,20 +334,13 @@ class RawReader(StorageReader):
                 host_direct.append((extent, span, target))
             else:
                 (cuda_direct if self._cuda_reader(target.device).into_cuda else staged).append((extent, span, target))
-        waits = [host.read([self._extent(e, s)], _bytes_of(t).numpy()) for e, s, t in host_direct]
-        if cuda_direct or staged:
-            # Reads bypass the CUDA streams: kernels still writing these tensors (initialisation) must finish first.
-            torch.cuda.synchronize((cuda_direct or staged)[0][2].device)
+        read_to_device(host, [(self._extent(e, s), _bytes_of(t)) for e, s, t in host_direct + staged])
         if cuda_direct:
             reader = self._cuda_reader(cuda_direct[0][2].device)
-            waits += [reader.read([self._extent(e, s)], _bytes_of(t)) for e, s, t in cuda_direct]
+            read_to_device(reader, [(self._extent(e, s), _bytes_of(t)) for e, s, t in cuda_direct])
             self.used.add(reader.kind)
         if host_direct or staged or copied:
             self.used.add(host.kind)
-        for wait in waits:
-            wait.wait()
-        if staged:
-            _StagedCopy(host, staged[0][2].device).run([(self._extent(e, s), t) for e, s, t in staged])
         for item, extent, target in copied:
             chunk = self._read_host(host, extent, 0, extent.length)
             saved = chunk.view(_torch_dtype(extent.dtype)).reshape(extent.shape)
@@ -397,36 +389,6 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
 
 def _torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
-
-
-class _StagedCopy:
-    """Host reads into two pinned buffers, each copied to the GPU on a side stream while the other fills."""
-
-    def __init__(self, host: RangeReader, device: torch.device):
-        self.host = host
-        self.device = device
-
-    def run(self, reads: list[tuple[Extent, torch.Tensor]]) -> None:
-        largest = max(e.nbytes for e, _ in reads)
-        size = min(STAGING_BYTES, largest)
-        buffers = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        events: list[torch.cuda.Event | None] = [None, None]
-        stream = torch.cuda.Stream(self.device)
-        turn = 0
-        for extent, target in reads:
-            dest = _bytes_of(target)
-            for start in range(0, extent.nbytes, size):
-                n = min(size, extent.nbytes - start)
-                if events[turn] is not None:
-                    events[turn].synchronize()
-                piece = Extent(extent.path, extent.file_offset + start, n, 0)
-                self.host.read([piece], buffers[turn].numpy()).wait()
-                with torch.cuda.stream(stream):
-                    dest[start:start + n].copy_(buffers[turn][:n], non_blocking=True)
-                    events[turn] = torch.cuda.Event()
-                    events[turn].record(stream)
-                turn = 1 - turn
-        stream.synchronize()
 
 
 # ---- save and load ------------------------------------------------------------------------------------------------

@@ -29,9 +29,11 @@ import numpy as np
 import torch
 
 from storage.readers import ReaderChoice, RangeReader
-from storage.shards import TokenDataset
+from storage.shards import Extent, TokenDataset
 
 TORCH_TOKEN_DTYPES = {"uint16": torch.uint16, "uint32": torch.uint32}
+STAGING_BYTES = 64 * 2**20
+"""Size of each of the two pinned buffers a host reader's bytes pass through on their way to a GPU."""
 
 
 @dataclass
@@ -150,3 +152,47 @@ class BatchLoader:
             slot.cuda = torch.empty(size, dtype=torch.uint8, device=self.device)
         if not self.reader.into_cuda and (slot.host is None or slot.host.numel() < size):
             slot.host = torch.empty(size, dtype=torch.uint8, pin_memory=self.on_cuda)
+
+
+def read_to_device(reader: RangeReader, reads: Sequence[tuple[Extent, torch.Tensor]]) -> None:
+    """Reads each extent into its destination (a contiguous uint8 tensor on any device) and returns when all landed.
+
+    Readers that fill CUDA memory (kvikio) read straight into the destinations. A host reader with
+    CUDA destinations reads into one of two pinned buffers while the other is copied to the GPU on a
+    side stream; with CPU destinations it reads into them directly. Each extent's buffer_offset is
+    ignored: an extent fills its destination from byte 0.
+    """
+    cuda = [(e, d) for e, d in reads if d.device.type == "cuda"]
+    if cuda:
+        # These reads bypass CUDA streams: kernels still writing the destinations must finish first.
+        torch.cuda.synchronize(cuda[0][1].device)
+    if reader.into_cuda:
+        pending = [reader.read([e._replace(buffer_offset=0)], d) for e, d in cuda]
+    else:
+        pending = [reader.read([e._replace(buffer_offset=0)], d.numpy()) for e, d in reads if d.device.type == "cpu"]
+        if cuda:
+            _staged_copy(reader, cuda)
+    for p in pending:
+        p.wait()
+
+
+def _staged_copy(reader: RangeReader, reads: list[tuple[Extent, torch.Tensor]]) -> None:
+    size = min(STAGING_BYTES, max(e.nbytes for e, _ in reads))
+    device = reads[0][1].device
+    buffers = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    copied: list[torch.cuda.Event | None] = [None, None]
+    stream = torch.cuda.Stream(device)
+    turn = 0
+    for extent, dest in reads:
+        for start in range(0, extent.nbytes, size):
+            n = min(size, extent.nbytes - start)
+            if copied[turn] is not None:
+                copied[turn].synchronize()  # the copy out of this buffer is done: it may be refilled
+            piece = Extent(extent.path, extent.file_offset + start, n, 0)
+            reader.read([piece], buffers[turn].numpy()).wait()
+            with torch.cuda.stream(stream):
+                dest[start:start + n].copy_(buffers[turn][:n], non_blocking=True)
+                copied[turn] = torch.cuda.Event()
+                copied[turn].record(stream)
+            turn = 1 - turn
+    stream.synchronize()

@@ -163,7 +163,7 @@ def open_loaders(job: WorkerJob, device: torch.device) -> tuple[BatchLoader, Bat
     data = job.config.data
     train = TokenDataset(job.data_dir, "train", job.config.model.seq_len)
     val = TokenDataset(job.data_dir, "val", job.config.model.seq_len)
-    choice = choose_reader(data.reader, train.location, device, threads=data.reader_threads)
+    choice = choose_reader(data.reader, train.location, device, threads=data.reader_threads, small_reads=True)
     train_loader = BatchLoader(train, choice, device, depth=data.prefetch_steps)
     val_reader = choose_reader(choice.reader.kind, val.location, device, threads=data.reader_threads)
     return train_loader, BatchLoader(val, val_reader, device, depth=1)
