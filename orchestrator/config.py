@@ -135,8 +135,13 @@ class TrainConfig:
     """Steps between validation passes (and one at the end)."""
     eval_samples: int = 64
     """Validation samples per pass, split across workers."""
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
-    """Autocast dtype: auto is bf16 on GPUs that support it and fp32 on CPU."""
+    precision: Literal["auto", "fp32", "bf16", "fp16", "fp8"] = "auto"
+    """auto is bf16 on GPUs that support it and fp32 on CPU; fp16 adds loss scaling; fp8 trains the
+    linear layers in float8 through torchao (GPUs with compute capability ≥ 8.9)."""
+    float8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    """torchao float8 scaling recipe, used when precision = "fp8"."""
+    chunked_loss: bool = True
+    """Compute the loss in chunks so the full (tokens × vocab) fp32 logits never exist."""
 
     def __post_init__(self) -> None:
         _positive("train", steps=self.steps, global_batch_size=self.global_batch_size,
@@ -158,14 +163,43 @@ class CompileConfig:
     """Compile the model with torch.compile (needs a C++ compiler on CPU)."""
     mode: Literal["default", "max-autotune", "reduce-overhead"] = "default"
     """torch.compile mode."""
+    fullgraph: bool = True
+    """Demand one graph where the wrapping allows it (one worker, or FSDP2's per-block compile);
+    DDP's optimizer splits the graph at bucket boundaries by design."""
+    ddp_mode: Literal["ddp_optimizer", "compiled_autograd"] = "ddp_optimizer"
+    """How compile meets DDP: Dynamo's DDPOptimizer (graph split per bucket, comm hooks work) or
+    compiled autograd (one backward graph, comm captured in it; no comm hooks)."""
 
 
 @dataclass(kw_only=True, slots=True)
 class ParallelConfig:
-    strategy: Literal["ddp"] = "ddp"
-    """How model replicas are kept in sync."""
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """ddp replicates the model on every worker; fsdp (FSDP2, one shard group per block) shards
+    parameters, gradients and optimizer state for models that do not fit one device."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend: auto is nccl on GPUs, gloo on CPUs."""
+    activation_checkpointing: Literal["off", "selective", "full"] = "off"
+    """Recompute block activations in backward to fit larger micro-batches."""
+    comm_hook: Literal["allreduce", "bf16", "powersgd", "topk", "hierarchical"] = "allreduce"
+    """How DDP averages gradients (see workers/comm/hooks.py); hierarchical follows NVLink islands."""
+    bucket_mb: float = 25.0
+    """DDP gradient bucket size when the plan does not choose one."""
+    comm_warmup_steps: int = 10
+    """Plain all-reduce steps before powersgd or topk start compressing."""
+    powersgd_rank: int = 4
+    """Rank of PowerSGD's low-rank approximation."""
+    topk_ratio: float = 0.01
+    """Share of gradient entries the topk hook sends each step (the rest waits in the residual)."""
+
+    def __post_init__(self) -> None:
+        _positive("parallel", bucket_mb=self.bucket_mb, powersgd_rank=self.powersgd_rank)
+        _check(0.0 < self.topk_ratio <= 0.5, "[parallel] topk_ratio", f"must be in (0, 0.5], got {self.topk_ratio}",
+               "set topk_ratio = 0.01 (send 1% of entries per step)")
+        _check(self.comm_warmup_steps >= 0, "[parallel] comm_warmup_steps",
+               f"must be 0 or more, got {self.comm_warmup_steps}", "set comm_warmup_steps = 10")
+        _check(self.strategy == "ddp" or self.comm_hook == "allreduce", "[parallel] comm_hook",
+               f"{self.comm_hook!r} is a DDP comm hook; FSDP reduce-scatters its own gradients",
+               'use strategy = "ddp" with this hook, or comm_hook = "allreduce" with fsdp')
 
 
 @dataclass(kw_only=True, slots=True)
@@ -204,6 +238,43 @@ class ClusterConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class PlacementConfig:
+    objective: Literal["fastest", "cheapest", "cheapest_under_deadline"] = "fastest"
+    """What the planner optimises: the shortest step, the fewest dollars per million tokens, or the
+    fewest dollars per million tokens among plans that finish `[train] steps` within deadline_hours."""
+    deadline_hours: float = 0.0
+    """Wall-clock limit for the whole job; needed by cheapest_under_deadline, ignored otherwise."""
+    min_gpus: int = 1
+    """Fewest GPUs (or MIG slices) the plan may use."""
+    max_gpus: int = 0
+    """Most GPUs (or MIG slices) the plan may use; 0 means every one in the cluster. The planner
+    uses fewer when more would be slower (fastest) or cost more per token (cheapest)."""
+    tensor_parallel_size: int = 1
+    """GPUs that split each layer between them; each group stays inside one NVLink island of whole
+    GPUs (never MIG slices). 1 means data parallelism only."""
+    use_mig: bool = True
+    """Let the planner place workers on MIG slices."""
+    pricing: Literal["on_demand", "spot"] = "on_demand"
+    """Which price column the dollars are computed from."""
+    prices: dict[str, float] = field(default_factory=dict)
+    """Dollars per device-hour in the chosen pricing column, by GPU model as the topology names it
+    (e.g. "H100-SXM5-80GB" = 2.10), or per core-hour for "cpu"; overrides orchestrator/cost.py's table.
+    A MIG slice costs its parent's price times its share of the SMs."""
+
+    def __post_init__(self) -> None:
+        _positive("placement", min_gpus=self.min_gpus, tensor_parallel_size=self.tensor_parallel_size)
+        _check(self.max_gpus == 0 or self.max_gpus >= self.min_gpus, "[placement] max_gpus",
+               f"{self.max_gpus} is below min_gpus = {self.min_gpus}", "raise max_gpus, or set it to 0 for no limit")
+        _check(self.deadline_hours >= 0, "[placement] deadline_hours", f"must be 0 or more, got {self.deadline_hours}",
+               "give the job's wall-clock limit in hours, e.g. deadline_hours = 12.0")
+        _check(self.objective != "cheapest_under_deadline" or self.deadline_hours > 0, "[placement] deadline_hours",
+               "cheapest_under_deadline needs a deadline", "set deadline_hours, e.g. deadline_hours = 12.0")
+        for model, price in self.prices.items():
+            _check(price >= 0, f"[placement] prices.{model}", f"must be 0 or more, got {price}",
+                   "give dollars per device-hour, e.g. 2.10")
+
+
+@dataclass(kw_only=True, slots=True)
 class JobConfig:
     name: str = "run"
     """Run name: outputs go to <runs_dir>/<name>/."""
@@ -216,8 +287,15 @@ class JobConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
     def __post_init__(self) -> None:
+        _check(self.train.precision != "fp8" or self.compile.enable, "[train] precision",
+               "float8 requires compile (eager float8 is slower than bf16)", "set [compile] enable = true")
+        _check(not (self.compile.enable and self.compile.ddp_mode == "compiled_autograd"
+                    and self.parallel.comm_hook != "allreduce"), "[compile] ddp_mode",
+               "compiled autograd captures DDP's all-reduce itself, so comm hooks cannot run",
+               'use ddp_mode = "ddp_optimizer" with a comm hook, or comm_hook = "allreduce"')
         _check(bool(self.name) and "/" not in self.name and self.name not in (".", ".."), "name",
                f"{self.name!r} is not a usable run name", 'use letters, digits, "-" and "_", e.g. name = "cpu-tiny"')
         per_pass = self.train.micro_batch_size * self.cluster.num_workers
@@ -289,6 +367,10 @@ def _convert(value: Any, hint: Any, where: str, key: str) -> Any:
         return value
     if origin in (typing.Union, types.UnionType):
         return _convert(value, next(a for a in typing.get_args(hint) if a is not type(None)), where, key)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"must be a table, got {value!r}", where=where, fix=f"write it as {key} = {{ name = value }}")
+        return {name: _convert(item, typing.get_args(hint)[1], f"{where}.{name}", key) for name, item in value.items()}
     expected = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[hint]
     ok = isinstance(value, hint) and not (hint is int and isinstance(value, bool))
     if hint is float and isinstance(value, int) and not isinstance(value, bool):

@@ -7,13 +7,28 @@ Sized entirely by `ModelConfig`; the same code trains the byte-level CPU demo, G
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from orchestrator.config import ModelConfig
+from workers.models.loss import chunked_cross_entropy
+
+# Selective activation checkpointing keeps what is expensive to recompute (matmuls, attention)
+# and recomputes the cheap, memory-hungry rest (norms, GELU, residual adds) in backward.
+_SAVE_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+             torch.ops.aten._scaled_dot_product_flash_attention.default,
+             torch.ops.aten._scaled_dot_product_efficient_attention.default,
+             torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+
+def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class CausalSelfAttention(nn.Module):
@@ -50,8 +65,18 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
+        self.activation_checkpointing = "off"
+        """off, selective or full; set through GPT.set_activation_checkpointing."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activation_checkpointing == "off" or not torch.is_grad_enabled():
+            return self._forward(x)
+        context = (functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+                   if self.activation_checkpointing == "selective" else None)
+        kwargs = {"context_fn": context} if context else {}
+        return checkpoint(self._forward, x, use_reentrant=False, preserve_rng_state=False, **kwargs)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
@@ -79,15 +104,27 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Returns the mean cross-entropy over all positions when targets are given, else the logits."""
+    def set_activation_checkpointing(self, mode: str) -> None:
+        """Recompute block activations in backward: "off", "selective" (keep matmul and attention
+        outputs) or "full". Module names do not change, so checkpoints load either way."""
+        for block in self.blocks:
+            block.activation_checkpointing = mode
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
+                chunked_loss: bool = False) -> torch.Tensor:
+        """Returns the mean cross-entropy over all positions when targets are given, else the logits.
+
+        chunked_loss computes the loss without materialising the (tokens × vocab) logits."""
         T = idx.shape[1]
         x = self.tok_emb(idx) + self.pos_emb(torch.arange(T, device=idx.device))
         for block in self.blocks:
             x = block(x)
-        logits = self.lm_head(self.ln_f(x))
+        x = self.ln_f(x)
         if targets is None:
-            return logits
+            return self.lm_head(x)
+        if chunked_loss:
+            return chunked_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1))
+        logits = self.lm_head(x)
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
     def num_params(self) -> int:

@@ -1,0 +1,96 @@
+"""DDP comm hooks on 4 gloo ranks in 2 fake NVLink islands: results and bytes on the wire."""
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from tests.engine_support import run_ranks
+from workers.comm.groups import build_island_groups
+from workers.comm.hooks import make_hook
+from workers.comm.stats import CommStats
+
+ISLANDS = [[0, 1], [2, 3]]
+SIZES = (1000, 37, 4099)  # odd sizes: the hierarchical hook pads to the island size
+
+
+class Params(torch.nn.Module):
+    """Gradient of each parameter = the input given for it, so tests choose the gradients exactly."""
+
+    def __init__(self):
+        super().__init__()
+        self.p = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(n)) for n in SIZES)
+
+    def forward(self, xs):
+        return sum((p * x).sum() for p, x in zip(self.p, xs))
+
+
+def gradients(rank: int, integer: bool) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + rank)
+    if integer:  # sums of small integers, divided by 4: exact in fp32 whatever the order
+        return [torch.randint(-1000, 1000, (n,), generator=g).float() for n in SIZES]
+    return [torch.randn(n, generator=g) for n in SIZES]
+
+
+def reduce_with(hook_name: str, rank: int, world: int, integer: bool, steps: int = 1):
+    islands = build_island_groups(ISLANDS) if hook_name == "hierarchical" else None
+    stats = CommStats()
+    model = DistributedDataParallel(Params(), bucket_cap_mb=0.004)  # ~1000 floats: several buckets
+    hook, state = make_hook(hook_name, stats=stats, world_size=world, islands=islands, warmup_steps=0,
+                            powersgd_rank=2, topk_ratio=0.1)
+    model.register_comm_hook(state, hook)
+    for _ in range(steps):
+        model.zero_grad()
+        model(gradients(rank, integer)).backward()
+    return [p.grad.clone() for p in model.module.p], stats.take()
+
+
+def hook_ranks(rank: int, world: int, out_path: str) -> None:
+    plain, plain_bytes = reduce_with("allreduce", rank, world, integer=True)
+    hier, hier_bytes = reduce_with("hierarchical", rank, world, integer=True)
+    bf16, bf16_bytes = reduce_with("bf16", rank, world, integer=False)
+    reference, _ = reduce_with("allreduce", rank, world, integer=False)
+    topk, topk_bytes = reduce_with("topk", rank, world, integer=False)
+    expected = [sum(gradients(r, True)[i] for r in range(world)) / world for i in range(len(SIZES))]
+    result = {
+        "hier_equals_plain": all(torch.equal(a, b) for a, b in zip(hier, plain)),
+        "plain_equals_expected": all(torch.equal(a, b) for a, b in zip(plain, expected)),
+        "bf16_max_rel_err": max(float(((a - b).abs() / b.abs().clamp_min(1e-3)).median()) for a, b in zip(bf16, reference)),
+        "bytes": {"allreduce": plain_bytes, "hierarchical": hier_bytes, "bf16": bf16_bytes, "topk": topk_bytes},
+        "topk_nonzero_share": sum(int((g != 0).sum()) for g in topk) / sum(SIZES),
+    }
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hooks") / "result.json"
+    run_ranks(4, hook_ranks, str(out))
+    return json.loads(out.read_text())
+
+
+def test_hierarchical_allreduce_equals_plain_allreduce_exactly(results):
+    assert results["plain_equals_expected"]
+    assert results["hier_equals_plain"]
+
+
+def test_bytes_each_hook_hands_to_collectives(results):
+    fp32 = sum(SIZES) * 4
+    assert results["bytes"]["allreduce"] == fp32
+    assert results["bytes"]["bf16"] == fp32 // 2
+    # reduce-scatter input (padded) plus the shard twice (cross-island all-reduce, all-gather)
+    assert fp32 <= results["bytes"]["hierarchical"] <= 2 * fp32 + 64
+
+
+def test_bf16_hook_is_close(results):
+    assert results["bf16_max_rel_err"] < 1e-2
+
+
+def test_topk_sends_a_fraction_and_reduces_to_sparse_gradients(results):
+    # 10% of entries at 5 bytes each (int32 index + int8 code) is 12.5% of fp32, plus headers and scales
+    assert results["bytes"]["topk"] < 0.15 * sum(SIZES) * 4
+    assert 0.1 <= results["topk_nonzero_share"] <= 4 * 0.1 + 0.01  # union of 4 ranks' selections

@@ -1,0 +1,184 @@
+"""The worker engine without Ray: DDP and FSDP2 on 2 gloo ranks against one process, top-k with
+error feedback against plain all-reduce, loss scaling, the chunked loss and compile on CPU."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from orchestrator.config import JobConfig
+from storage.sampler import BatchLayout, DeterministicSampler
+from storage.shards import TokenDataset
+from tests.engine_support import cpu_plan, run_ranks
+from workers.engine import Engine
+from workers.models.gpt import GPT
+from workers.models.loss import chunked_cross_entropy
+from workers.precision import LossScaler, Precision
+
+STEPS = 20
+TEXT_STEPS = 150
+MICRO = 4
+
+
+def job(**parallel) -> JobConfig:
+    return JobConfig.from_dict({
+        "model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "seq_len": 32},
+        "train": {"steps": STEPS, "global_batch_size": 2 * MICRO, "micro_batch_size": MICRO, "lr": 3e-3,
+                  "min_lr": 3e-3, "warmup_steps": 0},
+        "parallel": parallel,
+        "cluster": {"num_workers": 2},
+    })
+
+
+def batches_for(step: int, replica: int, replicas: int, accum: int) -> list[torch.Tensor]:
+    """Token windows for one step, the same global batch whatever the split; three batches cycle,
+    so the model can learn them and the loss falls."""
+    g = torch.Generator().manual_seed(step % 3)
+    data = torch.randint(0, 257, (2 * MICRO, 33), generator=g)
+    per = 2 * MICRO // (replicas * accum)
+    mine = data[replica * per * accum:(replica + 1) * per * accum]
+    return list(mine.split(per))
+
+
+def train(engine: Engine, replica: int, replicas: int, accum: int, steps: int = STEPS) -> list[float]:
+    losses = []
+    for step in range(steps):
+        loss, _ = engine(batches_for(step, replica, replicas, accum), lr=3e-3)
+        total = loss.detach().clone()
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(total)
+            total /= replicas
+        losses.append(float(total))
+    return losses
+
+
+def text_losses(engine: Engine, data_dir: str, rank: int, world: int, steps: int) -> list[float]:
+    """Trains on real byte-level text (the corpus fixture) and returns the global loss per step."""
+    data = TokenDataset(data_dir, "train", 32)
+    sampler = DeterministicSampler(data.num_samples, seed=0)
+    layout = BatchLayout.uniform(world, 8, 1)
+    losses = []
+    for step in range(steps):
+        ids = sampler.rank_micro_batches(step * layout.global_batch, layout, rank)
+        loss, _ = engine([torch.from_numpy(data.batch(i)) for i in ids], lr=3e-3)
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(float(total) / world)
+    return losses
+
+
+def distributed_runs(rank: int, world: int, data_dir: str, out_path: str) -> None:
+    results = {}
+    for name, parallel in {"ddp": {}, "fsdp": {"strategy": "fsdp"}}.items():
+        config = job(**parallel)
+        engine = Engine(config, cpu_plan(world, MICRO, 1, strategy=config.parallel.strategy), rank,
+                        torch.device("cpu"))
+        results[name] = {"losses": train(engine, rank, world, 1), **_plain(engine.window_metrics())}
+    text_job = {"model": {"n_layer": 2, "n_head": 2, "n_embd": 64, "seq_len": 32},
+                "train": {"global_batch_size": 16, "micro_batch_size": 8, "lr": 3e-3, "min_lr": 3e-3,
+                          "warmup_steps": 0}, "cluster": {"num_workers": 2}}
+    for name, parallel in {"text_allreduce": {}, "text_topk": {"comm_hook": "topk", "topk_ratio": 0.2,
+                                                                "comm_warmup_steps": 2}}.items():
+        engine = Engine(JobConfig.from_dict({**text_job, "parallel": parallel}), cpu_plan(world, 8, 1), rank,
+                        torch.device("cpu"))
+        results[name] = {"losses": text_losses(engine, data_dir, rank, world, TEXT_STEPS),
+                         **_plain(engine.window_metrics())}
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+
+
+def _plain(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if k != "compile"}
+
+
+@pytest.fixture(scope="module")
+def runs(dataset_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("engine") / "runs.json"
+    run_ranks(2, distributed_runs, str(dataset_dir), str(out))
+    results = json.loads(out.read_text())
+    single = Engine(job(), cpu_plan(1, MICRO, 2), 0, torch.device("cpu"))
+    results["single"] = {"losses": train(single, 0, 1, 2)}
+    return results
+
+
+def test_ddp_tracks_a_single_process_run(runs):
+    for ours, theirs in zip(runs["ddp"]["losses"], runs["single"]["losses"]):
+        assert ours == pytest.approx(theirs, rel=1e-4)
+    assert runs["ddp"]["losses"][-1] < runs["ddp"]["losses"][0] - 0.5
+
+
+def test_fsdp2_tracks_a_single_process_run(runs):
+    for ours, theirs in zip(runs["fsdp"]["losses"], runs["single"]["losses"]):
+        assert ours == pytest.approx(theirs, rel=1e-4)
+
+
+def test_ddp_reports_communication(runs):
+    ddp = runs["ddp"]
+    params = sum(p.numel() for p in GPT(job().model).parameters())
+    assert ddp["comm_bytes"] == STEPS * params * 4  # every step all-reduces every fp32 gradient once
+    assert ddp["comm_s"] > 0 and 0.0 <= ddp["overlap_ratio"] <= 1.0 and ddp["exposed_comm_s"] >= 0
+
+
+def test_topk_with_error_feedback_tracks_uncompressed_training(runs):
+    """On real text, sending 20% of the entries (as int8 + index: 28% of the bytes) loses < 5% of loss.
+
+    At 1% of the entries the same run ends about 25% higher after 150 steps: AdamW normalises each
+    coordinate, so a rarely sent coordinate moves less than error feedback's bookkeeping assumes."""
+    topk, plain = runs["text_topk"], runs["text_allreduce"]
+    final = lambda losses: sum(losses[-10:]) / 10  # noqa: E731
+    assert final(topk["losses"]) <= 1.05 * final(plain["losses"])
+    assert final(plain["losses"]) < plain["losses"][0] - 2.0
+    assert topk["comm_bytes"] <= 0.3 * plain["comm_bytes"]
+
+
+def test_loss_scaler_skips_a_step_with_inf_and_keeps_the_weights():
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scaler = LossScaler(Precision("fp16", None), torch.device("cpu"))
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+    model.weight.grad[0, 0] = float("inf")
+    scaler.unscale(optimizer)
+    assert not scaler.step(optimizer)
+    assert scaler.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    optimizer.zero_grad()
+    scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+    scaler.unscale(optimizer)
+    assert abs(model.weight.grad[0, 0].item() - 2.0) < 1e-6  # unscaled: d(sum)/dw = batch of ones
+    assert scaler.step(optimizer) and scaler.skipped_steps == 1
+    assert not torch.equal(before[0], model.weight)
+
+
+def test_chunked_loss_matches_the_plain_loss_and_gradients():
+    torch.manual_seed(0)
+    hidden = torch.randn(300, 64, requires_grad=True)
+    weight = torch.randn(257, 64, requires_grad=True)
+    targets = torch.randint(0, 257, (300,))
+    plain = F.cross_entropy(hidden @ weight.t(), targets)
+    plain.backward()
+    grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad, weight.grad = None, None
+    chunked = chunked_cross_entropy(hidden, weight, targets, chunk_rows=64)
+    (2 * chunked).backward()
+    assert chunked.item() == pytest.approx(plain.item(), rel=1e-3)
+    assert torch.allclose(hidden.grad, 2 * grads[0], rtol=1e-3, atol=1e-6)
+    assert torch.allclose(weight.grad, 2 * grads[1], rtol=1e-3, atol=1e-6)
+    with torch.no_grad():
+        assert chunked_cross_entropy(hidden, weight, targets, 64).item() == pytest.approx(plain.item(), rel=1e-3)
+
+
+def test_compile_runs_on_cpu_and_matches_eager():
+    config = JobConfig.from_dict({**job().to_dict(), "compile": {"enable": True}, "cluster": {"num_workers": 1}})
+    torch.manual_seed(0)
+    compiled = Engine(config, cpu_plan(1, MICRO, 2), 0, torch.device("cpu"))
+    eager = Engine(job(), cpu_plan(1, MICRO, 2), 0, torch.device("cpu"))
+    ours, theirs = train(compiled, 0, 1, 2, steps=3), train(eager, 0, 1, 2, steps=3)
+    for a, b in zip(ours, theirs):
+        assert a == pytest.approx(b, rel=1e-3)
+    stats = compiled.window_metrics()["compile"]
+    assert stats["frames_compiled"] >= 1 and stats["graph_breaks"] == 0 and stats["compile_seconds"] > 0
+    assert math.isfinite(ours[-1])

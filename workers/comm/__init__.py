@@ -1,0 +1,1 @@
+"""Gradient communication: process groups by NVLink island, DDP comm hooks, and what they cost."""

@@ -1,0 +1,200 @@
+"""DDP communication hooks: how each gradient bucket is averaged across workers.
+
+    allreduce      plain fp32 all-reduce (what DDP does without a hook), counted
+    bf16           cast to bf16, all-reduce, cast back: half the bytes, no state
+    powersgd       torch's PowerSGD (low-rank, error feedback), after `warmup_steps` plain steps
+    topk           top-k by magnitude + int8 codes with error feedback (kernels.compression),
+                   exchanged with one all-gather; after `warmup_steps` plain steps
+    hierarchical   reduce-scatter inside each NVLink island, all-reduce across islands,
+                   all-gather inside the island: the slow links carry 1/island_size of the bytes
+
+Every hook adds the bytes this rank hands to collectives into `CommStats`, so a run's metrics
+show what each choice costs on the wire.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+from kernels.compression import compress, decompress_accumulate
+from workers.comm.groups import IslandGroups
+from workers.comm.stats import CommStats
+
+HOOKS = ("allreduce", "bf16", "powersgd", "topk", "hierarchical")
+
+Hook = Callable[[object, dist.GradBucket], torch.futures.Future[torch.Tensor]]
+
+
+@dataclass
+class HookState:
+    stats: CommStats
+    world_size: int
+    group: dist.ProcessGroup | None = None
+    warmup_steps: int = 0
+    steps_seen: dict[int, int] = field(default_factory=dict)
+
+    def in_warmup(self, bucket: dist.GradBucket) -> bool:
+        """Counts calls per bucket: bucket 0 is reduced once per optimizer step."""
+        seen = self.steps_seen.get(bucket.index(), 0)
+        self.steps_seen[bucket.index()] = seen + 1
+        return seen < self.warmup_steps
+
+
+def _future(work: dist.Work, value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """A future holding `value` once `work` is done. NCCL works have futures (the wait is a stream
+    dependency, not a host block); some gloo collectives have none, and on CPU waiting here costs
+    nothing worth overlapping."""
+    try:
+        return work.get_future().then(lambda _: value)
+    except RuntimeError:  # "Work::getFuture not implemented"
+        work.wait()
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(value)
+        return done
+
+
+def _allreduce(state: HookState, tensor: torch.Tensor, group=None) -> torch.futures.Future[torch.Tensor]:
+    state.stats.add(tensor.numel() * tensor.element_size())
+    tensor.div_(state.world_size)
+    return _future(dist.all_reduce(tensor, group=group or state.group, async_op=True), tensor)
+
+
+def allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    return _allreduce(state, bucket.buffer())
+
+
+def bf16_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16)
+    state.stats.add(compressed.numel() * 2)
+    compressed.div_(state.world_size)
+
+    def decompress(fut: torch.futures.Future) -> torch.Tensor:
+        buffer.copy_(compressed)
+        return buffer
+
+    return _future(dist.all_reduce(compressed, group=state.group, async_op=True), compressed).then(decompress)
+
+
+@dataclass
+class PowerSgdHookState(HookState):
+    rank: int = 4
+    inner: powersgd.PowerSGDState | None = None
+
+    def __post_init__(self) -> None:
+        self.inner = powersgd.PowerSGDState(process_group=self.group, matrix_approximation_rank=self.rank,
+                                            start_powerSGD_iter=max(2, self.warmup_steps),
+                                            use_error_feedback=True, warm_start=True)
+
+
+def powersgd_hook(state: PowerSgdHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    state.stats.add(_powersgd_bytes(state.inner, bucket))
+    return powersgd.powerSGD_hook(state.inner, bucket)
+
+
+def _powersgd_bytes(inner: powersgd.PowerSGDState, bucket: dist.GradBucket) -> int:
+    """What powerSGD_hook will hand to all-reduce for this bucket (it mirrors the hook's own rules)."""
+    if inner.iter < inner.start_powerSGD_iter:
+        return bucket.buffer().numel() * bucket.buffer().element_size()
+    total = 0
+    for grad in bucket.gradients():
+        matrix = grad.view(grad.shape[0], -1) if grad.dim() > 1 else None
+        if matrix is not None:
+            rows, cols = matrix.shape
+            rank = min(rows, cols, inner.matrix_approximation_rank)
+            compress_it, _, _ = powersgd._should_compress(rows, cols, rank, inner.min_compression_rate)
+            if compress_it:
+                total += (rows + cols) * rank * 4
+                continue
+        total += grad.numel() * grad.element_size()
+    return total
+
+
+@dataclass
+class TopkHookState(HookState):
+    k_ratio: float = 0.01
+    residuals: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def residual_for(self, bucket: dist.GradBucket) -> torch.Tensor:
+        buffer = bucket.buffer()
+        residual = self.residuals.get(bucket.index())
+        if residual is None or residual.numel() != buffer.numel():  # DDP rebuilds buckets after step 1
+            residual = torch.zeros(buffer.numel(), dtype=torch.float32, device=buffer.device)
+            self.residuals[bucket.index()] = residual
+        return residual
+
+
+def topk_hook(state: TopkHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    if state.in_warmup(bucket):
+        return _allreduce(state, bucket.buffer())
+    buffer = bucket.buffer()
+    mine = compress(buffer, state.residual_for(bucket), state.k_ratio, check_finite=False)
+    payload = mine.payload
+    state.stats.add(payload.numel())
+    gathered = torch.empty(state.world_size * payload.numel(), dtype=payload.dtype, device=payload.device)
+
+    def accumulate(fut: torch.futures.Future) -> torch.Tensor:
+        total = torch.zeros(buffer.numel(), dtype=torch.float32, device=buffer.device)
+        for row in gathered.view(state.world_size, -1):
+            theirs = mine.with_payload(row)
+            theirs.raise_if_nonfinite()  # a poisoned bucket on any rank stops every rank
+            decompress_accumulate(total, theirs)
+        buffer.copy_(total.div_(state.world_size))
+        return buffer
+
+    work = dist.all_gather_into_tensor(gathered, payload, group=state.group, async_op=True)
+    return _future(work, gathered).then(accumulate)
+
+
+@dataclass
+class HierarchicalHookState(HookState):
+    islands: IslandGroups | None = None
+
+
+def hierarchical_hook(state: HierarchicalHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Reduce-scatter in the island, all-reduce the shard across islands, all-gather in the island.
+
+    Needs islands of equal size (the planner makes them so); bytes across islands are
+    1/island_size of a flat all-reduce's."""
+    islands = state.islands
+    buffer = bucket.buffer()
+    size = islands.island_size
+    padded_len = -(-buffer.numel() // size) * size
+    padded = torch.zeros(padded_len, dtype=buffer.dtype, device=buffer.device)
+    padded[:buffer.numel()] = buffer
+    padded.div_(state.world_size)
+    shard = torch.empty(padded_len // size, dtype=buffer.dtype, device=buffer.device)
+    state.stats.add(padded.numel() * padded.element_size() + 2 * shard.numel() * shard.element_size())
+
+    def across_islands(fut: torch.futures.Future) -> torch.Tensor:
+        if islands.inter_group is not None:
+            dist.all_reduce(shard, group=islands.inter_group, async_op=True).wait()
+        return shard
+
+    def gather_in_island(fut: torch.futures.Future) -> torch.Tensor:
+        dist.all_gather_into_tensor(padded, shard, group=islands.intra_group, async_op=True).wait()
+        buffer.copy_(padded[:buffer.numel()])
+        return buffer
+
+    work = dist.reduce_scatter_tensor(shard, padded, group=islands.intra_group, async_op=True)
+    return _future(work, shard).then(across_islands).then(gather_in_island)
+
+
+def make_hook(name: str, *, stats: CommStats, world_size: int, islands: IslandGroups | None, warmup_steps: int,
+              powersgd_rank: int, topk_ratio: float) -> tuple[Hook, HookState]:
+    if name == "allreduce":
+        return allreduce_hook, HookState(stats=stats, world_size=world_size)
+    if name == "bf16":
+        return bf16_hook, HookState(stats=stats, world_size=world_size)
+    if name == "powersgd":
+        return powersgd_hook, PowerSgdHookState(stats=stats, world_size=world_size, warmup_steps=warmup_steps,
+                                                rank=powersgd_rank)
+    if name == "topk":
+        return topk_hook, TopkHookState(stats=stats, world_size=world_size, warmup_steps=warmup_steps,
+                                        k_ratio=topk_ratio)
+    if name == "hierarchical":
+        return hierarchical_hook, HierarchicalHookState(stats=stats, world_size=world_size, islands=islands)
+    raise ValueError(f"unknown comm hook {name!r}; choose one of {', '.join(HOOKS)}")

@@ -1,0 +1,108 @@
+"""The worker engine: one worker's model, wrapping, precision and compiled training step.
+
+    engine = Engine(config, plan, rank, device)        # after torch.distributed is up (or alone)
+    loss, grad_norm = engine(micro_batches, lr)        # one optimizer step
+    engine.window_metrics()                            # comm bytes, exposed comm, overlap, skips, compile
+
+It needs no Ray: benchmarks and GPU tests build one directly; the Ray Train loop builds one per
+worker. Everything it decides comes from the JobConfig and this worker's entry in the Plan.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from orchestrator.config import JobConfig
+from orchestrator.placement.plan import Plan
+from workers.comm.stats import CommStats
+from workers.compiler import compile_stats
+from workers.models.gpt import GPT
+from workers.optim import build_optimizer, set_lr
+from workers.parallel import wrap
+from workers.precision import LossScaler, convert_to_float8, resolve_precision
+
+
+class Engine:
+    def __init__(self, config: JobConfig, plan: Plan, rank: int, device: torch.device):
+        self.config = config
+        self.device = device
+        self.worker = plan.worker(rank)
+        self.precision = resolve_precision(config.train.precision, device)
+        torch.manual_seed(config.train.seed)  # every rank builds identical weights
+        self.model = GPT(config.model).to(device)
+        self.float8_layers = (convert_to_float8(self.model, config.train.float8_recipe)
+                              if self.precision.name == "fp8" else 0)
+        self.comm_stats = CommStats()
+        self.wrapped = wrap(self.model, config, self.precision, device, bucket_cap_mb=plan.ddp_bucket_cap_mb,
+                            island_ranks=plan.intra_island_groups, comm_stats=self.comm_stats)
+        # After wrapping: FSDP2 replaces parameters with sharded DTensors the optimizer must see.
+        self.optimizer = build_optimizer(self.model, config.train, device)
+        self.scaler = LossScaler(self.precision, device)
+        self.max_grad_norm = config.train.grad_clip if config.train.grad_clip > 0 else float("inf")
+
+    def __call__(self, micro_batches: list[torch.Tensor], lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Trains on `micro_batches` (each (B, seq_len + 1) tokens); returns (mean loss, grad norm) as tensors.
+
+        With fp16, a step whose gradients hold inf/NaN is skipped (and counted) instead of applied."""
+        set_lr(self.optimizer, lr)
+        total_loss = torch.zeros((), device=self.device)
+        for i, batch in enumerate(micro_batches):
+            inputs, targets = batch[:, :-1], batch[:, 1:]
+            with self.wrapped.sync_gradients(i == len(micro_batches) - 1):
+                with self.precision.autocast(self.device):
+                    loss = self.wrapped.forward(inputs, targets, chunked_loss=self.config.train.chunked_loss)
+                    loss = loss / len(micro_batches)
+                self.scaler.scale(loss).backward()
+            total_loss += loss.detach()
+        self.scaler.unscale(self.optimizer)  # clip the true gradients, not the scaled ones
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        self.scaler.step(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        return total_loss, grad_norm
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[torch.Tensor]) -> tuple[float, int]:
+        """Summed loss and token count over `batches`, in eval mode (collective under FSDP: call on every rank)."""
+        forward = self.wrapped.forward if self.wrapped.fsdp else self.model
+        self.model.eval()
+        loss_sum, tokens = 0.0, 0
+        for batch in batches:
+            inputs, targets = batch[:, :-1], batch[:, 1:]
+            with self.precision.autocast(self.device):
+                loss = forward(inputs, targets, chunked_loss=self.config.train.chunked_loss)
+            loss_sum += float(loss) * targets.numel()
+            tokens += targets.numel()
+        self.model.train()
+        return loss_sum, tokens
+
+    def window_metrics(self) -> dict:
+        """Numbers for the metrics row closing a log window."""
+        metrics: dict = {"comm_bytes": self.comm_stats.take(), "precision": self.precision.name}
+        metrics.update(_ddp_timing(self.wrapped.ddp))
+        if self.scaler.enabled:
+            metrics["skipped_steps"] = self.scaler.skipped_steps
+            metrics["loss_scale"] = self.scaler.scaler.get_scale()
+        if self.config.compile.enable:
+            metrics["compile"] = compile_stats().as_metrics()
+        if self.float8_layers:
+            metrics["float8_layers"] = self.float8_layers
+        return metrics
+
+
+def _ddp_timing(ddp) -> dict:
+    """Exposed communication and overlap of the last sampled step, from DDP's own timers.
+
+    DDP times backward compute and communication (CUDA events on GPUs, wall clock on CPUs); the
+    time communication ran on after the last gradient was computed is what the step waited for."""
+    if ddp is None:
+        return {}
+    data = ddp._get_ddp_logging_data()
+    comm_ns = data.get("backward_comm_time", 0)
+    if not comm_ns:
+        return {}
+    exposed_ns = max(0, data.get("backward_comm_time_end", 0) - data.get("backward_compute_time_end", 0))
+    return {"comm_s": comm_ns / 1e9, "exposed_comm_s": exposed_ns / 1e9,
+            "overlap_ratio": round(data.get("backward_compute_comm_overlap_time", 0) / comm_ns, 4)}

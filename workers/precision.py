@@ -1,0 +1,107 @@
+"""Mixed precision: which autocast dtype, loss scaling for fp16, and float8 training through torchao.
+
+- bf16 (the default on GPUs that have it) needs no loss scaling.
+- fp16 needs a GradScaler: gradients are unscaled before clipping (so the clip threshold means
+  what it says), and a step whose gradients hold inf/NaN is skipped and counted, not applied.
+- fp8 converts the model's linear layers with torchao (an optional extra, imported only when
+  asked) and runs the rest in bf16; it needs a GPU with fp8 tensor cores (compute capability ≥ 8.9).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from orchestrator.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class Precision:
+    name: str
+    """fp32, bf16, fp16 or fp8, resolved from the config's "auto"."""
+    autocast_dtype: torch.dtype | None
+
+    @property
+    def needs_loss_scaling(self) -> bool:
+        return self.name == "fp16"
+
+    def autocast(self, device: torch.device):
+        return torch.autocast(device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
+
+
+def resolve_precision(requested: str, device: torch.device) -> Precision:
+    if requested == "auto":
+        requested = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    if requested == "fp32":
+        return Precision("fp32", None)
+    if requested in ("fp16", "fp8") and device.type != "cuda":
+        raise ConfigError(f"{requested} training needs a CUDA GPU; this worker runs on {device.type}",
+                          where="[train] precision", fix='use "fp32" or "bf16" on CPU workers')
+    if requested == "fp8":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            raise ConfigError(f"float8 needs compute capability 8.9 or newer, this GPU has {major}.{minor}",
+                              where="[train] precision", fix='use "bf16" on this GPU')
+        return Precision("fp8", torch.bfloat16)
+    return Precision(requested, torch.float16 if requested == "fp16" else torch.bfloat16)
+
+
+def convert_to_float8(model: torch.nn.Module, recipe: str) -> int:
+    """Swaps eligible nn.Linear layers for torchao's Float8Linear; returns how many were converted.
+
+    The tied lm_head is skipped: its weight is also the embedding table, which float8 cannot share."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        raise ConfigError("float8 training needs torchao", where="[train] precision = \"fp8\"",
+                          fix="pip install 'archipelago[fp8]' (torchao), or use bf16") from None
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    converted: list[str] = []
+
+    def keep(module: torch.nn.Module, fqn: str) -> bool:
+        # fp8 matmuls need both dimensions divisible by 16; the head shares the embedding weight.
+        ok = (isinstance(module, torch.nn.Linear) and fqn != "lm_head"
+              and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+        if ok:
+            converted.append(fqn)
+        return ok
+
+    convert_to_float8_training(model, config=config, module_filter_fn=keep)
+    return len(converted)
+
+
+class LossScaler:
+    """A GradScaler for fp16, a no-op otherwise; counts the steps it skipped."""
+
+    def __init__(self, precision: Precision, device: torch.device):
+        self.enabled = precision.needs_loss_scaling
+        self.scaler = torch.amp.GradScaler(device.type, enabled=self.enabled)
+        self.skipped_steps = 0
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss)
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divides the gradients by the scale in place; call before clipping."""
+        self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Applies the step unless the gradients held inf/NaN; returns whether it was applied."""
+        if not self.enabled:
+            optimizer.step()
+            return True
+        scale_before = self.scaler.get_scale()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        applied = self.scaler.get_scale() >= scale_before  # the scale shrinks exactly when a step is skipped
+        if not applied:
+            self.skipped_steps += 1
+        return applied
+
+    def state_dict(self) -> dict:
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            self.scaler.load_state_dict(state)
