@@ -105,3 +105,44 @@ def test_manifest_is_plain_parquet(dataset_dir):
     table = pq.read_table(dataset_dir / MANIFEST)
     assert set(table.column("split").to_pylist()) == {"train", "val"}
     assert table.schema.metadata[b"format_version"] == b"1"
+
+
+def test_uint32_tokens_round_trip(tmp_path):
+    from storage.shards import write_manifest, write_shard
+
+    tokens = np.random.default_rng(0).integers(0, 100_000, size=5000, dtype=np.uint32)
+    shards = [write_shard(tmp_path, "train", 0, tokens, [0], "big-vocab"),
+              write_shard(tmp_path, "val", 0, tokens[:500], [0], "big-vocab")]
+    write_manifest(tmp_path, shards, 100_000)
+    data = TokenDataset(tmp_path, "train", seq_len=99)
+    assert data.dtype.itemsize == 4 and np.array_equal(data.batch(np.array([7]))[0], tokens[693:793])
+
+
+def test_a_manifest_of_another_version_is_refused(dataset_dir, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(dataset_dir, copy)
+    table = pq.read_table(copy / MANIFEST)
+    pq.write_table(table.replace_schema_metadata({**table.schema.metadata, b"format_version": b"2"}), copy / MANIFEST)
+    with pytest.raises(DataError, match="manifest format version 2, this archipelago reads version 1"):
+        TokenDataset(copy, "train", 32)
+
+
+def test_check_files_catches_missing_and_resized_shards_with_one_listing(dataset_dir, tmp_path):
+    import shutil
+
+    from storage.fs import Location
+    from storage.shards import check_files
+
+    copy = tmp_path / "copy"
+    shutil.copytree(dataset_dir, copy)
+    shards = read_manifest(copy).shards
+    check_files(Location.parse(copy), shards)
+    (copy / shards[0].path).unlink()
+    with pytest.raises(DataError, match="missing"):
+        check_files(Location.parse(copy), shards)
+    with open(copy / shards[1].path, "ab") as f:
+        f.write(b"extra")
+    with pytest.raises(DataError, match=f"{shards[1].path}, offset {shards[1].file_bytes}"):
+        check_files(Location.parse(copy), shards[1:])
