@@ -1,0 +1,330 @@
+"""What a training step costs: collective times (alpha–beta), compute time, and dollars.
+
+    collectives = CollectiveCostModel()                        # or CollectiveCostModel.load("nccl-tests.json")
+    hop = collectives.hop(LinkClass.INFINIBAND, nominal_gb_per_s=400)
+    collectives.allreduce_seconds(2**30, ranks=16, hop=hop, algorithm=AllReduce.RING)
+    ComputeModel().micro_step_seconds(peak_tflops=989.4, flops=6e12, n_embd=768, n_layer=12)
+    PriceTable.default().dollars_per_hour("H100-SXM5-80GB", spot=False)
+
+Collectives follow the alpha–beta model: a collective of n bytes over p ranks takes
+(steps × alpha) + (bytes each rank moves / beta). Ring all-reduce: 2(p−1) steps moving
+2(p−1)/p · n; NCCL's (double binary) tree: 2⌈log2 p⌉ steps moving 2n; reduce-scatter and
+all-gather: p−1 steps moving (p−1)/p · n; hierarchical: reduce-scatter inside each island,
+all-reduce of the 1/k shards across islands (k such reductions share each node's NICs, so
+each gets 1/k of them), all-gather inside each island. A ring runs at its slowest hop.
+
+Each hop's alpha and beta come from a calibration table per link class: beta is the link's
+nominal bandwidth (from the topology) times an efficiency, or a measured bus bandwidth that
+replaces it. The defaults are planning figures (nccl-tests busbw on common machines: NVSwitch
+H100 ~370–480 GB/s of 450 nominal, 400G InfiniBand ~46–48 of 50 GB/s); `CollectiveCostModel.load`
+reads a measured table in their place.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from pathlib import Path
+
+from orchestrator.errors import ConfigError
+from orchestrator.placement.plan import AllReduce
+
+
+class LinkClass(StrEnum):
+    """What the bottleneck hop of a collective runs over: a calibration table's row."""
+
+    NVSWITCH = "nvswitch"
+    NVLINK = "nvlink"
+    PCIE = "pcie"
+    HOST_MEMORY = "host_memory"
+    """Staged through host memory: MIG slices, GPUs without peer-to-peer."""
+    INFINIBAND = "infiniband"
+    ROCE = "roce"
+    ETHERNET = "ethernet"
+    """TCP sockets between nodes."""
+    LOOPBACK = "loopback"
+    """gloo between CPU worker processes of one node."""
+
+
+@dataclass(frozen=True, slots=True)
+class LinkCalibration:
+    alpha_us: float
+    """Latency of one step of a ring or tree on this link, software included."""
+    efficiency: float = 1.0
+    """Achieved bus bandwidth as a share of the link's nominal bandwidth."""
+    bus_gb_per_s: float = 0.0
+    """A measured bus bandwidth (nccl-tests busbw); when above 0 it replaces nominal × efficiency."""
+
+
+DEFAULT_CALIBRATION: dict[LinkClass, LinkCalibration] = {
+    LinkClass.NVSWITCH: LinkCalibration(alpha_us=6.0, efficiency=0.85),
+    LinkClass.NVLINK: LinkCalibration(alpha_us=6.0, efficiency=0.80),
+    LinkClass.PCIE: LinkCalibration(alpha_us=10.0, efficiency=0.75),
+    LinkClass.HOST_MEMORY: LinkCalibration(alpha_us=25.0, efficiency=0.60),
+    LinkClass.INFINIBAND: LinkCalibration(alpha_us=10.0, efficiency=0.94),
+    LinkClass.ROCE: LinkCalibration(alpha_us=15.0, efficiency=0.85),
+    LinkClass.ETHERNET: LinkCalibration(alpha_us=60.0, efficiency=0.60),
+    LinkClass.LOOPBACK: LinkCalibration(alpha_us=40.0, bus_gb_per_s=2.0),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Hop:
+    """One calibrated hop: the link class, alpha in seconds and beta in bytes per second."""
+
+    link_class: LinkClass
+    alpha_s: float
+    bytes_per_s: float
+
+    def slower(self, other: Hop) -> Hop:
+        """The hop a ring over both runs at: the lower bandwidth, the higher latency."""
+        return Hop(self.link_class if self.bytes_per_s <= other.bytes_per_s else other.link_class,
+                   max(self.alpha_s, other.alpha_s), min(self.bytes_per_s, other.bytes_per_s))
+
+
+@dataclass(frozen=True, slots=True)
+class Reduction:
+    """How a gradient all-reduce runs: the algorithm, its bandwidth time for all the bytes, and the
+    latency it pays again for every bucket."""
+
+    algorithm: AllReduce
+    bandwidth_seconds: float
+    latency_s: float
+
+    def seconds(self, buckets: int = 1) -> float:
+        return self.bandwidth_seconds + buckets * self.latency_s
+
+
+@dataclass(frozen=True, slots=True)
+class Bucketing:
+    """DDP buckets for one reduction: their size, count, total time and what the step waits for."""
+
+    bucket_bytes: int
+    buckets: int
+    seconds: float
+    exposed_seconds: float
+
+
+class CollectiveCostModel:
+    def __init__(self, calibration: dict[LinkClass, LinkCalibration] | None = None):
+        self.calibration = {**DEFAULT_CALIBRATION, **(calibration or {})}
+
+    @classmethod
+    def load(cls, path: str | Path) -> CollectiveCostModel:
+        """A measured table, {"infiniband": {"alpha_us": 8.5, "bus_gb_per_s": 47.1}, …}; rows left out
+        keep the defaults."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"cannot read the calibration table ({e})", where=str(path),
+                              fix='write JSON like {"infiniband": {"alpha_us": 8.5, "bus_gb_per_s": 47.1}}') from None
+        return cls(parse_calibration(data, where=str(path)))
+
+    def hop(self, link_class: LinkClass, nominal_gb_per_s: float = 0.0) -> Hop:
+        row = self.calibration[link_class]
+        gb_per_s = row.bus_gb_per_s if row.bus_gb_per_s > 0 else nominal_gb_per_s * row.efficiency
+        if gb_per_s <= 0:
+            raise ConfigError(f"no bandwidth for link class {link_class.value}: the topology gives none and the "
+                              "calibration table has no bus_gb_per_s", where=f"calibration {link_class.value}",
+                              fix="give the row a measured bus_gb_per_s")
+        return Hop(link_class, row.alpha_us * 1e-6, gb_per_s * 1e9)
+
+    # ---- single collectives -----------------------------------------------------------------------
+    @staticmethod
+    def ring_allreduce(nbytes: float, ranks: int, hop: Hop) -> tuple[float, float]:
+        """(seconds, latency part) of a ring all-reduce."""
+        if ranks <= 1:
+            return 0.0, 0.0
+        latency = 2 * (ranks - 1) * hop.alpha_s
+        return latency + 2 * (ranks - 1) / ranks * nbytes / hop.bytes_per_s, latency
+
+    @staticmethod
+    def tree_allreduce(nbytes: float, ranks: int, hop: Hop) -> tuple[float, float]:
+        if ranks <= 1:
+            return 0.0, 0.0
+        latency = 2 * math.ceil(math.log2(ranks)) * hop.alpha_s
+        return latency + 2 * nbytes / hop.bytes_per_s, latency
+
+    @staticmethod
+    def reduce_scatter(nbytes: float, ranks: int, hop: Hop) -> tuple[float, float]:
+        """Also the cost of an all-gather of the same total size."""
+        if ranks <= 1:
+            return 0.0, 0.0
+        latency = (ranks - 1) * hop.alpha_s
+        return latency + (ranks - 1) / ranks * nbytes / hop.bytes_per_s, latency
+
+    all_gather = reduce_scatter
+
+    def flat_allreduce(self, nbytes: float, ranks: int, hop: Hop) -> tuple[AllReduce, float, float]:
+        """The faster of ring and tree, as NCCL's tuner picks."""
+        ring = self.ring_allreduce(nbytes, ranks, hop)
+        tree = self.tree_allreduce(nbytes, ranks, hop)
+        return (AllReduce.RING, *ring) if ring[0] <= tree[0] else (AllReduce.TREE, *tree)
+
+    def hierarchical_allreduce(self, nbytes: float, island_size: int, islands: int, intra: Hop,
+                               inter: Hop) -> tuple[float, float]:
+        """Reduce-scatter in each island of `island_size`, all-reduce of 1/island_size shards across
+        `islands` islands (the island_size parallel reductions share the inter hop), all-gather."""
+        shard = nbytes / island_size
+        shared = replace(inter, bytes_per_s=inter.bytes_per_s / island_size)
+        scatter = self.reduce_scatter(nbytes, island_size, intra)
+        _, across, across_latency = self.flat_allreduce(shard, islands, shared)
+        return 2 * scatter[0] + across, 2 * scatter[1] + across_latency
+
+    # ---- the gradient reduction of a step -------------------------------------------------------
+    def gradient_reduction(self, gradient_bytes: float, ranks: int, world_hop: Hop, *, island_size: int = 0,
+                           islands: int = 0, intra: Hop | None = None, inter: Hop | None = None) -> Reduction:
+        """The fastest way to all-reduce `gradient_bytes` over `ranks`: flat ring/tree over the
+        slowest hop, or hierarchical when every island has `island_size` ranks."""
+        if ranks <= 1:
+            return Reduction(AllReduce.NONE, 0.0, 0.0)
+        options = [self.flat_allreduce(gradient_bytes, ranks, world_hop)]
+        if island_size > 1 and islands > 1 and intra is not None and inter is not None:
+            options.append((AllReduce.HIERARCHICAL,
+                            *self.hierarchical_allreduce(gradient_bytes, island_size, islands, intra, inter)))
+        algorithm, seconds, latency = min(options, key=lambda option: option[1])
+        return Reduction(algorithm, seconds - latency, latency)
+
+
+def bucketing(reduction: Reduction, gradient_bytes: float, *, last_ready_bytes: float, overlap_s: float,
+              bucket_bytes: int | None = None) -> Bucketing:
+    """Buckets for a reduction that overlaps a backward pass of `overlap_s` seconds.
+
+    Buckets reduce while backward still runs, but the gradients that are ready last
+    (`last_ready_bytes`: GPT's tied embedding, complete only when backward ends) and the last
+    bucket can only start after it. More buckets hide more behind backward and pay the latency
+    more often: the bucket count that minimises what the step waits for wins (powers of two,
+    buckets of 1 MiB to 1 GiB). A given `bucket_bytes` (DDP's default) is costed as is."""
+    if reduction.algorithm == AllReduce.NONE or gradient_bytes <= 0:
+        return Bucketing(int(bucket_bytes or gradient_bytes), 1, 0.0, 0.0)
+
+    def cost(buckets: int) -> Bucketing:
+        size = gradient_bytes / buckets
+        total = reduction.seconds(buckets)
+        last_share = min(1.0, max(size, last_ready_bytes) / gradient_bytes)
+        last = reduction.latency_s + reduction.bandwidth_seconds * last_share
+        exposed = last + max(0.0, total - last - overlap_s)
+        return Bucketing(int(math.ceil(size)), buckets, total, exposed)
+
+    if bucket_bytes is not None:
+        return cost(max(1, math.ceil(gradient_bytes / bucket_bytes)))
+    most = max(1, int(gradient_bytes // 2**20))
+    counts = [2**k for k in range(most.bit_length()) if gradient_bytes / 2**k <= 2**30] or [most]
+    return min((cost(n) for n in counts), key=lambda b: (round(b.exposed_seconds, 9), b.buckets))
+
+
+def parse_calibration(data: object, *, where: str) -> dict[LinkClass, LinkCalibration]:
+    if not isinstance(data, dict):
+        raise ConfigError("a calibration table is a JSON object of link classes", where=where,
+                          fix=f"keys are {', '.join(c.value for c in LinkClass)}")
+    table = {}
+    for key, row in data.items():
+        if key not in LinkClass.__members__.values():
+            raise ConfigError(f"unknown link class {key!r}", where=where,
+                              fix=f"use one of {', '.join(c.value for c in LinkClass)}")
+        if not isinstance(row, dict) or set(row) - {"alpha_us", "efficiency", "bus_gb_per_s"} or "alpha_us" not in row:
+            raise ConfigError(f"row {key!r} must be an object with alpha_us and efficiency or bus_gb_per_s",
+                              where=where, fix='e.g. {"alpha_us": 8.5, "bus_gb_per_s": 47.1}')
+        values = {name: float(value) for name, value in row.items()}
+        if min(values.values()) < 0:
+            raise ConfigError(f"row {key!r} has a negative number", where=where, fix="times and bandwidths are ≥ 0")
+        table[LinkClass(key)] = LinkCalibration(**values)
+    return table
+
+
+# ---- compute ------------------------------------------------------------------------------------
+MFU_ANCHORS = ((768, 0.34), (2048, 0.53))
+"""(n_embd, model FLOPs utilisation) measured in eager bf16 on one H200 (shared/bench, DESIGN.md):
+GPT-2 124M at B=32, T=1024 and GPT 1.3B at B=8, T=2048. Wider models keep tensor cores busier."""
+COMPILED_MFU_ANCHORS = ((768, 0.47), (2048, 0.58))
+"""The same with torch.compile."""
+
+
+@dataclass(frozen=True, slots=True)
+class ComputeModel:
+    """Per-device step time: FLOPs / (peak × utilisation) + a fixed cost per micro-step.
+
+    Utilisation is interpolated in log(n_embd) between measured anchors and held flat outside
+    them; the same share of peak is assumed for every GPU (its own peak: MIG slices and slower
+    models are slower in proportion). CPU workers use a nominal peak per core."""
+
+    mfu_anchors: tuple[tuple[int, float], ...] = MFU_ANCHORS
+    micro_step_overhead_s_per_layer: float = 1e-4
+    """Launch and Python overhead per transformer block per micro-step (eager: ~20 kernels × 5 µs)."""
+    cpu_gflops_per_core: float = 100.0
+    """fp32 peak of one core (2 AVX2/AVX-512 FMA units at ~3 GHz)."""
+    cpu_utilisation: float = 0.25
+    """Share of that peak a small transformer reaches in torch on CPU (the CPU demo measures ~27 GFLOP/s a core)."""
+    cpu_overhead_s_per_layer: float = 5e-4
+
+    @classmethod
+    def compiled(cls) -> ComputeModel:
+        return cls(mfu_anchors=COMPILED_MFU_ANCHORS, micro_step_overhead_s_per_layer=2e-5)
+
+    def utilisation(self, n_embd: int) -> float:
+        anchors = sorted(self.mfu_anchors)
+        if n_embd <= anchors[0][0]:
+            return anchors[0][1]
+        for (x0, y0), (x1, y1) in zip(anchors, anchors[1:]):
+            if n_embd <= x1:
+                share = (math.log(n_embd) - math.log(x0)) / (math.log(x1) - math.log(x0))
+                return y0 + share * (y1 - y0)
+        return anchors[-1][1]
+
+    def gpu_samples_per_second(self, peak_tflops: float, flops_per_sample: float, n_embd: int) -> float:
+        return peak_tflops * 1e12 * self.utilisation(n_embd) / flops_per_sample
+
+    def cpu_samples_per_second(self, cores: int, flops_per_sample: float) -> float:
+        return cores * self.cpu_gflops_per_core * 1e9 * self.cpu_utilisation / flops_per_sample
+
+    def overhead_s(self, n_layer: int, *, cpu: bool) -> float:
+        return n_layer * (self.cpu_overhead_s_per_layer if cpu else self.micro_step_overhead_s_per_layer)
+
+
+# ---- prices -------------------------------------------------------------------------------------
+DEFAULT_PRICES: dict[str, tuple[float, float]] = {
+    "H200-SXM5-141GB": (3.50, 2.00),
+    "H200-NVL-141GB": (3.30, 1.85),
+    "H100-SXM5-80GB": (2.99, 1.60),
+    "H100-NVL-94GB": (2.80, 1.50),
+    "H100-PCIE-80GB": (2.49, 1.30),
+    "A100-SXM4-80GB": (1.79, 0.90),
+    "A100-SXM4-40GB": (1.29, 0.70),
+    "A100-PCIE-80GB": (1.59, 0.80),
+    "A100-PCIE-40GB": (1.19, 0.60),
+    "L40S": (1.09, 0.55),
+    "A10G": (1.01, 0.40),
+    "L4": (0.80, 0.35),
+    "V100-SXM2-32GB": (0.95, 0.40),
+    "V100-SXM2-16GB": (0.85, 0.35),
+    "V100-PCIE-32GB": (0.85, 0.35),
+    "V100-PCIE-16GB": (0.75, 0.30),
+    "cpu": (0.05, 0.02),
+}
+"""(on-demand, spot) dollars per device-hour ("cpu": per core-hour), typical of GPU clouds in 2026;
+override any of them with `[placement] prices`. A MIG slice costs its share of the GPU's SMs."""
+
+
+@dataclass(frozen=True, slots=True)
+class PriceTable:
+    prices: dict[str, tuple[float, float]] = field(default_factory=lambda: dict(DEFAULT_PRICES))
+
+    @classmethod
+    def default(cls) -> PriceTable:
+        return cls()
+
+    def with_overrides(self, overrides: dict[str, float], *, spot: bool) -> PriceTable:
+        """`overrides` replace the column in use (spot or on-demand) for the models they name."""
+        prices = dict(self.prices)
+        for model, price in overrides.items():
+            on_demand, spot_price = prices.get(model, (price, price))
+            prices[model] = (on_demand, price) if spot else (price, spot_price)
+        return PriceTable(prices)
+
+    def dollars_per_hour(self, model: str, *, spot: bool) -> float | None:
+        """Per device (per core for "cpu"); None for a model the table lacks."""
+        row = self.prices.get(model)
+        return None if row is None else row[1 if spot else 0]

@@ -1,0 +1,113 @@
+"""The collective, compute and price models: formulas, calibration tables, bucket choice."""
+
+import json
+import math
+
+import pytest
+
+from orchestrator.cost import (DEFAULT_CALIBRATION, CollectiveCostModel, ComputeModel, Hop, LinkCalibration, LinkClass,
+                               PriceTable, Reduction, bucketing)
+from orchestrator.errors import ConfigError
+from orchestrator.placement.plan import AllReduce
+
+GIB = 2**30
+
+
+def hop(gb_per_s: float, alpha_us: float = 10.0, link_class=LinkClass.INFINIBAND) -> Hop:
+    return Hop(link_class, alpha_us * 1e-6, gb_per_s * 1e9)
+
+
+def test_alpha_beta_formulas():
+    model = CollectiveCostModel()
+    h = hop(50.0)
+    seconds, latency = model.ring_allreduce(GIB, 8, h)
+    assert latency == pytest.approx(14 * 10e-6)
+    assert seconds == pytest.approx(14 * 10e-6 + 2 * 7 / 8 * GIB / 50e9)
+    seconds, latency = model.tree_allreduce(GIB, 8, h)
+    assert seconds == pytest.approx(2 * 3 * 10e-6 + 2 * GIB / 50e9)
+    assert model.reduce_scatter(GIB, 4, h) == model.all_gather(GIB, 4, h)
+    assert model.reduce_scatter(GIB, 4, h)[0] == pytest.approx(3 * 10e-6 + 3 / 4 * GIB / 50e9)
+    assert model.ring_allreduce(GIB, 1, h) == (0.0, 0.0)
+
+
+def test_tree_wins_for_small_messages_over_many_ranks_and_ring_for_large_ones():
+    model = CollectiveCostModel()
+    assert model.flat_allreduce(4096, 512, hop(50.0))[0] == AllReduce.TREE
+    assert model.flat_allreduce(4 * GIB, 4, hop(50.0))[0] == AllReduce.RING
+
+
+def test_hierarchical_wins_when_the_network_is_the_bottleneck():
+    model = CollectiveCostModel()
+    nvswitch, infiniband = hop(380.0, 6.0, LinkClass.NVSWITCH), hop(47.0, 10.0)
+    flat = model.flat_allreduce(GIB, 64, infiniband)
+    reduction = model.gradient_reduction(GIB, 64, infiniband, island_size=8, islands=8, intra=nvswitch,
+                                         inter=infiniband)
+    assert reduction.algorithm == AllReduce.HIERARCHICAL and reduction.seconds() < flat[1]
+    # One island per node and nothing to gain inside it: flat stays.
+    assert model.gradient_reduction(GIB, 8, infiniband).algorithm in (AllReduce.RING, AllReduce.TREE)
+
+
+def test_a_measured_table_replaces_the_nominal_bandwidth(tmp_path):
+    path = tmp_path / "nccl-tests.json"
+    path.write_text(json.dumps({"infiniband": {"alpha_us": 8.5, "bus_gb_per_s": 20.0}}))
+    measured = CollectiveCostModel.load(path)
+    assert measured.hop(LinkClass.INFINIBAND, nominal_gb_per_s=400).bytes_per_s == 20e9
+    assert measured.hop(LinkClass.INFINIBAND).alpha_s == pytest.approx(8.5e-6)
+    # Rows left out keep the defaults: nominal × efficiency.
+    assert measured.hop(LinkClass.NVSWITCH, 450).bytes_per_s == pytest.approx(450e9 * DEFAULT_CALIBRATION[
+        LinkClass.NVSWITCH].efficiency)
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[1, 2]", "JSON object"),
+    ('{"infiniband2": {"alpha_us": 1}}', "unknown link class"),
+    ('{"infiniband": {"efficiency": 0.9}}', "alpha_us"),
+    ('{"infiniband": {"alpha_us": -1}}', "negative"),
+    ("{", "cannot read"),
+])
+def test_a_bad_calibration_table_names_the_problem(tmp_path, content, message):
+    path = tmp_path / "table.json"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=message):
+        CollectiveCostModel.load(path)
+
+
+def test_a_link_without_bandwidth_is_refused_not_divided_by_zero():
+    with pytest.raises(ConfigError, match="no bandwidth"):
+        CollectiveCostModel({LinkClass.ETHERNET: LinkCalibration(alpha_us=50.0)}).hop(LinkClass.ETHERNET, 0.0)
+
+
+def test_buckets_trade_latency_against_overlap():
+    reduction = Reduction(AllReduce.RING, bandwidth_seconds=0.1, latency_s=1e-3)
+    hidden = bucketing(reduction, GIB, last_ready_bytes=0, overlap_s=1.0)
+    assert 1 < hidden.buckets and hidden.exposed_seconds < 0.1 / 2
+    # Nothing to overlap with: one bucket pays the latency once.
+    alone = bucketing(reduction, GIB, last_ready_bytes=0, overlap_s=0.0)
+    assert alone.buckets == 1 and alone.exposed_seconds == pytest.approx(0.101)
+    # Gradients ready only at the end of backward are always exposed.
+    late = bucketing(reduction, GIB, last_ready_bytes=GIB / 2, overlap_s=1.0)
+    assert late.exposed_seconds >= 0.05
+    default = bucketing(reduction, GIB, last_ready_bytes=0, overlap_s=1.0, bucket_bytes=25 * 2**20)
+    assert default.buckets == math.ceil(GIB / (25 * 2**20)) and default.seconds == pytest.approx(0.1 + 41e-3)
+
+
+def test_utilisation_follows_the_measured_anchors():
+    compute = ComputeModel()
+    assert compute.utilisation(768) == pytest.approx(0.34)
+    assert compute.utilisation(2048) == pytest.approx(0.53)
+    assert 0.34 < compute.utilisation(1280) < 0.53
+    assert compute.utilisation(64) == 0.34 and compute.utilisation(8192) == 0.53
+    assert ComputeModel.compiled().utilisation(768) == pytest.approx(0.47)
+    # A GPU of twice the peak trains twice the samples.
+    assert compute.gpu_samples_per_second(2.0, 1e12, 768) == pytest.approx(2 * compute.gpu_samples_per_second(
+        1.0, 1e12, 768))
+
+
+def test_prices_spot_on_demand_and_overrides():
+    table = PriceTable.default()
+    assert table.dollars_per_hour("H100-SXM5-80GB", spot=True) < table.dollars_per_hour("H100-SXM5-80GB", spot=False)
+    assert table.dollars_per_hour("B300", spot=False) is None
+    mine = table.with_overrides({"H100-SXM5-80GB": 1.25, "B300": 9.0}, spot=True)
+    assert mine.dollars_per_hour("H100-SXM5-80GB", spot=True) == 1.25
+    assert mine.dollars_per_hour("H100-SXM5-80GB", spot=False) == table.dollars_per_hour("H100-SXM5-80GB", spot=False)
+    assert mine.dollars_per_hour("B300", spot=True) == 9.0

@@ -1,0 +1,145 @@
+"""The memory estimate against the real peak of the same training step on this CPU.
+
+The real peak is read from torch's CPU allocator: with `profile_memory=True` the profiler records
+every allocation and free the c10 CPU allocator makes (sizes included, kernels' own scratch too),
+so the running sum of those events over a step peaks where the process's tensor memory peaked.
+"""
+
+import contextlib
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from orchestrator import memory
+from orchestrator.config import ModelConfig, TrainConfig
+from workers.models.gpt import GPT
+from workers.optim import build_optimizer
+
+TINY = ModelConfig(n_layer=4, n_head=4, n_embd=128, seq_len=128, vocab_size=257)  # examples/cpu-tiny.toml
+
+
+class RealStep:
+    """One real training step of TINY on this CPU, set up (and warmed: AdamW's states exist) ahead."""
+
+    def __init__(self, micro_batch: int, *, accum: int = 1, chunked_loss: bool = True, ddp: bool = False):
+        torch.manual_seed(0)
+        self.model = GPT(TINY)
+        self.wrapped = DistributedDataParallel(self.model, gradient_as_bucket_view=True) if ddp else self.model
+        self.optimizer = build_optimizer(self.model, TrainConfig(), torch.device("cpu"))
+        self.batch = torch.randint(0, TINY.vocab_size, (micro_batch, TINY.seq_len + 1))
+        self.accum, self.chunked_loss, self.ddp = accum, chunked_loss, ddp
+        self.step()
+
+    def step(self) -> None:
+        for i in range(self.accum):
+            sync = self.wrapped.no_sync() if self.ddp and i < self.accum - 1 else contextlib.nullcontext()
+            with sync:
+                loss = self.wrapped(self.batch[:, :-1], self.batch[:, 1:], chunked_loss=self.chunked_loss)
+                (loss / self.accum).backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def live_bytes(self) -> int:
+        """What lives between steps: parameters, AdamW states and (DDP) the gradient buckets."""
+        tensors = [*self.model.parameters(), *(v for s in self.optimizer.state.values() for v in s.values())]
+        if self.ddp:
+            tensors += [p.grad for p in self.model.parameters() if p.grad is not None]
+        return sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def measure_peaks(steps: dict[str, RealStep]) -> dict[str, int]:
+    """Each step's peak tensor bytes: what lives before it plus the highest running sum of the CPU
+    allocator's events inside its own window (one profiler session for all: starting one is slow)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for name, step in steps.items():
+            with record_function(name):
+                step.step()
+    events = list(prof.profiler.kineto_results.events())
+    peaks = {}
+    for name, step in steps.items():
+        window = next(e for e in events if e.name() == name)
+        inside = sorted((e for e in events if e.name() == "[memory]" and
+                         window.start_ns() <= e.start_ns() <= window.end_ns()), key=lambda e: e.start_ns())
+        running = peak = 0
+        for event in inside:
+            running += event.nbytes()
+            peak = max(peak, running)
+        peaks[name] = step.live_bytes() + peak
+    return peaks
+
+
+@pytest.fixture(scope="module")
+def measured(gloo_world_of_one) -> dict[str, int]:
+    # The CPU demo's micro-batch; the variants at 4 samples, since every real step here costs compute.
+    return measure_peaks({"m16": RealStep(16), "m4-plain-loss": RealStep(4, chunked_loss=False),
+                          "m4-accum2": RealStep(4, accum=2), "m4-ddp": RealStep(4, ddp=True)})
+
+
+@pytest.fixture(scope="module")
+def tiny_profile() -> memory.MemoryProfile:
+    spec = memory.StepSpec(model=TINY, precision="fp32", device_type="cpu", chunked_loss=True)
+    memory.measure_steps(spec, (1, 4, 8, 16))  # one fake model for every exact figure the tests read
+    return memory.profile_for(spec, 16)
+
+
+@pytest.fixture(scope="module")
+def gloo_world_of_one():
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def within_ten_percent(estimate: int, measured: int) -> bool:
+    return abs(estimate - measured) / measured < 0.10
+
+
+def test_the_estimate_is_within_ten_percent_of_the_measured_cpu_peak(tiny_profile, measured):
+    estimate = tiny_profile.peak_bytes(16, exact=True)
+    assert within_ten_percent(estimate, measured["m16"]), (estimate, measured["m16"])
+
+
+def test_without_the_chunked_loss_too(measured):
+    spec = memory.StepSpec(model=TINY, precision="fp32", device_type="cpu", chunked_loss=False)
+    estimate = memory.measure_step(spec, 4).peak_bytes
+    assert within_ten_percent(estimate, measured["m4-plain-loss"]), (estimate, measured["m4-plain-loss"])
+
+
+def test_accumulation_keeps_the_gradients(tiny_profile, measured):
+    estimate = tiny_profile.peak_bytes(4, accumulating=True, exact=True)
+    assert within_ten_percent(estimate, measured["m4-accum2"]), (estimate, measured["m4-accum2"])
+
+
+def test_ddp_buckets_hold_every_gradient(tiny_profile, measured):
+    estimate = tiny_profile.peak_bytes(4, data_parallel="ddp", world_size=2, exact=True)
+    assert within_ten_percent(estimate, measured["m4-ddp"]), (estimate, measured["m4-ddp"])
+
+
+def test_interpolation_between_measured_micro_batches(tiny_profile):
+    assert [p.micro_batch_size for p in tiny_profile.points] == [1, 8, 16]
+    exact = tiny_profile.peak_bytes(4, exact=True)
+    assert abs(tiny_profile.peak_bytes(4) - exact) / exact < 0.05
+    assert tiny_profile.peak_bytes(8) == tiny_profile.peak_bytes(8, exact=True)
+
+
+def test_sharding_and_tensor_parallelism_lower_the_model_state(tiny_profile):
+    ddp = tiny_profile.peak_bytes(8, data_parallel="ddp", world_size=8)
+    assert tiny_profile.peak_bytes(8, data_parallel="fsdp", world_size=8) < ddp
+    assert tiny_profile.peak_bytes(8, data_parallel="ddp", world_size=8, tensor_parallel_size=4) < ddp
+    assert ddp >= tiny_profile.peak_bytes(8)
+
+
+def test_the_largest_micro_batch_that_fits(tiny_profile):
+    usable = memory.usable_bytes(2**30, "cpu")
+    fit = tiny_profile.max_micro_batch(2**30)
+    assert fit >= 1
+    assert tiny_profile.peak_bytes(fit, accumulating=True) <= usable < tiny_profile.peak_bytes(fit + 1,
+                                                                                                accumulating=True)
+    assert tiny_profile.max_micro_batch(2**30, limit=4) == 4
+    assert tiny_profile.max_micro_batch(memory.RUNTIME_RESERVE_BYTES["cpu"]) == 0
