@@ -1,10 +1,17 @@
 """Placement: where every worker runs, how much work it gets, and what a step costs.
 
-    from orchestrator.placement import Plan
-    plan = Plan.load("plan.json"); plan.worker(rank).device_uuid; plan.batch_layout()
+    from orchestrator import placement
+    plan = placement.plan(topology, config)          # a Plan (see plan.py), or PlacementError
+    plan.worker(rank).device_uuid; plan.batch_layout(); plan.save("plan.json")
 """
 
 from orchestrator.placement.plan import (AllReduce, DataParallel, DeviceKind, Objective, Plan, Prediction,
                                          WorkerPlacement)
 
-__all__ = ["AllReduce", "DataParallel", "DeviceKind", "Objective", "Plan", "Prediction", "WorkerPlacement"]
+__all__ = ["AllReduce", "DataParallel", "DeviceKind", "Objective", "Plan", "Prediction", "WorkerPlacement", "plan"]
+
+
+def plan(topology, config, **kwargs) -> Plan:
+    """Plans `config` on `topology` (see planner.Planner for the keyword arguments)."""
+    from orchestrator.placement.planner import Planner  # the planner imports cost, which imports plan
+    return Planner(topology, config, **kwargs).plan()

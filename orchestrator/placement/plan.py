@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 
@@ -142,6 +142,9 @@ class Plan:
     """Gradient bucket size per link class the reduction crosses (nvswitch, pcie, infiniband, …)."""
     bottleneck_link_class: str = ""
     """The slowest link class of the flat all-reduce: the bucket size a single DDP group uses."""
+    backend: str = "nccl"
+    """Process-group backend for the gradient reduction: gloo for CPU workers, and for plans with
+    several MIG slices of one GPU (NCCL runs one rank per GPU); nccl otherwise."""
     price_basis: str = "on_demand"
     """"on_demand" or "spot": which column of the price table the dollars come from."""
     predicted: Prediction
@@ -188,6 +191,24 @@ class Plan:
         """The sampler's layout; a worker reads `rank_micro_batches(consumed, layout, worker.data_parallel_rank)`."""
         from storage.sampler import BatchLayout
         return BatchLayout(self.replica_micro_batch_sizes(), self.grad_accum_steps)
+
+    def reordered(self, plan_ranks: list[int]) -> Plan:
+        """The same plan renumbered so that rank i is the worker that had rank plan_ranks[i]: Ray Train
+        numbers its workers itself, and each worker claims its plan entry by node and local rank
+        (binding.claim); gather the claimed ranks in world-rank order and renumber with them."""
+        if sorted(plan_ranks) != list(range(self.world_size)):
+            raise PlacementError(f"claimed plan ranks {sorted(plan_ranks)[:8]}… are not each of 0 … "
+                                 f"{self.world_size - 1} once", where="plan",
+                                 fix="every worker claims a different plan entry; start the plan's workers")
+        new = {old: rank for rank, old in enumerate(plan_ranks)}
+
+        def renumber(groups: list[list[int]]) -> list[list[int]]:
+            return [[new[rank] for rank in group] for group in groups]
+        return replace(self, workers=[replace(self.workers[old], rank=rank) for rank, old in enumerate(plan_ranks)],
+                       intra_island_groups=renumber(self.intra_island_groups),
+                       inter_island_groups=renumber(self.inter_island_groups),
+                       tensor_parallel_groups=renumber(self.tensor_parallel_groups),
+                       data_parallel_groups=renumber(self.data_parallel_groups))
 
     # ---- JSON -------------------------------------------------------------------------------------
     def to_dict(self) -> dict:

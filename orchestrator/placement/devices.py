@@ -1,0 +1,252 @@
+"""What the planner places workers on: devices, grouped into domains of identical, closely linked devices.
+
+    pool = DevicePool.from_topology(topology, collectives, job)   # GPUs and MIG slices, or CPU slots
+    pool.domains              # each: one node's devices of one kind that share a fast interconnect
+
+A domain is the unit a hierarchical all-reduce reduces inside: an NVLink island (one GPU model),
+the GPUs of one node and model that have no NVLink peers (PCIe), the MIG slices of one node and
+profile (host memory), or the CPU worker slots of one node (loopback). Every device of a domain
+is interchangeable with every other, which is what lets the planner count instead of enumerate.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+from orchestrator.cost import CollectiveCostModel, Hop, LinkClass
+from orchestrator.placement.plan import DeviceKind
+from orchestrator.topology.links import PCIE_PATHS, LinkKind
+from orchestrator.topology.model import ClusterTopology, Gpu, MigSlice, NicKind, NodeTopology
+
+UNKNOWN_NETWORK_GB_PER_S = 1.25
+"""A NIC whose speed the kernel does not report is planned as 10 Gbit/s Ethernet (and a note says so)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceType:
+    """What decides a device's speed, memory and price: equal types are interchangeable."""
+
+    kind: DeviceKind
+    model: str
+    """Price-table key: catalog key, or "cpu"."""
+    label: str
+    """Shown in plans: the catalog key, with the MIG profile for a slice; "cpu"."""
+    peak_tflops: float
+    """At the job's compute dtype; for CPU slots, cores × nominal GFLOP/s / 1000."""
+    memory_bytes: int
+    price_units: float
+    """Multiples of the model's hourly price: 1 per GPU, the SM share of a MIG slice, cores of a CPU slot."""
+    cores: int = 0
+
+
+@dataclass(slots=True)
+class Device:
+    uuid: str | None
+    type: DeviceType
+    node: NodeTopology
+    island_id: str | None
+    parent_uuid: str = ""
+    """The GPU a MIG slice is cut from."""
+    numa_node: int | None = None
+    cpu_affinity: str = ""
+
+
+@dataclass(slots=True)
+class Domain:
+    domain_id: str
+    devices: list[Device]
+    intra_hop: Hop | None
+    """The slowest hop of a ring over all the domain's devices; None for a domain of one."""
+    network_hop: Hop
+    """Leaving the node: its NICs together (or one NVLink fabric that spans nodes)."""
+    fabric_id: str = ""
+    """Set when the domain is an NVLink fabric island spanning nodes: then "node" means the fabric."""
+    nvlink: bool = False
+    """Whole GPUs joined by NVLink: where tensor-parallel groups may live."""
+
+    @property
+    def type(self) -> DeviceType:
+        return self.devices[0].type
+
+    @property
+    def node_id(self) -> str:
+        return self.fabric_id or self.devices[0].node.node_id
+
+    @property
+    def size(self) -> int:
+        return len(self.devices)
+
+    def class_key(self) -> tuple:
+        """Domains with equal keys are interchangeable for every cost the planner computes."""
+        intra = None if self.intra_hop is None else (self.intra_hop.link_class, self.intra_hop.bytes_per_s)
+        return (self.type, self.size, intra, self.network_hop.link_class, self.network_hop.bytes_per_s, self.nvlink)
+
+
+@dataclass(slots=True)
+class DevicePool:
+    domains: list[Domain]
+    cross_domain_hops: dict[str, Hop] = field(default_factory=dict)
+    """Per node: the slowest hop between two of its domains (PCIe, host memory), for nodes with several."""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def device_count(self) -> int:
+        return sum(len(domain.devices) for domain in self.domains)
+
+    @classmethod
+    def gpus(cls, topology: ClusterTopology, collectives: CollectiveCostModel, *, dtype: str,
+             use_mig: bool) -> DevicePool:
+        notes: list[str] = []
+        networks = {node.node_id: _network_hop(node, collectives, notes) for node in topology.nodes}
+        domains = _gpu_domains(topology, collectives, networks, dtype, use_mig)
+        by_node: dict[str, list[Domain]] = defaultdict(list)
+        for domain in domains:
+            by_node[domain.node_id].append(domain)
+        cross = {node_id: _slowest_pair(topology, [d.devices[0].uuid for d in node_domains], collectives)
+                 for node_id, node_domains in by_node.items() if len(node_domains) > 1}
+        unreadable = [f"{node.node_id} GPU {gpu.index}" for node, gpu in topology.gpus() if gpu.error]
+        if unreadable:
+            notes.append(f"left out {len(unreadable)} GPU(s) NVML could not read: {', '.join(unreadable[:4])}")
+        return cls(domains=domains, cross_domain_hops=cross, notes=notes)
+
+    @classmethod
+    def cpus(cls, topology: ClusterTopology, collectives: CollectiveCostModel, *, cores_per_worker: int,
+             cpu_gflops_per_core: float) -> DevicePool:
+        """One slot per `cores_per_worker` cores, inside one NUMA node where the node says which cores those are."""
+        notes: list[str] = []
+        domains = []
+        for node in topology.nodes:
+            slots = _cpu_slots(node, cores_per_worker)
+            if not slots:
+                continue
+            memory = node.memory_bytes // len(slots) if node.memory_bytes else 0
+            kind = DeviceType(kind=DeviceKind.CPU, model="cpu", label="cpu", cores=cores_per_worker,
+                              peak_tflops=cores_per_worker * cpu_gflops_per_core / 1000, memory_bytes=memory,
+                              price_units=float(cores_per_worker))
+            devices = [Device(uuid=None, type=kind, node=node, island_id=None, numa_node=numa, cpu_affinity=cpus)
+                       for numa, cpus in slots]
+            hop = collectives.hop(LinkClass.LOOPBACK) if len(devices) > 1 else None
+            domains.append(Domain(domain_id=f"{node.node_id}-cpu", devices=devices, intra_hop=hop,
+                                  network_hop=_network_hop(node, collectives, notes)))
+        return cls(domains=domains, notes=notes)
+
+
+def _network_hop(node: NodeTopology, collectives: CollectiveCostModel, notes: list[str]) -> Hop:
+    gb_per_s = node.network_gb_per_s
+    if gb_per_s <= 0:
+        gb_per_s = UNKNOWN_NETWORK_GB_PER_S
+        notes.append(f"{node.node_id}: NIC speed unknown, planned as 10 Gbit/s Ethernet")
+    kind = {NicKind.INFINIBAND: LinkClass.INFINIBAND, NicKind.ROCE: LinkClass.ROCE}.get(node.network_kind,
+                                                                                        LinkClass.ETHERNET)
+    return collectives.hop(kind, gb_per_s)
+
+
+def _gpu_type(gpu: Gpu | MigSlice, parent: Gpu, dtype: str) -> DeviceType | None:
+    peaks = gpu.peak_tflops
+    peak = peaks.get(dtype) or (peaks.get("fp16") if dtype == "bf16" else None) or peaks.get("fp32")
+    if not peak:
+        return None
+    if isinstance(gpu, MigSlice):
+        return DeviceType(kind=DeviceKind.MIG, model=parent.model or parent.name, peak_tflops=peak,
+                          label=f"{parent.model or parent.name} {gpu.profile}", memory_bytes=gpu.memory_bytes,
+                          price_units=gpu.sm_share or 1.0)
+    return DeviceType(kind=DeviceKind.GPU, model=gpu.model or gpu.name, label=gpu.model or gpu.name, peak_tflops=peak,
+                      memory_bytes=gpu.memory_bytes, price_units=1.0)
+
+
+def _gpu_domains(topology: ClusterTopology, collectives: CollectiveCostModel, networks: dict[str, Hop],
+                 dtype: str, use_mig: bool) -> list[Domain]:
+    """NVLink islands (several nodes' GPUs for a fabric that spans nodes), then per node its GPUs
+    without NVLink peers and its MIG slices, each split by device type."""
+    groups: dict[tuple[str, DeviceType], list[Device]] = defaultdict(list)
+    kinds: dict[str, tuple[bool, bool]] = {}
+    island_of = {uuid: island for island in topology.nvlink_islands for uuid in island.gpu_uuids}
+    for node in topology.nodes:
+        gpus = {gpu.uuid: gpu for gpu in node.gpus}
+        for gpu in node.gpus:
+            island = island_of.get(gpu.uuid) if gpu.usable_whole else None
+            kind = _gpu_type(gpu, gpu, dtype) if island is not None else None
+            if kind is None:
+                continue
+            key = island.island_id if island.size > 1 else f"{node.node_id}-pcie"
+            kinds[key] = (island.size > 1, len(island.node_ids) > 1)
+            groups[key, kind].append(Device(uuid=gpu.uuid, type=kind, node=node, island_id=island.island_id,
+                                            numa_node=gpu.numa_node, cpu_affinity=gpu.cpu_affinity))
+        for mig in node.mig_slices if use_mig else []:
+            parent = gpus[mig.parent_uuid]
+            kind = _gpu_type(mig, parent, dtype)
+            if kind is None or parent.error:
+                continue
+            kinds[f"{node.node_id}-mig"] = (False, False)
+            groups[f"{node.node_id}-mig", kind].append(
+                Device(uuid=mig.uuid, type=kind, node=node, island_id=None, parent_uuid=parent.uuid,
+                       numa_node=parent.numa_node, cpu_affinity=parent.cpu_affinity))
+    types_per_key = Counter(key for key, _ in groups)
+    islands = {island.island_id: island for island in topology.nvlink_islands}
+    domains = []
+    for (key, kind), devices in groups.items():
+        nvlink, spans_nodes = kinds[key]
+        network = min((networks[node_id] for node_id in {d.node.node_id for d in devices}),
+                      key=lambda hop: hop.bytes_per_s)
+        if len(devices) == 1:
+            intra = None
+        elif nvlink:  # the island's slowest directly linked pair; its links are all NVLink
+            island = islands[key]
+            intra = collectives.hop(LinkClass(island.interconnect.value), island.bandwidth_gb_per_s)
+        else:
+            intra = _slowest_pair(topology, [d.uuid for d in devices], collectives)
+        domains.append(Domain(domain_id=f"{key}-{kind.label.replace(' ', '-')}" if types_per_key[key] > 1 else key,
+                              devices=devices, network_hop=network, fabric_id=key if spans_nodes else "",
+                              nvlink=nvlink, intra_hop=intra))
+    return domains
+
+
+def _slowest_pair(topology: ClusterTopology, uuids: list[str], collectives: CollectiveCostModel) -> Hop:
+    """The slowest hop of a ring through `uuids` in order (each device to the next, the last to the first)."""
+    ring = list(zip(uuids, uuids[1:] + uuids[:1]))
+    hops = [_hop(topology.link(a, b), collectives) for a, b in ring[:len(uuids) if len(uuids) > 2 else 1]]
+    return min(hops, key=lambda hop: (hop.bytes_per_s, -hop.alpha_s))
+
+
+def _hop(link, collectives: CollectiveCostModel) -> Hop:
+    if link.kind == LinkKind.NVSWITCH:
+        return collectives.hop(LinkClass.NVSWITCH, link.bandwidth_gb_per_s)
+    if link.kind == LinkKind.NVLINK:
+        return collectives.hop(LinkClass.NVLINK, link.bandwidth_gb_per_s)
+    if link.kind in PCIE_PATHS:
+        return collectives.hop(LinkClass.PCIE, link.bandwidth_gb_per_s)
+    return collectives.hop(LinkClass.HOST_MEMORY, link.bandwidth_gb_per_s)
+
+
+def _cpu_slots(node: NodeTopology, cores: int) -> list[tuple[int | None, str]]:
+    """(NUMA node, CPU list) of each worker slot; CPU lists stay inside one NUMA node."""
+    if node.numa_nodes:
+        slots = []
+        for numa in node.numa_nodes:
+            cpus = parse_cpu_list(numa.cpus)
+            slots += [(numa.numa_id, format_cpu_list(cpus[i:i + cores]))
+                      for i in range(0, len(cpus) - cores + 1, cores)]
+        if slots:
+            return slots
+    return [(None, "")] * (node.cpu_count // cores) if node.cpu_count else []
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """"0-3,8,10-11" → [0, 1, 2, 3, 8, 10, 11] (the kernel's cpulist format)."""
+    cpus: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        low, _, high = part.partition("-")
+        cpus.extend(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+def format_cpu_list(cpus: list[int]) -> str:
+    runs: list[str] = []
+    for cpu in sorted(cpus):
+        if runs and cpu == int(runs[-1].split("-")[-1]) + 1:
+            runs[-1] = f"{runs[-1].split('-')[0]}-{cpu}"
+        else:
+            runs.append(str(cpu))
+    return ",".join(runs)
+

@@ -1,0 +1,170 @@
+"""The planner on generated clusters: islands, MIG, the heterogeneous split, objectives, refusals."""
+
+import dataclasses
+
+import pytest
+
+from orchestrator import memory
+from orchestrator.config import JobConfig
+from orchestrator.cost import ComputeModel
+from orchestrator.errors import PlacementError
+from orchestrator.placement import DataParallel, DeviceKind, Plan
+from orchestrator.placement.planner import Planner
+from orchestrator.topology import machines
+from orchestrator.topology.model import ClusterTopology, Nic, NicKind, NodeTopology, NumaNode
+
+TINY_MODEL = {"n_layer": 4, "n_head": 4, "n_embd": 128, "seq_len": 128, "vocab_size": 257}
+NO_OVERHEAD = ComputeModel(micro_step_overhead_s_per_layer=0.0)
+"""Step time proportional to FLOPs, so splits follow device speed exactly."""
+
+
+def job(**sections) -> JobConfig:
+    base = {"name": "t", "model": TINY_MODEL, "cluster": {"use_gpu": True},
+            "train": {"global_batch_size": 64, "micro_batch_size": 16, "steps": 1000}}
+    for section, values in sections.items():
+        base[section] = {**base.get(section, {}), **values}
+    return JobConfig.from_dict(base)
+
+
+def planner(cluster: str | ClusterTopology, config: JobConfig | None = None, **kwargs) -> Planner:
+    topology = machines.cluster(cluster) if isinstance(cluster, str) else cluster
+    return Planner(topology, config or job(), exact_memory=False, **kwargs)
+
+
+def laptop(cores: int = 2) -> ClusterTopology:
+    return ClusterTopology(nodes=[NodeTopology(
+        node_id="laptop", cpu_count=cores, memory_bytes=16 * 2**30,
+        numa_nodes=[NumaNode(numa_id=0, cpus=f"0-{cores - 1}", memory_bytes=16 * 2**30)],
+        nics=[Nic(name="eth0", kind=NicKind.ETHERNET)])])
+
+
+def test_the_cpu_demo_goes_through_the_planner():
+    config = job(cluster={"use_gpu": False, "num_workers": 2, "cpus_per_worker": 1},
+                 train={"global_batch_size": 32, "micro_batch_size": 16})
+    plan = Planner(laptop(), config).plan()  # exact memory: two fake steps of the demo model
+    assert not plan.uses_gpus and plan.world_size == 2 and plan.backend == "gloo"
+    assert [w.device_uuid for w in plan.workers] == [None, None]
+    assert [w.cpu_affinity for w in plan.workers] == ["0", "1"]
+    assert [w.micro_batch_size for w in plan.workers] == [16, 16] and plan.grad_accum_steps == 1
+    assert plan.predicted.step_seconds > 0 and plan.workers[0].predicted_peak_memory_bytes > 0
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_heterogeneous_split_sums_to_the_global_batch_in_proportion_to_speed():
+    config = job(placement={"min_gpus": 16}, train={"global_batch_size": 512, "micro_batch_size": 64})
+    plan = planner("8xH100-SXM:1,8xL40S:1", config, compute=NO_OVERHEAD).plan()
+    sizes = {w.device_model: w.micro_batch_size for w in plan.workers}
+    assert sum(w.micro_batch_size for w in plan.workers) * plan.grad_accum_steps == 512
+    assert plan.batch_layout().global_batch == 512
+    speed_ratio = 989.4 / 362.05
+    assert sizes["H100-SXM5-80GB"] / sizes["L40S"] == pytest.approx(speed_ratio, rel=0.15)
+    times = [w.predicted_compute_seconds for w in plan.workers]
+    assert max(times) / min(times) < 1.15  # they finish together, up to one sample's rounding
+
+
+def test_tensor_parallel_groups_stay_inside_one_nvlink_island():
+    plan = planner("8xH100-SXM:2,8xL40S:1", job(placement={"tensor_parallel_size": 4})).plan()
+    assert plan.tensor_parallel_size == 4 and plan.world_size % 4 == 0
+    for group in plan.tensor_parallel_groups:
+        members = [plan.workers[r] for r in group]
+        assert len({w.island_id for w in members}) == 1
+        assert all(w.device_kind == DeviceKind.GPU and w.device_model == "H100-SXM5-80GB" for w in members)
+        assert len({w.micro_batch_size for w in members}) == 1
+    for group in plan.intra_island_groups:
+        assert len({plan.workers[r].island_id for r in group}) == 1
+
+
+def test_mig_slices_are_never_in_a_tensor_parallel_group():
+    with pytest.raises(PlacementError, match="needs an NVLink island of 2 whole GPUs; there are none"):
+        planner("1xH100-MIG7:2", job(placement={"tensor_parallel_size": 2})).plan()
+    plan = planner("8xH100-SXM:1,1xH100-MIG7:1", job(placement={"tensor_parallel_size": 2, "min_gpus": 8})).plan()
+    assert all(w.device_kind == DeviceKind.GPU for w in plan.workers)
+
+
+def test_slices_of_one_gpu_reduce_through_gloo():
+    plan = planner("1xH100-MIG7:1", job(placement={"min_gpus": 2})).plan()
+    assert all(w.device_kind == DeviceKind.MIG and w.island_id is None for w in plan.workers)
+    assert plan.backend == "gloo" and any("NCCL runs one rank per GPU" in note for note in plan.notes)
+
+
+def test_cheapest_may_use_fewer_devices_than_fastest():
+    config = job(train={"global_batch_size": 512, "micro_batch_size": 64})
+    fastest = planner("4xL4:4", config, compute=NO_OVERHEAD).plan()
+    cheapest = planner("4xL4:4", dataclasses.replace(config, placement=dataclasses.replace(
+        config.placement, objective="cheapest")), compute=NO_OVERHEAD).plan()
+    assert cheapest.world_size < fastest.world_size
+    assert cheapest.predicted.dollars_per_million_tokens <= fastest.predicted.dollars_per_million_tokens
+    assert fastest.predicted.step_seconds <= cheapest.predicted.step_seconds
+
+
+@pytest.mark.parametrize("cluster", ["8xH100-SXM:1,4xL4:1", "4xA100-PCIE-bridged:1,1xA10G:4", "1xH200:2,1xH100-MIG7:1"])
+@pytest.mark.parametrize("objective", ["fastest", "cheapest"])
+def test_the_search_is_within_five_percent_of_the_exhaustive_optimum(cluster, objective):
+    p = planner(cluster, job(placement={"objective": objective}, train={"global_batch_size": 256}))
+    found, best = p.search(), p.exhaustive()
+    assert found.score[0] <= best.score[0] * 1.05
+
+
+def test_the_naive_plan_packs_in_node_order_with_one_micro_batch():
+    p = planner("8xL40S:1,8xH100-SXM:1", job(placement={"max_gpus": 8}, train={"global_batch_size": 256}),
+                compute=NO_OVERHEAD)
+    plan = p.plan()
+    naive = p.naive(plan)
+    assert {w.device_model for w in plan.workers} == {"H100-SXM5-80GB"}
+    assert {w.device_model for w in naive.workers} == {"L40S"} and naive.world_size == plan.world_size
+    assert len({w.micro_batch_size for w in naive.workers}) == 1
+    assert naive.predicted.step_seconds > plan.predicted.step_seconds
+
+
+def test_a_planned_plan_round_trips_through_json(tmp_path):
+    plan = planner("8xH100-SXM:2", job(placement={"min_gpus": 16})).plan()
+    assert plan.intra_island_groups == [list(range(8)), list(range(8, 16))]
+    assert plan.inter_island_groups == [[k, 8 + k] for k in range(8)]
+    assert Plan.load(plan.save(tmp_path / "plan.json")) == plan
+
+
+# ---- what does not fit says why, and what would --------------------------------------------------
+def shrunk(cluster: str, memory_bytes: int) -> ClusterTopology:
+    topology = machines.cluster(cluster)
+    for node in topology.nodes:
+        for gpu in node.gpus:
+            gpu.memory_bytes = memory_bytes
+    return ClusterTopology(nodes=topology.nodes)
+
+
+def test_a_model_too_large_for_ddp_is_told_about_fsdp():
+    config = job()
+    profile = memory.profile(config)
+    ddp = profile.peak_bytes(1, data_parallel="ddp", world_size=2)
+    fsdp = profile.peak_bytes(1, data_parallel="fsdp", world_size=4)
+    assert fsdp < ddp
+    usable = (ddp + fsdp) // 2
+    capacity = int((usable + memory.RUNTIME_RESERVE_BYTES["cuda"]) / (1 - memory.ALLOCATOR_SLACK)) + 1
+    with pytest.raises(PlacementError) as refused:
+        planner(shrunk("4xL4:1", capacity), config).plan()
+    message = str(refused.value)
+    assert "does not fit" in message and 'set [parallel] strategy = "fsdp" (fits from' in message
+    plan = planner(shrunk("4xL4:1", capacity), job(parallel={"strategy": "fsdp"})).plan()
+    assert plan.data_parallel == DataParallel.FSDP and plan.world_size >= 2
+
+
+@pytest.mark.parametrize("cluster, config, where, message", [
+    ("8xH100-SXM:2", job(placement={"min_gpus": 20}), "[placement] min_gpus",
+     "asks for 20 workers; the cluster has 16 usable GPUs"),
+    ("8xH100-SXM:1", job(placement={"tensor_parallel_size": 16}), "[placement] tensor_parallel_size",
+     "the largest has 8 GPUs"),
+    ("8xH100-SXM:2", job(placement={"min_gpus": 16}, train={"global_batch_size": 8, "micro_batch_size": 1}),
+     "[train] global_batch_size", "16 workers but a global batch of 8"),
+    ("8xH100-SXM:1", job(placement={"objective": "cheapest_under_deadline", "deadline_hours": 1e-9}),
+     "[placement] deadline_hours", "no plan finishes 1000 steps within"),
+])
+def test_refusals_name_the_constraint_and_the_fix(cluster, config, where, message):
+    with pytest.raises(PlacementError) as refused:
+        planner(cluster, config).plan()
+    assert refused.value.where == where and message in refused.value.what and refused.value.fix
+
+
+def test_more_cpu_workers_than_cores():
+    config = job(cluster={"use_gpu": False, "num_workers": 4, "cpus_per_worker": 1})
+    with pytest.raises(PlacementError, match=r"\[cluster\] num_workers: asks for 4 workers; the cluster has 2"):
+        Planner(laptop(), config, exact_memory=False).plan()
