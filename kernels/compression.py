@@ -10,7 +10,11 @@ How a sparse all-reduce uses it, per bucket and step:
         decompress_accumulate(total, mine.with_payload(row))
 
 CUDA tensors run the Triton kernels (kernels/triton_kernels.py), anything else the torch twins
-(kernels/reference.py); both give the same bits. What holds for every call:
+(kernels/reference.py); both give the same payload bytes. On CUDA a call takes 4 bytes of
+scratch per element from torch's allocator for its duration, and ~200 µs of host time when run
+eagerly (launches and allocation, measured on an H200 machine); a hook can capture
+compress(bucket, residual, k_ratio, check_finite=False) per bucket in a CUDA graph, since DDP's
+bucket and the residual are persistent tensors. What holds for every call:
 
 - Error feedback loses nothing: with acc = bucket (as fp32) + residual_before, computed in fp32,
   residual_after + dequantised == acc exactly, element by element, where dequantised is what
@@ -40,8 +44,10 @@ from kernels.errors import NonFiniteGradientError
 from kernels.payload import CompressedBucket, PayloadLayout, allocate
 from kernels.plan import SelectionPlan, check_k_ratio
 
-DEFAULT_BLOCK = 4096
-"""Elements per scale: at k = 1 % about 41 entries share 4 bytes of scale (2 % overhead)."""
+DEFAULT_BLOCK = 1024
+"""Elements per scale. At k = 1 % about 10 entries (50 bytes) share a 4-byte scale, 7 % of the
+payload; block=4096 cuts that to 2 % but compresses about a fifth slower on an H200 (a block
+is one program's tile, and larger tiles fit fewer programs per multiprocessor)."""
 
 MIN_BLOCK, MAX_BLOCK = 128, 8192
 
