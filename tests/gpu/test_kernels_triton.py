@@ -1,0 +1,134 @@
+"""The Triton kernels on a GPU against the torch twins, bit for bit, and the API's promises there.
+
+Run on a CUDA machine from the repository root:
+    PYTHONPATH=. python3 -m pytest -m gpu tests/gpu/test_kernels_triton.py -p no:cacheprovider
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed: it comes with CUDA builds of torch, so no CUDA here")
+
+from kernels import (NonFiniteGradientError, compress, decompress_accumulate, reference,  # noqa: E402
+                     topk_by_magnitude, triton_kernels)
+from kernels.compression import _backend  # noqa: E402
+from kernels.payload import PayloadLayout, allocate  # noqa: E402
+from kernels.plan import CAPACITY_SLACK_PERCENT, SelectionPlan  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def gradient(n: int, seed: int, dtype=torch.float32) -> torch.Tensor:
+    """Layers of different scale, as in a DDP bucket, made on the GPU."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    scales = torch.logspace(-4, 0, 7, device="cuda")[torch.randint(0, 7, (-(-n // 4096),), device="cuda", generator=gen)]
+    return (torch.randn(n, device="cuda", generator=gen) * scales.repeat_interleave(4096)[:n]).to(dtype)
+
+
+def run(backend, source, residual, plan, layout):
+    out, workspace = allocate(layout, plan, source.device)
+    backend.select(source, residual, plan, out, workspace)
+    return out, workspace
+
+
+@pytest.mark.parametrize("numel,dtype,block,k_ratio", [
+    (1_000, torch.float32, 128, 0.05),            # smaller than one block, sampled whole
+    (50_001, torch.float32, 4096, 0.01),          # odd size: unaligned tail, scalar loads
+    (3_000_000, torch.bfloat16, 1024, 0.01),      # sampled threshold, bf16 bucket
+    (3_000_000, torch.float16, 8192, 0.2),
+    (2_000_000, torch.float32, 2048, 0.05),
+    ((1 << 24) + 3, torch.float32, 4096, 0.001),  # capped sample
+])
+def test_compress_matches_the_twin_bit_for_bit(numel, dtype, block, k_ratio):
+    source = gradient(numel, seed=numel, dtype=dtype)
+    residual = torch.randn(numel, device="cuda") * 1e-3
+    plan = SelectionPlan.for_ratio(numel, k_ratio)
+    layout = PayloadLayout(numel, plan.capacity, torch.int8, block)
+    twin_residual = residual.clone()
+    got, got_hist = run(triton_kernels, source, residual, plan, layout)
+    want, want_hist = run(reference, source, twin_residual, plan, layout)
+    assert torch.equal(got_hist, want_hist)
+    assert torch.equal(got.payload, want.payload)  # header, entries in index order, scales, padding
+    assert torch.equal(residual, twin_residual)
+    assert abs(got.counts()[0] - plan.k) <= plan.k * CAPACITY_SLACK_PERCENT / 100
+
+
+def test_decompress_matches_the_twin_bit_for_bit():
+    numel = 5_000_000
+    c = compress(gradient(numel, seed=1), torch.zeros(numel, device="cuda"), 0.01)
+    start = torch.randn(numel, device="cuda")
+    got, want = start.clone(), start.clone()
+    triton_kernels.decompress_accumulate(got, c)
+    reference.decompress_accumulate(want, c)
+    assert torch.equal(got, want)
+
+
+def test_public_functions_pick_triton_for_cuda_tensors():
+    assert _backend(torch.zeros(1, device="cuda")) is triton_kernels
+    assert _backend(torch.zeros(1)) is reference
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_error_feedback_is_exact_on_the_gpu(dtype):
+    numel = 4_000_037
+    residual = torch.zeros(numel, device="cuda")
+    for step in range(3):
+        g = gradient(numel, seed=100 + step, dtype=dtype)
+        before = residual.clone()
+        c = compress(g, residual, 0.01)
+        dense = torch.zeros(numel, device="cuda")
+        decompress_accumulate(dense, c)
+        assert torch.equal(residual + dense, g.float() + before)
+        index = c.indices[:c.sent()]
+        assert index.unique().numel() == index.numel()
+
+
+def test_topk_matches_the_twin_and_keeps_exactly_the_largest():
+    x = torch.randn(20_000_000, device="cuda")
+    k = 200_000
+    index, values = topk_by_magnitude(x, k)
+    twin_index, twin_values = reference_topk(x, k)
+    assert torch.equal(index, twin_index) and torch.equal(values, twin_values)
+    assert torch.equal(values, x[index.long()])
+    assert abs(len(index) - k) <= k * CAPACITY_SLACK_PERCENT / 100
+    exact = torch.topk(x.abs(), len(index)).indices
+    assert torch.equal(index.long().sort().values, exact.sort().values)
+
+
+def reference_topk(x, k):
+    plan = SelectionPlan.for_k(x.numel(), k)
+    out, _ = run(reference, x, None, plan, PayloadLayout(x.numel(), plan.capacity, x.dtype, None))
+    return out.indices[:out.sent()], out.values[:out.sent()]
+
+
+def test_nan_raises_now_or_from_the_payload():
+    g, residual = gradient(1_000_000, seed=5), torch.zeros(1_000_000, device="cuda")
+    g[123_456] = float("nan")
+    with pytest.raises(NonFiniteGradientError, match="1 of 1000000"):
+        compress(g, residual.clone(), 0.01)
+    deferred = compress(g, residual, 0.01, check_finite=False)
+    with pytest.raises(NonFiniteGradientError):
+        deferred.with_payload(deferred.payload.clone()).raise_if_nonfinite()
+
+
+def test_all_zero_and_empty_buckets_send_nothing():
+    residual = torch.zeros(3_000_000, device="cuda")
+    c = compress(torch.zeros(3_000_000, device="cuda"), residual, 0.01)
+    assert c.counts() == (0, 0) and not c.payload.any() and not residual.any()
+    empty = compress(torch.zeros(0, device="cuda"), torch.zeros(0, device="cuda"), 0.01)
+    assert empty.counts() == (0, 0)
+
+
+def test_ties_overflow_capacity_and_the_excess_stays_in_the_residual():
+    numel = 2_000_000
+    g = torch.ones(numel, device="cuda")
+    g[::3] = -1.0
+    residual = torch.zeros(numel, device="cuda")
+    twin_residual = residual.clone()
+    c = compress(g, residual, 0.01)
+    twin = compress(g.cpu(), twin_residual.cpu(), 0.01)
+    assert c.counts()[0] == numel and c.sent() == c.capacity
+    assert torch.equal(c.payload.cpu(), twin.payload)  # the lowest indices fill the capacity
+    dense = torch.zeros(numel, device="cuda")
+    decompress_accumulate(dense, c)
+    assert torch.equal(residual + dense, g)
