@@ -1,0 +1,168 @@
+"""Compression kernels against their named baselines, measured in the same run on one CUDA GPU.
+
+    python3 benchmarks/kernels.py                              # fp32 buckets of 25, 100, 400, 1000 MB, k = 1 %
+    python3 benchmarks/kernels.py --sizes-mb 25 100 --k-ratio 0.01
+
+Per bucket size:
+  copy        the baseline: dst.copy_(src) of the bucket; its bandwidth counts bytes read + written
+  compress    compress(bucket, residual, k_ratio, check_finite=False), the comm-hook path; bytes =
+              bucket read + residual read and written + payload written
+  decompress  decompress_accumulate(dense, payload); bytes = payload entries and scales read + 8 per
+              entry (its dense fp32 element read and written). At k = 1 % entries are ~100 elements
+              apart, so each costs DRAM a 32-byte sector both ways: "sector GB/s" counts that
+  topk        topk_by_magnitude(x, k) against the baseline torch.topk(|x|, k, sorted=False) with |x|
+              computed beforehand: device time (both in CUDA graphs; ours without the final wait
+              for the count) and eager time (each call waited for, Python included); "kept" is
+              the count returned over k, and "exact" whether they are exactly the largest that many
+Bandwidth timing captures one call per buffer set in a CUDA graph (sets rotate so L2 never holds a
+bucket from the last call; the graph removes Python's launch cost), warms up, and reports the
+median of many replays; the copy baseline takes the faster of that and back-to-back eager calls.
+"eager us" is compress called back to back without a graph, Python launch cost included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+from kernels import compress, decompress_accumulate, topk_by_magnitude, triton_kernels  # noqa: E402
+from kernels.payload import PayloadLayout, allocate  # noqa: E402
+from kernels.plan import SelectionPlan  # noqa: E402
+
+ROTATE_BYTES = 1 << 30
+"""Buffers cycled through per size, so each call finds its inputs in DRAM, not the 60 MB L2."""
+
+
+def graph_seconds(calls: list[Callable[[], object]], replays: int = 30) -> float:
+    """Median seconds per call: all calls captured in one CUDA graph, replayed `replays` times."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for call in calls:  # warm-up: compiles kernels and fills the allocator's cache
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    return statistics.median(_timed(graph.replay) for _ in range(replays)) / len(calls)
+
+
+def eager_seconds(call: Callable[[], object], repeats: int) -> float:
+    """Median seconds of one call, run and waited for one at a time, after two warm-up calls."""
+    for _ in range(2):
+        call()
+    torch.cuda.synchronize()
+    return statistics.median(_timed(call) for _ in range(repeats))
+
+
+def _timed(call: Callable[[], object]) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    call()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def back_to_back_seconds(calls: list[Callable[[], object]], rounds: int = 10) -> float:
+    """Seconds per call over `rounds` passes through calls without waiting between them."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    return _timed(lambda: [call() for _ in range(rounds) for call in calls]) / (rounds * len(calls))
+
+
+def bench_size(size_mb: float, k_ratio: float) -> dict:
+    numel = int(size_mb * 1e6) // 4
+    sets = max(2, math.ceil(ROTATE_BYTES / (numel * 4)))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    buckets = [torch.randn(numel, device="cuda", generator=gen) for _ in range(sets)]
+    residuals = [torch.randn(numel, device="cuda", generator=gen) * 1e-3 for _ in range(sets)]
+    copies = [torch.empty_like(b) for b in buckets]
+
+    # The baseline is the faster of two ways to time the copy, so it is never flattered.
+    copy_calls = [lambda d=d, s=s: d.copy_(s) for d, s in zip(copies, buckets)]
+    copy_s = min(graph_seconds(copy_calls), back_to_back_seconds(copy_calls))
+    copy_gbs = 2 * numel * 4 / copy_s / 1e9
+
+    compress_calls = [lambda i=i: compress(buckets[i], residuals[i], k_ratio, check_finite=False) for i in range(sets)]
+    compress_s = graph_seconds(compress_calls)
+    eager_s = back_to_back_seconds(compress_calls)
+    payloads = [compress(buckets[i], residuals[i], k_ratio) for i in range(sets)]
+    compress_gbs = (3 * numel * 4 + payloads[0].payload.numel()) / compress_s / 1e9
+
+    sent = payloads[0].sent()
+    decompress_s = graph_seconds([lambda d=d, p=p: decompress_accumulate(d, p) for d, p in zip(copies, payloads)])
+    payload_read = sent * 5 + 4 * payloads[0].layout.num_blocks
+    decompress_gbs = (payload_read + 8 * sent) / decompress_s / 1e9
+    sector_gbs = (payload_read + 64 * sent) / decompress_s / 1e9
+
+    k = max(1, round(k_ratio * numel))
+    magnitudes = [b.abs() for b in buckets]  # outside the baseline's timing: torch.topk alone, its best case
+    topk_device_s = graph_seconds([lambda b=b: _topk_without_waiting(b, k) for b in buckets])
+    torch_device_s = graph_seconds([lambda m=m: torch.topk(m, k, sorted=False) for m in magnitudes])
+    x, repeats = buckets[0], 5 if numel > 50_000_000 else 15
+    topk_eager_s = eager_seconds(lambda: topk_by_magnitude(x, k), repeats)
+    torch_eager_s = eager_seconds(lambda: torch.topk(magnitudes[0], k, sorted=False), repeats)
+    index, _ = topk_by_magnitude(x, k)
+    exact = torch.topk(magnitudes[0], len(index), sorted=False).indices
+    exact_match = torch.equal(index.long().sort().values, exact.sort().values)
+    del buckets, residuals, copies, payloads, magnitudes, x, exact
+    torch.cuda.empty_cache()
+    return dict(size_mb=size_mb, numel=numel, sets=sets, copy_gbs=copy_gbs, compress_gbs=compress_gbs,
+                compress_us=compress_s * 1e6, eager_us=eager_s * 1e6, decompress_gbs=decompress_gbs,
+                sector_gbs=sector_gbs, decompress_us=decompress_s * 1e6, sent_over_k=sent / k,
+                topk_device_ms=topk_device_s * 1e3, torch_device_ms=torch_device_s * 1e3,
+                topk_eager_ms=topk_eager_s * 1e3, torch_eager_ms=torch_eager_s * 1e3, kept_over_k=len(index) / k,
+                exact=exact_match)
+
+
+def _topk_without_waiting(x: torch.Tensor, k: int) -> None:
+    """topk_by_magnitude's device work, without its final wait for the count (which no graph holds)."""
+    plan = SelectionPlan.for_k(x.numel(), k)
+    out, workspace = allocate(PayloadLayout(x.numel(), plan.capacity, x.dtype, None), plan, x.device)
+    triton_kernels.select(x, None, plan, out, workspace)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes-mb", type=float, nargs="+", default=[25, 100, 400, 1000])
+    parser.add_argument("--k-ratio", type=float, default=0.01)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/kernels.py needs a CUDA GPU")
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
+          f"{datetime.date.today()} | k_ratio {args.k_ratio}", flush=True)
+    rows = []
+    for size in args.sizes_mb:
+        rows.append(bench_size(size, args.k_ratio))
+        print(rows[-1], flush=True)
+    print("\n| bucket | copy GB/s | compress GB/s (of copy) | compress us: graph / eager | "
+          "decompress GB/s (of copy) | decompress sector GB/s (of copy) | sent/k | "
+          "topk ms, graph: ours / torch.topk (speed-up) | topk ms, eager: ours / torch.topk (speed-up) | kept/k | exact |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        copy = r["copy_gbs"]
+        print(f"| {r['size_mb']:g} MB | {copy:.0f} | {r['compress_gbs']:.0f} ({r['compress_gbs'] / copy:.0%}) | "
+              f"{r['compress_us']:.1f} / {r['eager_us']:.1f} | {r['decompress_gbs']:.0f} "
+              f"({r['decompress_gbs'] / copy:.0%}) | {r['sector_gbs']:.0f} ({r['sector_gbs'] / copy:.0%}) | "
+              f"{r['sent_over_k']:.3f} | {r['topk_device_ms']:.3f} / {r['torch_device_ms']:.3f} "
+              f"({r['torch_device_ms'] / r['topk_device_ms']:.1f}x) | {r['topk_eager_ms']:.3f} / "
+              f"{r['torch_eager_ms']:.3f} ({r['torch_eager_ms'] / r['topk_eager_ms']:.1f}x) | "
+              f"{r['kept_over_k']:.3f} | {r['exact']} |")
+
+
+if __name__ == "__main__":
+    main()
