@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from orchestrator.errors import ArchipelagoError
+from orchestrator.placement.cli import add_commands as add_placement_commands
 from orchestrator.topology.cli import add_commands as add_topology_commands
 
 
@@ -127,6 +128,7 @@ def _parser() -> argparse.ArgumentParser:
     verify.set_defaults(command=_verify)
 
     add_topology_commands(commands)
+    add_placement_commands(commands)
     return parser
 
 

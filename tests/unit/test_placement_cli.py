@@ -1,0 +1,61 @@
+"""`archipelago plan`: the table beside the naive plan, --json, --png, and one-line errors."""
+
+import json
+
+import pytest
+
+from orchestrator.cli import main
+from orchestrator.placement import Plan
+
+JOB = """
+name = "tiny-gpu"
+[model]
+n_layer = 4
+n_head = 4
+n_embd = 128
+seq_len = 128
+[train]
+global_batch_size = 64
+micro_batch_size = 16
+[cluster]
+use_gpu = true
+"""
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+@pytest.fixture
+def job_file(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text(JOB)
+    return str(path)
+
+
+def test_plan_prints_the_table_beside_the_naive_plan_and_saves_it(capsys, tmp_path, job_file):
+    code, out = run(capsys, "plan", "--generate", "8xL40S:1,8xH100-SXM:1", "--config", job_file,
+                    "--json", str(tmp_path / "plan.json"), "--png", str(tmp_path / "plan.png"))
+    assert code == 0, out
+    assert "plan 'tiny-gpu' (fastest)" in out and "naive (Ray PACK, uniform)" in out and "naive / planned" in out
+    assert "$/M tokens" in out and "exposed comm s" in out
+    plan = Plan.load(tmp_path / "plan.json")
+    assert json.loads((tmp_path / "plan.json").read_text())["format"] == "archipelago.plan"
+    assert plan.job_name == "tiny-gpu" and plan.uses_gpus
+    assert (tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plan_reads_a_topology_file(capsys, job_file):
+    code, out = run(capsys, "plan", "--topology", "examples/topologies/h200-single.json", "--config", job_file)
+    assert code == 0, out
+    assert "H200-SXM5-141GB" in out and "GPU-be34df87-…" in out and "1 worker," in out
+
+
+def test_a_placement_error_is_one_line_and_exit_2(capsys, tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text(JOB + "[placement]\ntensor_parallel_size = 2\n")
+    code, out = run(capsys, "plan", "--topology", "examples/topologies/h200-single.json", "--config", str(path))
+    assert code == 2 and "Traceback" not in out
+    assert "error: [placement] tensor_parallel_size: tensor_parallel_size 2 needs an NVLink island" in out
