@@ -57,7 +57,7 @@ def test_order_depends_only_on_seed_and_epoch():
 
 
 @given(n=st.integers(1, 5000), seed=st.integers(0, 2**63), epoch=st.integers(0, 10**6))
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, database=None)
 def test_each_epoch_is_a_permutation(n, seed, epoch):
     order = DeterministicSampler(n, seed).permutation(epoch)
     assert np.array_equal(np.sort(order), np.arange(n))
@@ -92,7 +92,7 @@ layouts = st.lists(st.tuples(st.integers(1, 6), st.integers(1, 4)), min_size=1, 
 
 @given(n=st.integers(1, 400), seed=st.integers(0, 2**32),
        segments=st.lists(st.tuples(layouts, st.integers(0, 25)), min_size=1, max_size=5))
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100, deadline=None, database=None)
 def test_restarts_with_any_world_sizes_consume_each_sample_once_per_pass(n, seed, segments):
     """Train a few steps per segment, 'restart' with a new layout at the saved position, repeat: the
     samples consumed form whole passes over the dataset plus one prefix of the next, with no repeats."""
