@@ -22,6 +22,7 @@ reads a measured table in their place.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field, replace
@@ -265,14 +266,7 @@ class ComputeModel:
         return cls(mfu_anchors=COMPILED_MFU_ANCHORS, micro_step_overhead_s_per_layer=2e-5)
 
     def utilisation(self, n_embd: int) -> float:
-        anchors = sorted(self.mfu_anchors)
-        if n_embd <= anchors[0][0]:
-            return anchors[0][1]
-        for (x0, y0), (x1, y1) in zip(anchors, anchors[1:]):
-            if n_embd <= x1:
-                share = (math.log(n_embd) - math.log(x0)) / (math.log(x1) - math.log(x0))
-                return y0 + share * (y1 - y0)
-        return anchors[-1][1]
+        return _interpolate_log(self.mfu_anchors, n_embd)
 
     def gpu_samples_per_second(self, peak_tflops: float, flops_per_sample: float, n_embd: int) -> float:
         return peak_tflops * 1e12 * self.utilisation(n_embd) / flops_per_sample
@@ -282,6 +276,18 @@ class ComputeModel:
 
     def overhead_s(self, n_layer: int, *, cpu: bool) -> float:
         return n_layer * (self.cpu_overhead_s_per_layer if cpu else self.micro_step_overhead_s_per_layer)
+
+
+@functools.lru_cache(maxsize=64)
+def _interpolate_log(anchors: tuple[tuple[int, float], ...], x: int) -> float:
+    """Linear in log(x) between sorted anchors, flat outside them."""
+    anchors = tuple(sorted(anchors))
+    if x <= anchors[0][0]:
+        return anchors[0][1]
+    for (x0, y0), (x1, y1) in zip(anchors, anchors[1:]):
+        if x <= x1:
+            return y0 + (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0)) * (y1 - y0)
+    return anchors[-1][1]
 
 
 # ---- prices -------------------------------------------------------------------------------------

@@ -75,8 +75,8 @@ class StepSpec:
         if precision == "auto":
             precision = "bf16" if device_type == "cuda" else "fp32"
         return cls(model=config.model, precision=precision, device_type=device_type,
-                   activation_checkpointing=getattr(config.parallel, "activation_checkpointing", "off"),
-                   chunked_loss=getattr(config.train, "chunked_loss", False))
+                   activation_checkpointing=config.parallel.activation_checkpointing,
+                   chunked_loss=config.train.chunked_loss)
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,12 +307,14 @@ class MemoryProfile:
         return self.points[0].root_parameter_bytes
 
     def max_micro_batch(self, capacity_bytes: int, *, data_parallel: str = "ddp", world_size: int = 1,
-                        tensor_parallel_size: int = 1, accumulating: bool = True, limit: int = 1 << 16) -> int:
-        """Largest micro-batch whose peak fits `usable_bytes(capacity_bytes)`; 0 when not even one fits."""
+                        tensor_parallel_size: int = 1, accumulating: bool = True, limit: int = 1 << 16,
+                        exact: bool = False) -> int:
+        """Largest micro-batch up to `limit` whose peak fits `usable_bytes(capacity_bytes)`; 0 when not
+        even one fits. exact measures every micro-batch the bisection tries (a fake step each)."""
         usable = usable_bytes(capacity_bytes, self.spec.device_type)
         fits = lambda m: self.peak_bytes(m, data_parallel=data_parallel, world_size=world_size,  # noqa: E731
-                                         tensor_parallel_size=tensor_parallel_size,
-                                         accumulating=accumulating) <= usable
+                                         tensor_parallel_size=tensor_parallel_size, accumulating=accumulating,
+                                         exact=exact) <= usable
         if not fits(1):
             return 0
         low, high = 1, 2

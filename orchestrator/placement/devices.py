@@ -142,9 +142,12 @@ def _network_hop(node: NodeTopology, collectives: CollectiveCostModel, notes: li
     return collectives.hop(kind, gb_per_s)
 
 
-def _gpu_type(gpu: Gpu | MigSlice, parent: Gpu, dtype: str) -> DeviceType | None:
-    peaks = gpu.peak_tflops
-    peak = peaks.get(dtype) or (peaks.get("fp16") if dtype == "bf16" else None) or peaks.get("fp32")
+def _peak(peaks: dict[str, float], dtype: str) -> float:
+    """The device's dense peak at the job's dtype; fp16 stands in for bf16 (V100), fp32 for the rest."""
+    return peaks.get(dtype) or (peaks.get("fp16") if dtype == "bf16" else None) or peaks.get("fp32") or 0.0
+
+
+def _gpu_type(gpu: Gpu | MigSlice, parent: Gpu, peak: float) -> DeviceType | None:
     if not peak:
         return None
     if isinstance(gpu, MigSlice):
@@ -162,11 +165,21 @@ def _gpu_domains(topology: ClusterTopology, collectives: CollectiveCostModel, ne
     groups: dict[tuple[str, DeviceType], list[Device]] = defaultdict(list)
     kinds: dict[str, tuple[bool, bool]] = {}
     island_of = {uuid: island for island in topology.nvlink_islands for uuid in island.gpu_uuids}
+    types: dict[tuple, DeviceType | None] = {}  # one object per kind of device: cheap to hash and compare
+
+    def type_of(device: Gpu | MigSlice, parent: Gpu) -> DeviceType | None:
+        peak = _peak(device.peak_tflops, dtype)
+        key = (parent.model, parent.name, getattr(device, "profile", ""), device.memory_bytes, peak,
+               getattr(device, "sm_share", 1.0))
+        if key not in types:
+            types[key] = _gpu_type(device, parent, peak)
+        return types[key]
+
     for node in topology.nodes:
         gpus = {gpu.uuid: gpu for gpu in node.gpus}
         for gpu in node.gpus:
             island = island_of.get(gpu.uuid) if gpu.usable_whole else None
-            kind = _gpu_type(gpu, gpu, dtype) if island is not None else None
+            kind = type_of(gpu, gpu) if island is not None else None
             if kind is None:
                 continue
             key = island.island_id if island.size > 1 else f"{node.node_id}-pcie"
@@ -175,7 +188,7 @@ def _gpu_domains(topology: ClusterTopology, collectives: CollectiveCostModel, ne
                                             numa_node=gpu.numa_node, cpu_affinity=gpu.cpu_affinity))
         for mig in node.mig_slices if use_mig else []:
             parent = gpus[mig.parent_uuid]
-            kind = _gpu_type(mig, parent, dtype)
+            kind = type_of(mig, parent)
             if kind is None or parent.error:
                 continue
             kinds[f"{node.node_id}-mig"] = (False, False)
@@ -203,20 +216,26 @@ def _gpu_domains(topology: ClusterTopology, collectives: CollectiveCostModel, ne
 
 
 def _slowest_pair(topology: ClusterTopology, uuids: list[str], collectives: CollectiveCostModel) -> Hop:
-    """The slowest hop of a ring through `uuids` in order (each device to the next, the last to the first)."""
-    ring = list(zip(uuids, uuids[1:] + uuids[:1]))
-    hops = [_hop(topology.link(a, b), collectives) for a, b in ring[:len(uuids) if len(uuids) > 2 else 1]]
+    """The slowest hop of a ring through `uuids` in order (each device to the next, the last to the first).
+
+    Whole GPUs of one node are looked up in the node's own link list (topology.link copies the
+    record, which costs a planner of thousands of nodes a fifth of a second); anything else,
+    MIG slices included, through topology.link."""
+    ring = list(zip(uuids, uuids[1:] + uuids[:1]))[:len(uuids) if len(uuids) > 2 else 1]
+    node, _ = topology.device(uuids[0])
+    physical = {frozenset((link.gpu_a, link.gpu_b)): link for link in node.links}
+    links = {(link.kind, link.bandwidth_gb_per_s)
+             for link in (physical.get(frozenset(pair)) or topology.link(*pair) for pair in ring)}
+    hops = [_hop(kind, bandwidth, collectives) for kind, bandwidth in links]
     return min(hops, key=lambda hop: (hop.bytes_per_s, -hop.alpha_s))
 
 
-def _hop(link, collectives: CollectiveCostModel) -> Hop:
-    if link.kind == LinkKind.NVSWITCH:
-        return collectives.hop(LinkClass.NVSWITCH, link.bandwidth_gb_per_s)
-    if link.kind == LinkKind.NVLINK:
-        return collectives.hop(LinkClass.NVLINK, link.bandwidth_gb_per_s)
-    if link.kind in PCIE_PATHS:
-        return collectives.hop(LinkClass.PCIE, link.bandwidth_gb_per_s)
-    return collectives.hop(LinkClass.HOST_MEMORY, link.bandwidth_gb_per_s)
+def _hop(kind: LinkKind, bandwidth_gb_per_s: float, collectives: CollectiveCostModel) -> Hop:
+    if kind in (LinkKind.NVSWITCH, LinkKind.NVLINK):
+        return collectives.hop(LinkClass(kind.value), bandwidth_gb_per_s)
+    if kind in PCIE_PATHS:
+        return collectives.hop(LinkClass.PCIE, bandwidth_gb_per_s)
+    return collectives.hop(LinkClass.HOST_MEMORY, bandwidth_gb_per_s)
 
 
 def _cpu_slots(node: NodeTopology, cores: int) -> list[tuple[int | None, str]]:
@@ -242,11 +261,12 @@ def parse_cpu_list(text: str) -> list[int]:
 
 
 def format_cpu_list(cpus: list[int]) -> str:
-    runs: list[str] = []
+    """[0, 1, 2, 3, 8, 10, 11] → "0-3,8,10-11"."""
+    runs: list[list[int]] = []
     for cpu in sorted(cpus):
-        if runs and cpu == int(runs[-1].split("-")[-1]) + 1:
-            runs[-1] = f"{runs[-1].split('-')[0]}-{cpu}"
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
         else:
-            runs.append(str(cpu))
-    return ",".join(runs)
+            runs.append([cpu, cpu])
+    return ",".join(str(low) if low == high else f"{low}-{high}" for low, high in runs)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from orchestrator.config import JobConfig
+from orchestrator.config import JobConfig, ModelConfig
 from orchestrator.cost import (Bucketing, CollectiveCostModel, ComputeModel, Hop, LinkClass, PriceTable, Reduction,
                                bucketing)
 from orchestrator.errors import PlacementError
@@ -92,10 +92,7 @@ class PlanningJob:
 
     @classmethod
     def from_config(cls, config: JobConfig) -> PlanningJob:
-        from workers.models.gpt import GPT
-
-        with torch.device("meta"):  # counts parameters without allocating them
-            model = GPT(config.model)
+        parameters, flops_per_token = model_size(config.model)
         placement = config.placement
         precision = config.train.precision
         dtype = "fp32" if precision == "fp32" or (precision == "auto" and not config.cluster.use_gpu) else "bf16"
@@ -104,9 +101,9 @@ class PlanningJob:
         workers = config.cluster.num_workers
         return cls(name=config.name, global_batch_size=config.train.global_batch_size, seq_len=config.model.seq_len,
                    steps=config.train.steps, micro_batch_limit=config.train.micro_batch_size,
-                   flops_per_sample=float(model.flops_per_token() * config.model.seq_len),
-                   parameters=model.num_params(), n_layer=config.model.n_layer, n_embd=config.model.n_embd,
-                   compute_dtype=dtype, parameter_bytes_compute=model.num_params() * (4 if dtype == "fp32" else 2),
+                   flops_per_sample=float(flops_per_token * config.model.seq_len),
+                   parameters=parameters, n_layer=config.model.n_layer, n_embd=config.model.n_embd,
+                   compute_dtype=dtype, parameter_bytes_compute=parameters * (4 if dtype == "fp32" else 2),
                    objective=Objective(placement.objective), deadline_hours=placement.deadline_hours,
                    min_devices=placement.min_gpus if config.cluster.use_gpu else workers,
                    max_devices=placement.max_gpus if config.cluster.use_gpu else workers,
@@ -123,6 +120,22 @@ class PlanningJob:
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch_size * self.seq_len
+
+
+def model_size(model: ModelConfig) -> tuple[int, int]:
+    """(parameters, training FLOPs per token) of the GPT the workers build, counted on the meta
+    device; once per model config (initialising a 1.3B model's weights even on meta takes 0.4 s)."""
+    key = repr(model)
+    if key not in _MODEL_SIZES:
+        from workers.models.gpt import GPT
+
+        with torch.device("meta"):
+            gpt = GPT(model)
+        _MODEL_SIZES[key] = (gpt.num_params(), gpt.flops_per_token())
+    return _MODEL_SIZES[key]
+
+
+_MODEL_SIZES: dict[str, tuple[int, int]] = {}
 
 
 @dataclass(slots=True)
@@ -186,12 +199,16 @@ class Costing:
         self.prices = prices
         self.memory = memory
         self._caps: dict[tuple, int] = {}
+        self._groups: dict[tuple, ReplicaGroup] = {}
+        self._limits: dict[DeviceType, int] = {}
         self._loopback = collectives.hop(LinkClass.LOOPBACK)
         domains = pool.domains
         self._types = list(dict.fromkeys(d.type for d in domains))
         nodes = list(dict.fromkeys(d.node_id for d in domains))
-        self._type_of = np.array([self._types.index(d.type) for d in domains], dtype=np.int64)
-        self._node_of = np.array([nodes.index(d.node_id) for d in domains], dtype=np.int64)
+        type_index = {t: i for i, t in enumerate(self._types)}
+        node_index = {n: i for i, n in enumerate(nodes)}
+        self._type_of = np.array([type_index[d.type] for d in domains], dtype=np.int64)
+        self._node_of = np.array([node_index[d.node_id] for d in domains], dtype=np.int64)
         self._node_count = len(nodes)
         self._intra_bw = np.array([d.intra_hop.bytes_per_s if d.intra_hop else np.inf for d in domains])
         self._network_bw = np.array([d.network_hop.bytes_per_s for d in domains])
@@ -203,6 +220,12 @@ class Costing:
 
     # ---- per device type --------------------------------------------------------------------------
     def replica_group(self, device: DeviceType, count: int, cap: int, tp_hop: Hop | None) -> ReplicaGroup:
+        key = (device, count, cap, tp_hop)
+        if key not in self._groups:
+            self._groups[key] = self._replica_group(device, count, cap, tp_hop)
+        return self._groups[key]
+
+    def _replica_group(self, device: DeviceType, count: int, cap: int, tp_hop: Hop | None) -> ReplicaGroup:
         job, t = self.job, self.job.tensor_parallel_size
         if device.kind == DeviceKind.CPU:
             per_sample = 1 / self.compute.cpu_samples_per_second(device.cores, job.flops_per_sample)
@@ -226,7 +249,11 @@ class Costing:
                                               tensor_parallel_size=self.job.tensor_parallel_size,
                                               accumulating=accumulating, limit=self.job.micro_batch_limit)
             self._caps[key] = min(fit, self.job.micro_batch_limit)
-        return self._caps[key]
+        return min(self._caps[key], self._limits.get(device, self._caps[key]))
+
+    def limit_micro_batch(self, device: DeviceType, micro_batch: int) -> None:
+        """Caps `device`'s micro-batch below what the interpolated memory profile allows."""
+        self._limits[device] = min(micro_batch, self._limits.get(device, micro_batch))
 
     def price(self, device: DeviceType) -> float:
         per_unit = self.prices.dollars_per_hour(device.model, spot=self.job.spot)
@@ -330,8 +357,9 @@ class Costing:
             feasible.append(split_batch(groups[False], job.global_batch_size, 1))
         if min(caps[True]) >= 1:
             more = [a for a in feasible_accum_steps(groups[True], job.global_batch_size) if a > 1]
-            feasible += [split_batch(groups[True], job.global_batch_size, a)
-                         for a in (more if all_accumulations else more[:2 - len(feasible)])]
+            chosen = more if all_accumulations else _promising(more, groups[True], job.global_batch_size,
+                                                               1 if feasible else None)
+            feasible += [split_batch(groups[True], job.global_batch_size, a) for a in chosen]
         if not feasible:
             return Refusal(f"no accumulation count splits {job.global_batch_size} samples over {total} replicas "
                            "within their memory", "lower [train] micro_batch_size or use more workers", total)
@@ -408,6 +436,20 @@ class Costing:
 
 def refuse(refusal: Refusal, *, where: str = "[placement]") -> PlacementError:
     return PlacementError(refusal.constraint, where=where, fix=refusal.fix)
+
+
+def _promising(accumulations: list[int], groups: list[ReplicaGroup], global_batch: int,
+               smallest: int | None) -> list[int]:
+    """The accumulation counts worth costing: the smallest feasible ones (fewest micro-steps, least
+    overhead, the finest split), and those from which no replica's memory cap binds any more — when
+    a fast device is capped, more micro-steps let it take its full share of every step's samples."""
+    if not accumulations:
+        return []
+    total_speed = sum(g.count / g.seconds_per_sample for g in groups)
+    balanced = max(global_batch / (g.max_micro_batch * g.seconds_per_sample * total_speed) for g in groups)
+    first_balanced = next((i for i, a in enumerate(accumulations) if a >= balanced), len(accumulations) - 1)
+    picks = accumulations[:1 if smallest else 2] + accumulations[first_balanced:first_balanced + 2]
+    return sorted(set(picks))
 
 
 def _shared_parent_at(domain: Domain) -> int:

@@ -1,7 +1,7 @@
 """The planner: choose the devices, groups and per-worker work that best serve the job's objective.
 
     plan = Planner(topology, config).plan()          # the plan to run
-    naive = Planner(topology, config).naive(plan)    # what Ray's default PACK placement would do
+    naive = Planner(topology, config).naive(plan.world_size)   # Ray's default PACK placement, same count
 
 Search. Domains (an NVLink island, a node's PCIe GPUs, its MIG slices, its CPU slots) fall into
 classes of interchangeable domains; a candidate is how many devices to take from each class,
@@ -9,8 +9,9 @@ taken domain by domain in the class's order (best network first), so that ranks 
 islands and nodes as possible. From each starting class, the planner grows the candidate greedily
 — each step adds the chunk (a domain, then geometrically more) of whichever class scores best
 under the objective — keeps the best candidate seen, then climbs from it by adding or removing
-single domains or devices until nothing improves. Every candidate is scored by model.Costing,
-the same model the exhaustive check enumerates.
+single domains or devices, leaving a class out, or (small pools) trading a device of one class
+for one of another, until nothing improves. Every candidate is scored by model.Costing, the same
+model the exhaustive check enumerates.
 
 Then the chosen candidate becomes a Plan: ranks in topology order (island by island), micro-batches
 from the split, process groups, bucket sizes, and exact fake-tensor memory peaks per worker.
@@ -18,6 +19,7 @@ from the split, process groups, bucket sizes, and exact fake-tensor memory peaks
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from itertools import product
@@ -27,16 +29,26 @@ import numpy as np
 from orchestrator.config import JobConfig
 from orchestrator.cost import CollectiveCostModel, ComputeModel, PriceTable
 from orchestrator.errors import PlacementError
-from orchestrator.memory import MemoryProfile, profile, usable_bytes
-from orchestrator.placement.devices import Device, DevicePool, Domain, format_cpu_list, parse_cpu_list
+from orchestrator.memory import MemoryProfile, measure_steps, profile, usable_bytes
+from orchestrator.placement.devices import Device, DevicePool, DeviceType, Domain, format_cpu_list, parse_cpu_list
 from orchestrator.placement.model import Costing, Footprint, Outcome, PlanningJob, Refusal, Selection
 from orchestrator.placement.plan import DataParallel, DeviceKind, Objective, Plan, Prediction, WorkerPlacement
 from orchestrator.topology.model import ClusterTopology
 
 REFINE_ROUNDS = 64
-"""Hill-climbing rounds after the greedy paths; each tries every class one domain or device up or down."""
+"""Hill-climbing rounds after the greedy paths; each tries every class one domain or device up or
+down, or left out altogether."""
 FINE_MOVES_UP_TO = 128
 """Pools of at most this many devices also grow by single devices, not only whole domains."""
+EXACT_MEMORY_RETRIES = 3
+"""Searches again, with an exactly measured micro-batch cap, when the exact memory check of a plan
+finds a micro-batch the interpolated profile let through too large."""
+
+
+class _Overrun(Exception):
+    def __init__(self, device: DeviceType, micro_batch: int):
+        super().__init__(device, micro_batch)
+        self.device, self.micro_batch = device, micro_batch
 
 
 class Planner:
@@ -70,8 +82,23 @@ class Planner:
     # ---- public ----------------------------------------------------------------------------------
     def plan(self) -> Plan:
         self._check_feasible()
-        best = self.search()
-        return self.build(best, notes=self._notes(best))
+        for _ in range(EXACT_MEMORY_RETRIES):
+            best = self.search()
+            try:
+                return self.build(best, notes=self._notes(best))
+            except _Overrun as overrun:  # the interpolation was optimistic: cap that device exactly, search again
+                self.costing.limit_micro_batch(overrun.device, self._exact_fit(overrun, best))
+                failed = overrun
+        raise PlacementError(f"the exact memory estimate of micro-batch {failed.micro_batch} does not fit "
+                             f"{failed.device.label}", where="[train] micro_batch_size",
+                             fix=f"set micro_batch_size below {failed.micro_batch}")
+
+    def _exact_fit(self, overrun: _Overrun, outcome: Outcome) -> int:
+        """The largest micro-batch below the one that overran whose exact peak fits the device."""
+        return self.memory.max_micro_batch(
+            overrun.device.memory_bytes, data_parallel=outcome.data_parallel.value, world_size=outcome.devices,
+            tensor_parallel_size=self.job.tensor_parallel_size, accumulating=outcome.split.grad_accum_steps > 1,
+            limit=overrun.micro_batch - 1, exact=True)
 
     def search(self) -> Outcome:
         """The best candidate the greedy paths and hill climbing find (raises PlacementError if none)."""
@@ -103,6 +130,12 @@ class Planner:
         for _ in range(REFINE_ROUNDS):
             neighbours = [m for c in range(len(self.classes)) for fine in self._fine for grow in (True, False)
                           if (m := (self._grow if grow else self._shrink)(counts, c, fine=fine)) is not None]
+            # Leaving a whole class out is one move, not one per device: slow links cost as a class.
+            neighbours += [counts[:c] + (0,) + counts[c + 1:] for c in range(len(self.classes)) if counts[c]]
+            if len(self._fine) > 1:  # small pools: also trade one device of a class for one of another
+                neighbours += [m for a in range(len(self.classes)) for b in range(len(self.classes)) if a != b
+                               and (grown := self._grow(counts, a, fine=True)) is not None
+                               and (m := self._shrink(grown, b, fine=True)) is not None]
             for m in neighbours:
                 visit(m)
             better = self._counts_of(best.selection)
@@ -130,14 +163,14 @@ class Planner:
                                  fix="see `archipelago plan` for the constraint that fails")
         return best
 
-    def naive(self, reference: Plan | None = None) -> Plan | None:
+    def naive(self, world_size: int | None = None) -> Plan | None:
         """What `ScalingConfig(num_workers=N, use_gpu=…)` does without a plan: Ray packs N workers
         onto the nodes in order (PACK), each takes the next whole GPU by index, every worker gets
         the config's micro-batch (lowered until it fits the smallest device and divides the batch),
-        DDP all-reduces flat with its default 25 MiB buckets. N is the reference plan's world size.
-        None when no uniform micro-batch fits."""
-        wanted = reference.world_size if reference else max(1, self.job.min_devices)
+        DDP all-reduces flat with its default 25 MiB buckets. N defaults to every whole GPU (CPU
+        slot). None when N devices are not there or no uniform micro-batch fits."""
         order = [(i, d) for i, d in enumerate(self.pool.domains) if d.type.kind != DeviceKind.MIG]
+        wanted = world_size or sum(d.size for _, d in order)
         selection, left = [], wanted
         for index, domain in order:
             take = min(left, domain.size)
@@ -150,7 +183,8 @@ class Planner:
         for micro_batch in range(self.job.micro_batch_limit, 0, -1):
             outcome = self.costing.evaluate(tuple(selection), uniform_micro_batch=micro_batch, planned_comm=False)
             if isinstance(outcome, Outcome):
-                note = (f"Ray's PACK order: {wanted} whole GPUs in node and index order, micro-batch "
+                what = "whole GPUs" if self.job.use_gpu else "CPU slots"
+                note = (f"Ray's PACK order: {wanted} {what} in node and index order, micro-batch "
                         f"{micro_batch} for every worker ({', '.join(sorted(t.label for t in types))})")
                 return self.build(outcome, notes=[note], bucket_bytes={"default": 25 * 2**20})
         return None
@@ -183,7 +217,7 @@ class Planner:
         room = self._capacity[c] - counts[c]
         limit = self.job.max_devices - sum(counts) if self.job.max_devices else room
         domain = self._unit_of_class[c]
-        step = self.job.tensor_parallel_size if fine else domain * max(1, counts[c] // domain // 8)
+        step = self.job.tensor_parallel_size if fine else domain * max(1, counts[c] // domain // 4)
         if not fine and counts[c] % domain:
             step = domain - counts[c] % domain  # complete the partly used domain first
         step = min(step, room, limit)
@@ -353,6 +387,8 @@ class Planner:
     def _peaks(self, outcome: Outcome, devices: list, micro_batches: list[int]) -> list[int]:
         accumulating = outcome.split.grad_accum_steps > 1
         strategy = outcome.data_parallel.value
+        if self.exact_memory:  # one fake model for every micro-batch the plan hands out
+            measure_steps(self.memory.spec, tuple(sorted(set(micro_batches))))
         peaks = {}
         for m in set(micro_batches):
             peaks[m] = self.memory.peak_bytes(m, data_parallel=strategy, world_size=len(devices),
@@ -360,9 +396,7 @@ class Planner:
                                               accumulating=accumulating, exact=self.exact_memory)
         for (device, _), m in zip(devices, micro_batches):
             if peaks[m] > usable_bytes(device.type.memory_bytes, self.memory.spec.device_type):
-                raise PlacementError(f"the exact memory estimate of micro-batch {m} ({peaks[m] / 2**30:.1f} GiB) "
-                                     f"does not fit {device.type.label}", where="[train] micro_batch_size",
-                                     fix=f"set micro_batch_size below {m}")
+                raise _Overrun(device.type, m)
         return [peaks[m] for m in micro_batches]
 
     def _prediction(self, outcome: Outcome) -> Prediction:
@@ -394,13 +428,19 @@ def _numa_shares(devices: list[tuple[Device, Domain]]) -> list[str]:
             sharing[device.node.node_id, device.cpu_affinity].append(rank)
     shares = [device.cpu_affinity for device, _ in devices]
     for (_, cpus), ranks in sharing.items():
-        cores = parse_cpu_list(cpus)
-        per = len(cores) // len(ranks)
-        if per == 0:
-            continue
-        for k, rank in enumerate(ranks):
-            shares[rank] = format_cpu_list(cores[k * per:(k + 1) * per])
+        for rank, share in zip(ranks, _split_cpus(cpus, len(ranks))):
+            shares[rank] = share
     return shares
+
+
+@functools.lru_cache(maxsize=1024)
+def _split_cpus(cpus: str, parts: int) -> tuple[str, ...]:
+    """`cpus` cut into `parts` equal, disjoint lists (the whole list for each when there are too few)."""
+    cores = parse_cpu_list(cpus)
+    per = len(cores) // parts
+    if per == 0:
+        return (cpus,) * parts
+    return tuple(format_cpu_list(cores[k * per:(k + 1) * per]) for k in range(parts))
 
 
 def plan(topology: ClusterTopology, config: JobConfig, **kwargs) -> Plan:

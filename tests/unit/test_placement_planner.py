@@ -109,7 +109,7 @@ def test_the_naive_plan_packs_in_node_order_with_one_micro_batch():
     p = planner("8xL40S:1,8xH100-SXM:1", job(placement={"max_gpus": 8}, train={"global_batch_size": 256}),
                 compute=NO_OVERHEAD)
     plan = p.plan()
-    naive = p.naive(plan)
+    naive = p.naive(plan.world_size)
     assert {w.device_model for w in plan.workers} == {"H100-SXM5-80GB"}
     assert {w.device_model for w in naive.workers} == {"L40S"} and naive.world_size == plan.world_size
     assert len({w.micro_batch_size for w in naive.workers}) == 1
@@ -168,3 +168,18 @@ def test_more_cpu_workers_than_cores():
     config = job(cluster={"use_gpu": False, "num_workers": 4, "cpus_per_worker": 1})
     with pytest.raises(PlacementError, match=r"\[cluster\] num_workers: asks for 4 workers; the cluster has 2"):
         Planner(laptop(), config, exact_memory=False).plan()
+
+
+def test_an_optimistic_memory_profile_is_caught_by_the_exact_check():
+    config = job()
+    honest = memory.profile(config)
+    one = honest.points[0]
+    # A profile claiming every micro-batch costs what one sample does.
+    optimistic = dataclasses.replace(honest, points=tuple(dataclasses.replace(
+        one, micro_batch_size=p.micro_batch_size) for p in honest.points))
+    usable = (honest.peak_bytes(4, accumulating=True, exact=True) +
+              honest.peak_bytes(5, accumulating=True, exact=True)) // 2
+    capacity = int((usable + memory.RUNTIME_RESERVE_BYTES["cuda"]) / (1 - memory.ALLOCATOR_SLACK)) + 1
+    plan = Planner(shrunk("1xH200:1", capacity), config, memory=optimistic).plan()
+    assert plan.workers[0].micro_batch_size == 4 and plan.grad_accum_steps == 16
+    assert plan.workers[0].predicted_peak_memory_bytes <= usable

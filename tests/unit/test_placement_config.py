@@ -1,0 +1,36 @@
+"""The [placement] section of a job config: defaults, prices, and refusals that name the key."""
+
+import pytest
+
+from orchestrator.config import JobConfig
+from orchestrator.errors import ConfigError
+
+
+def test_defaults_plan_for_speed_on_every_device():
+    placement = JobConfig.from_dict({}).placement
+    assert placement.objective == "fastest" and placement.min_gpus == 1 and placement.max_gpus == 0
+    assert placement.tensor_parallel_size == 1 and placement.use_mig and placement.pricing == "on_demand"
+
+
+def test_prices_are_a_table_of_numbers(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text('[placement]\nobjective = "cheapest"\npricing = "spot"\n'
+                    '[placement.prices]\n"H100-SXM5-80GB" = 1.9\ncpu = 0\n')
+    placement = JobConfig.from_toml(path).placement
+    assert placement.prices == {"H100-SXM5-80GB": 1.9, "cpu": 0.0} and placement.pricing == "spot"
+
+
+@pytest.mark.parametrize("placement, where, message", [
+    ({"objective": "cheapest_under_deadline"}, "[placement] deadline_hours", "needs a deadline"),
+    ({"min_gpus": 8, "max_gpus": 4}, "[placement] max_gpus", "is below min_gpus = 8"),
+    ({"tensor_parallel_size": 0}, "[placement] tensor_parallel_size", "must be positive"),
+    ({"prices": {"L4": -1.0}}, "[placement] prices.L4", "must be 0 or more"),
+    ({"prices": {"L4": "cheap"}}, "[placement] prices.L4", "must be a number"),
+    ({"prices": 3}, "[placement] prices", "must be a table"),
+    ({"objective": "quickest"}, "[placement] objective", "is not one of"),
+    ({"max_gpu": 4}, "[placement] max_gpu", "unknown key"),
+])
+def test_bad_placement_names_the_key(placement, where, message):
+    with pytest.raises(ConfigError) as refused:
+        JobConfig.from_dict({"placement": placement})
+    assert refused.value.where == where and message in refused.value.what
