@@ -6,15 +6,23 @@ Driver side (before TorchTrainer):
     trainer = TorchTrainer(..., scaling_config=ScalingConfig(**kwargs))
     bundles = placement_bundles(plan)               # the same placement as ray.util.placement_group arguments
 
-Worker side (first thing in the train loop, before anything touches CUDA):
+Worker side (first thing in the train loop):
 
-    worker = claim(plan, ray_node_id=ray.get_runtime_context().get_node_id(), local_rank=ctx.get_local_rank())
-    device = bind(worker)                           # CUDA_VISIBLE_DEVICES=<UUID>, NUMA-local cores
-    plan = plan.reordered(gathered plan ranks)      # once every rank has claimed (see Plan.reordered)
+    worker = claim(plan, ray_node_id=ray.get_runtime_context().get_node_id(), node_id=socket.gethostname(),
+                   local_rank=ray.train.get_context().get_local_rank())
+    device = torch.device(bind(worker))             # the device by UUID, NUMA-local cores
+    ranks = [None] * world; dist.all_gather_object(ranks, worker.rank)
+    plan = plan.reordered(ranks)                    # plan rank i is now Ray's world rank i
 
 Ray Train numbers workers itself (by node, then by Ray's GPU id), which need not be the plan's
 order; a worker therefore claims the plan entry of its own node and local rank, and the plan is
 renumbered to Ray's world ranks once every worker knows which entry it took.
+
+CUDA: bind() sets CUDA_VISIBLE_DEVICES to the UUID when CUDA has not started in the process — the
+only way to reach a MIG slice. With use_gpu=True, Ray Train's TorchConfig calls
+torch.cuda.set_device before the train function, and CUDA has started: bind() then selects the
+visible GPU with that UUID. Ray reserves GPUs by count, not by UUID, so the plan's GPUs are the
+visible ones when the plan uses whole nodes (or whole islands, through the island resources).
 
 Scheduling: each worker is pinned to its node with a label selector — `ray.io/node-id` when the
 topology came from the live cluster (it knows Ray's node ids), else the node's NVLink-domain
@@ -100,35 +108,57 @@ def claim(plan: Plan, *, ray_node_id: str = "", node_id: str = "", local_rank: i
     return on_node[local_rank]
 
 
-def bind(worker: WorkerPlacement, *, environ: MutableMapping[str, str] | None = None,
+def bind(worker: WorkerPlacement, *, environ: MutableMapping[str, str] | None = None, cuda=None,
          set_affinity: Callable[[int, set[int]], None] | None = None,
          get_affinity: Callable[[int], set[int]] | None = None) -> str:
-    """Makes this process use the worker's device and cores; returns the torch device to use
-    ("cuda:0": the one device left visible, or "cpu").
+    """Makes this process use the worker's device and cores; returns the torch device to use.
 
-    Must run before CUDA initialises in this process: CUDA reads CUDA_VISIBLE_DEVICES once.
-    The UUID names the device unambiguously (NVML and CUDA number GPUs differently). Cores: the
-    worker's NUMA-local share, intersected with what the process may use (containers restrict
-    it); left alone when that leaves nothing."""
+    Device, by UUID (NVML and CUDA number GPUs differently; a UUID means one device):
+    - before CUDA has initialised in this process, CUDA_VISIBLE_DEVICES=<UUID> leaves exactly that
+      GPU or MIG slice visible: "cuda:0". This is the only way to reach a MIG slice, since CUDA
+      reads the variable once, at initialisation.
+    - after (Ray Train's TorchConfig calls torch.cuda.set_device before the train function when
+      the worker reserved Ray GPUs), the visible device whose UUID matches is made current:
+      "cuda:<its index>"; a UUID that is not visible is a PlacementError.
+    Cores: the worker's NUMA-local share, intersected with what the process may use (containers
+    restrict it); left alone when that leaves nothing. `cuda` defaults to torch.cuda (a seam for
+    tests: is_initialized, device_count, get_device_properties, set_device)."""
     environ = os.environ if environ is None else environ
+    device = "cpu"
     if worker.device_uuid is not None:
-        _refuse_if_cuda_started(worker)
-        environ["CUDA_VISIBLE_DEVICES"] = worker.device_uuid
-        environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        cuda = cuda if cuda is not None else _torch_cuda()
+        if cuda is not None and cuda.is_initialized():
+            device = _select_visible(worker, cuda)
+        else:
+            environ["CUDA_VISIBLE_DEVICES"] = worker.device_uuid
+            environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+            device = "cuda:0"
     cores = set(parse_cpu_list(worker.cpu_affinity)) if worker.cpu_affinity else set()
     allowed = (get_affinity or os.sched_getaffinity)(0)
     if cores & allowed:
         (set_affinity or os.sched_setaffinity)(0, cores & allowed)
         if worker.device_uuid is None:
             environ["OMP_NUM_THREADS"] = str(min(worker.cpus, len(cores & allowed)))
-    return "cpu" if worker.device_uuid is None else "cuda:0"
+    return device
 
 
-def _refuse_if_cuda_started(worker: WorkerPlacement) -> None:
+def _torch_cuda():
+    """torch.cuda if torch is imported already (binding must not be what imports it), else None."""
     import sys
 
     torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        raise PlacementError(f"CUDA is already initialised in this process, so it cannot be bound to "
-                             f"{worker.device_uuid}", where=f"worker rank {worker.rank}",
-                             fix="call orchestrator.placement.binding.bind(worker) before any CUDA call")
+    return torch.cuda if torch is not None else None
+
+
+def _select_visible(worker: WorkerPlacement, cuda) -> str:
+    wanted = worker.device_uuid.split("-", 1)[1].lower()  # CUDA prints UUIDs without GPU-/MIG-
+    visible = [str(cuda.get_device_properties(i).uuid).lower() for i in range(cuda.device_count())]
+    if wanted not in visible:
+        raise PlacementError(f"CUDA is already initialised and {worker.device_uuid} is not among its "
+                             f"{len(visible)} visible devices", where=f"worker rank {worker.rank}",
+                             fix="call binding.bind(worker) before anything touches CUDA (with Ray Train: "
+                                 "set PYTORCH_NVML_BASED_CUDA_CHECK=1 in the workers' environment so its "
+                                 "device check does not initialise CUDA), or let Ray reserve the plan's GPUs")
+    index = visible.index(wanted)
+    cuda.set_device(index)
+    return f"cuda:{index}"

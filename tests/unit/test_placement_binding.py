@@ -1,5 +1,7 @@
 """From a plan to Ray: resources, label selectors, ScalingConfig, and each worker's device and cores."""
 
+import types
+
 import pytest
 
 from orchestrator.errors import PlacementError
@@ -8,6 +10,9 @@ from orchestrator.placement.binding import (NODE_ID_LABEL, bind, claim, label_se
                                             scaling_config_kwargs, worker_resources)
 from orchestrator.topology.ray_resources import NVLINK_DOMAIN_LABEL, label_value
 from tests.unit.test_placement_plan import cpu_plan, gpu_worker
+
+
+NO_CUDA_YET = types.SimpleNamespace(is_initialized=lambda: False)
 
 
 def gpu_plan(ray_node_ids=("", "")):
@@ -66,16 +71,50 @@ def test_workers_claim_their_entry_by_node_and_local_rank_and_the_plan_follows_r
 def test_bind_sets_the_device_by_uuid_and_numa_local_cores():
     environ, pinned = {}, []
     worker = gpu_plan().workers[1]
-    device = bind(worker, environ=environ, get_affinity=lambda pid: set(range(8)),
+    device = bind(worker, environ=environ, cuda=NO_CUDA_YET, get_affinity=lambda pid: set(range(8)),
                   set_affinity=lambda pid, cores: pinned.append(cores))
     assert device == "cuda:0" and environ["CUDA_VISIBLE_DEVICES"] == "GPU-b"
     assert environ["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert pinned == [{4, 5, 6, 7}]
     # Cores the container does not allow are left out; none allowed leaves the affinity alone.
     pinned.clear()
-    bind(worker, environ={}, get_affinity=lambda pid: {5, 6}, set_affinity=lambda pid, cores: pinned.append(cores))
-    bind(worker, environ={}, get_affinity=lambda pid: {0}, set_affinity=lambda pid, cores: pinned.append(cores))
+    bind(worker, environ={}, cuda=NO_CUDA_YET, get_affinity=lambda pid: {5, 6},
+         set_affinity=lambda pid, cores: pinned.append(cores))
+    bind(worker, environ={}, cuda=NO_CUDA_YET, get_affinity=lambda pid: {0},
+         set_affinity=lambda pid, cores: pinned.append(cores))
     assert pinned == [{5, 6}]
+
+
+class FakeCuda:
+    """What bind reads of torch.cuda once CUDA has started, for a node where two GPUs are visible."""
+
+    def __init__(self, uuids):
+        self.uuids, self.current = uuids, None
+
+    def is_initialized(self):
+        return True
+
+    def device_count(self):
+        return len(self.uuids)
+
+    def get_device_properties(self, index):
+        return types.SimpleNamespace(uuid=self.uuids[index])
+
+    def set_device(self, index):
+        self.current = index
+
+
+def test_bind_after_cuda_started_selects_the_visible_device_with_that_uuid():
+    worker = gpu_plan().workers[1]
+    worker.device_uuid = "GPU-2B4A0000-0000-0000-0000-000000000001"
+    cuda = FakeCuda(["2b4a0000-0000-0000-0000-000000000000", "2b4a0000-0000-0000-0000-000000000001"])
+    environ = {}
+    assert bind(worker, environ=environ, cuda=cuda, get_affinity=lambda pid: set(),
+                set_affinity=lambda pid, cores: None) == "cuda:1"
+    assert cuda.current == 1 and "CUDA_VISIBLE_DEVICES" not in environ
+    with pytest.raises(PlacementError, match="is not among its 1 visible devices"):
+        bind(worker, environ={}, cuda=FakeCuda(["2b4a0000-0000-0000-0000-000000000000"]),
+             get_affinity=lambda pid: set(), set_affinity=lambda pid, cores: None)
 
 
 def test_bind_a_cpu_worker_sets_its_threads():
