@@ -89,6 +89,9 @@ class DevicePool:
     cross_domain_hops: dict[str, Hop] = field(default_factory=dict)
     """Per node: the slowest hop between two of its domains (PCIe, host memory), for nodes with several."""
     notes: list[str] = field(default_factory=list)
+    guessed_networks: set[str] = field(default_factory=set)
+    """Nodes whose NIC speed is unknown (planned at UNKNOWN_NETWORK_GB_PER_S): worth a note when a
+    plan's reduction leaves one of them."""
 
     @property
     def device_count(self) -> int:
@@ -98,7 +101,7 @@ class DevicePool:
     def gpus(cls, topology: ClusterTopology, collectives: CollectiveCostModel, *, dtype: str,
              use_mig: bool) -> DevicePool:
         notes: list[str] = []
-        networks = {node.node_id: _network_hop(node, collectives, notes) for node in topology.nodes}
+        networks = {node.node_id: _network_hop(node, collectives) for node in topology.nodes}
         domains = _gpu_domains(topology, collectives, networks, dtype, use_mig)
         by_node: dict[str, list[Domain]] = defaultdict(list)
         for domain in domains:
@@ -108,13 +111,13 @@ class DevicePool:
         unreadable = [f"{node.node_id} GPU {gpu.index}" for node, gpu in topology.gpus() if gpu.error]
         if unreadable:
             notes.append(f"left out {len(unreadable)} GPU(s) NVML could not read: {', '.join(unreadable[:4])}")
-        return cls(domains=domains, cross_domain_hops=cross, notes=notes)
+        return cls(domains=domains, cross_domain_hops=cross, notes=notes,
+                   guessed_networks=_guessed_networks(topology))
 
     @classmethod
     def cpus(cls, topology: ClusterTopology, collectives: CollectiveCostModel, *, cores_per_worker: int,
              cpu_gflops_per_core: float) -> DevicePool:
         """One slot per `cores_per_worker` cores, inside one NUMA node where the node says which cores those are."""
-        notes: list[str] = []
         domains = []
         for node in topology.nodes:
             slots = _cpu_slots(node, cores_per_worker)
@@ -128,15 +131,16 @@ class DevicePool:
                        for numa, cpus in slots]
             hop = collectives.hop(LinkClass.LOOPBACK) if len(devices) > 1 else None
             domains.append(Domain(domain_id=f"{node.node_id}-cpu", devices=devices, intra_hop=hop,
-                                  network_hop=_network_hop(node, collectives, notes)))
-        return cls(domains=domains, notes=notes)
+                                  network_hop=_network_hop(node, collectives)))
+        return cls(domains=domains, guessed_networks=_guessed_networks(topology))
 
 
-def _network_hop(node: NodeTopology, collectives: CollectiveCostModel, notes: list[str]) -> Hop:
-    gb_per_s = node.network_gb_per_s
-    if gb_per_s <= 0:
-        gb_per_s = UNKNOWN_NETWORK_GB_PER_S
-        notes.append(f"{node.node_id}: NIC speed unknown, planned as 10 Gbit/s Ethernet")
+def _guessed_networks(topology: ClusterTopology) -> set[str]:
+    return {node.node_id for node in topology.nodes if node.network_gb_per_s <= 0}
+
+
+def _network_hop(node: NodeTopology, collectives: CollectiveCostModel) -> Hop:
+    gb_per_s = node.network_gb_per_s if node.network_gb_per_s > 0 else UNKNOWN_NETWORK_GB_PER_S
     kind = {NicKind.INFINIBAND: LinkClass.INFINIBAND, NicKind.ROCE: LinkClass.ROCE}.get(node.network_kind,
                                                                                         LinkClass.ETHERNET)
     return collectives.hop(kind, gb_per_s)

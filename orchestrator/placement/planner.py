@@ -331,6 +331,10 @@ class Planner:
 
     def _notes(self, best: Outcome) -> list[str]:
         notes = list(self.pool.notes)
+        nodes = {device.node.node_id for i, k in best.selection for device in self.pool.domains[i].devices[:k]}
+        guessed = sorted(nodes & self.pool.guessed_networks)
+        if len(nodes) > 1 and guessed:
+            notes.append(f"NIC speed unknown on {', '.join(guessed[:4])}: planned as 10 Gbit/s Ethernet")
         used = {self.pool.domains[i].type.label for i, _ in best.selection}
         unused = sorted({d.type.label for d in self.pool.domains} - used)
         if unused:
