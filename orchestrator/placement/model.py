@@ -19,7 +19,6 @@ import torch
 from orchestrator.config import JobConfig, ModelConfig
 from orchestrator.cost import (Bucketing, CollectiveCostModel, ComputeModel, Hop, LinkClass, PriceTable, Reduction,
                                bucketing)
-from orchestrator.errors import PlacementError
 from orchestrator.memory import MemoryProfile
 from orchestrator.placement.devices import DevicePool, DeviceType, Domain
 from orchestrator.placement.plan import AllReduce, DataParallel, DeviceKind, Objective
@@ -432,10 +431,6 @@ class Costing:
                 last_ready_bytes=self.memory.root_parameter_bytes / t).bucket_bytes
         sizes[outcome.hops["world"].link_class.value] = outcome.bucketing.bucket_bytes
         return sizes
-
-
-def refuse(refusal: Refusal, *, where: str = "[placement]") -> PlacementError:
-    return PlacementError(refusal.constraint, where=where, fix=refusal.fix)
 
 
 def _promising(accumulations: list[int], groups: list[ReplicaGroup], global_batch: int,

@@ -90,15 +90,3 @@ def _ratio(mine: float, theirs: float | None) -> str:
     if theirs is None or mine <= 0:
         return "-"
     return f"{theirs / mine:.2f}×"
-
-
-def ratios(plan: Plan, naive: Plan) -> dict[str, float]:
-    """naive / planned for the step time and the dollars per million tokens."""
-    mine, theirs = plan.predicted, naive.predicted
-    return {"step_seconds": _safe(theirs.step_seconds, mine.step_seconds),
-            "dollars_per_million_tokens": _safe(theirs.dollars_per_million_tokens, mine.dollars_per_million_tokens)}
-
-
-def _safe(a: float, b: float) -> float:
-    return a / b if b > 0 else float("nan")
-
