@@ -17,12 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ray
-from ray.train import CheckpointConfig, RunConfig, ScalingConfig
+from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 from rich.console import Console
 
+from orchestrator import placement, topology
 from orchestrator.config import JobConfig
 from orchestrator.errors import ArchipelagoError, ClusterError, ConfigError, DataError
+from orchestrator.placement import binding
+from orchestrator.placement.plan import Plan
 from orchestrator.progress import MetricsSink, ProgressDisplay
 from orchestrator.report import RunReport
 from orchestrator.run_dir import RunDirectory
@@ -38,8 +41,10 @@ from workers.loop import WorkerJob, train_loop
 class FitResult:
     metrics: list[dict]
     """Every row the workers reported in this invocation (also appended to metrics.jsonl)."""
-    checkpoint: Path | None
-    """The latest committed checkpoint."""
+    checkpoint: Path | Location | None
+    """The latest committed checkpoint (a Location when checkpoints live in object storage)."""
+    plan: Plan
+    """Where the workers ran and what the planner predicted (also in <run>/plan.json)."""
     report: RunReport
 
 
@@ -52,7 +57,7 @@ class Orchestrator:
         self.overwrite = overwrite
         self.console = console or Console()
         self.verbose = verbose
-        self.run = RunDirectory(config.runs_dir, config.name)
+        self.run = RunDirectory(config.runs_dir, config.name, config.checkpoint.storage)
 
     def fit(self) -> FitResult:
         started = time.monotonic()
@@ -60,18 +65,32 @@ class Orchestrator:
         data_dir, tokenizer = self._dataset()
         resume_from = self._open_run(tokenizer)
         with self._ray():
+            plan = self._plan()
             sink = MetricsSink.remote()
-            job = WorkerJob(config=self.config, data_dir=str(data_dir), tokenizer=tokenizer, metrics_sink=sink,
-                            resume_from=str(resume_from) if resume_from else None)
+            job = WorkerJob(config=self.config, data_dir=str(data_dir), tokenizer=tokenizer, plan=plan,
+                            metrics_sink=sink, resume_from=str(resume_from) if resume_from else None)
             rows = self._train(job, sink)
         latest = self.run.latest_checkpoint()
         report = RunReport.from_rows(
-            rows, name=self.config.name, status="completed", run_dir=str(self.run.path), started_at=started_at,
-            wall_seconds=time.monotonic() - started, checkpoint_path=str(latest) if latest else None,
+            rows, plan=plan, name=self.config.name, status="completed", run_dir=str(self.run.path),
+            started_at=started_at, wall_seconds=time.monotonic() - started,
+            checkpoint_path=str(latest) if latest else None,
             checkpoint_step=checkpoint.read_info(latest).step if latest else None,
             metrics_path=str(self.run.metrics_path), config=self.config.to_dict())
         report.save(self.run.report_path)
-        return FitResult(rows, latest, report)
+        return FitResult(rows, latest, plan, report)
+
+    def _plan(self) -> Plan:
+        """Maps the cluster Ray gives us and plans the job on it; the plan is saved beside the metrics."""
+        plan = placement.make_plan(topology.discover_cluster(), self.config)
+        plan.save(self.run.plan_path)
+        predicted = plan.predicted
+        self.console.print(f"plan: {plan.world_size} × {plan.workers[0].device_model} workers, "
+                           f"{plan.data_parallel.value}, micro-batches {list(plan.replica_micro_batch_sizes())} "
+                           f"× {plan.grad_accum_steps} accumulation; predicted {predicted.tokens_per_second:,.0f} "
+                           f"tokens/s, ${predicted.dollars_per_million_tokens:.4f} per million tokens "
+                           f"({self.run.plan_path})", markup=False)
+        return plan
 
     def _open_run(self, tokenizer: str) -> Path | None:
         """Creates the run directory, or checks the checkpoint to resume from; returns that checkpoint."""
@@ -154,19 +173,18 @@ class Orchestrator:
 
     def _train(self, job: WorkerJob, sink) -> list[dict]:
         cfg = self.config
+        backend = job.plan.backend if cfg.parallel.backend == "auto" else cfg.parallel.backend
         trainer = TorchTrainer(
             train_loop,
             train_loop_config={"job": job},
-            torch_config=TorchConfig(backend=self._backend()),
-            scaling_config=ScalingConfig(num_workers=cfg.cluster.num_workers, use_gpu=cfg.cluster.use_gpu,
-                                         resources_per_worker={"CPU": cfg.cluster.cpus_per_worker}),
-            run_config=RunConfig(name=cfg.name, storage_path=self.run.storage_path,
-                                 checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep_last)),
+            torch_config=TorchConfig(backend=backend),
+            scaling_config=ScalingConfig(**binding.scaling_config_kwargs(job.plan)),
+            run_config=RunConfig(name=cfg.name, storage_path=self.run.storage_path),
         )
         outcome: dict = {}
         thread = threading.Thread(target=_fit_into, args=(trainer, outcome), daemon=True)
         rows: list[dict] = []
-        first_step = checkpoint.read_info(Path(job.resume_from)).step if job.resume_from else 0
+        first_step = checkpoint.read_info(job.resume_from).step if job.resume_from else 0
         with ProgressDisplay(self.console, cfg.train.steps, first_step) as display:
             thread.start()
             while thread.is_alive():
@@ -183,12 +201,6 @@ class Orchestrator:
             self.run.append_metrics(new)
             display.update(new)
             rows.extend(new)
-
-    def _backend(self) -> str:
-        backend = self.config.parallel.backend
-        if backend == "auto":
-            return "nccl" if self.config.cluster.use_gpu else "gloo"
-        return backend
 
 
 def _fit_into(trainer: TorchTrainer, outcome: dict) -> None:

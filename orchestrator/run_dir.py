@@ -38,6 +38,10 @@ class RunDirectory:
     def report_path(self) -> Path:
         return self.path / "report.json"
 
+    @property
+    def plan_path(self) -> Path:
+        return self.path / "plan.json"
+
     def committed_checkpoints(self) -> list[Path | Location]:
         """Committed checkpoints, oldest first (Paths on local disk); half-written ones are left out."""
         return [_plain(where) for _, where in self.checkpoints.committed()]

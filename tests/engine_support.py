@@ -12,9 +12,10 @@ import torch.multiprocessing as mp
 from orchestrator.placement.plan import DataParallel, DeviceKind, Objective, Plan, Prediction, WorkerPlacement
 
 
-def cpu_plan(world: int, micro_batch_size: int, accum: int, *, islands: list[list[int]] | None = None,
+def uniform_plan(world: int, micro_batch_size: int, accum: int, *, islands: list[list[int]] | None = None,
              seq_len: int = 32, strategy: str = "ddp") -> Plan:
-    """A plan of `world` CPU workers with equal micro-batches, as the planner would make one."""
+    """A plan of `world` workers with equal micro-batches, as the planner makes for identical devices
+    (described as CPU workers: the engine reads only micro-batches, accumulation and groups)."""
     workers = [WorkerPlacement(rank=r, node_id="node-0", device_uuid=None, device_kind=DeviceKind.CPU,
                                device_model="cpu", island_id=None, micro_batch_size=micro_batch_size,
                                grad_accum_steps=accum, data_parallel_rank=r) for r in range(world)]

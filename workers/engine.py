@@ -40,9 +40,15 @@ class Engine:
         self.optimizer = build_optimizer(self.model, config.train, device)
         self.scaler = LossScaler(self.precision, device)
         self.max_grad_norm = config.train.grad_clip if config.train.grad_clip > 0 else float("inf")
+        # Each micro-batch's mean loss is weighted by its share of the global batch, times the world
+        # size that DDP/FSDP divide by: the reduced gradient is then the global batch's mean whatever
+        # micro-batch each (possibly heterogeneous) worker got. Uniform plans give 1 / accumulation.
+        world = plan.world_size
+        self.micro_batch_weight = world * self.worker.micro_batch_size / plan.global_batch_size
 
     def __call__(self, micro_batches: list[torch.Tensor], lr: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Trains on `micro_batches` (each (B, seq_len + 1) tokens); returns (mean loss, grad norm) as tensors.
+        """Trains on `micro_batches` (each (B, seq_len + 1) tokens); returns (this rank's weighted loss,
+        grad norm) as tensors: averaged over the ranks, the loss is the global batch's mean.
 
         With fp16, a step whose gradients hold inf/NaN is skipped (and counted) instead of applied."""
         set_lr(self.optimizer, lr)
@@ -52,7 +58,7 @@ class Engine:
             with self.wrapped.sync_gradients(i == len(micro_batches) - 1):
                 with self.precision.autocast(self.device):
                     loss = self.wrapped.forward(inputs, targets, chunked_loss=self.config.train.chunked_loss)
-                    loss = loss / len(micro_batches)
+                    loss = loss * self.micro_batch_weight
                 self.scaler.scale(loss).backward()
             total_loss += loss.detach()
         self.scaler.unscale(self.optimizer)  # clip the true gradients, not the scaled ones

@@ -12,6 +12,7 @@ is needed.
 
 from __future__ import annotations
 
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,15 +24,16 @@ import torch
 import torch.distributed as dist
 
 from orchestrator.config import JobConfig
+from orchestrator.placement import binding
+from orchestrator.placement.plan import Plan
 from storage.fs import Location
 from storage.loader import BatchLoader
 from storage.readers import choose_reader
-from storage.sampler import BatchLayout, DeterministicSampler
+from storage.sampler import DeterministicSampler
 from storage.shards import TokenDataset
 from workers import checkpoint
-from workers.models.gpt import GPT
-from workers.optim import build_optimizer, lr_at
-from workers.step import TrainStep
+from workers.engine import Engine
+from workers.optim import lr_at
 
 
 @dataclass(kw_only=True)
@@ -42,6 +44,8 @@ class WorkerJob:
     data_dir: str
     """Absolute path of the prepared dataset (readable from every node)."""
     tokenizer: str
+    plan: Plan
+    """The driver's plan; each worker claims its entry by node and local rank."""
     metrics_sink: Any
     """Actor handle of the driver's MetricsSink."""
     resume_from: str | None = None
@@ -89,29 +93,29 @@ def train_loop(loop_config: dict) -> dict:
     cfg = job.config
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    device = bind_device(cfg)
+    plan, device = claim_plan_entry(job.plan, ctx)
 
-    torch.manual_seed(cfg.train.seed)
-    model = GPT(cfg.model).to(device)
-    optimizer = build_optimizer(model, cfg.train, device)
+    engine = Engine(cfg, plan, rank, device)
     checkpoints = checkpoint.RunCheckpoints(run_storage(), cfg, rank)
-    progress, checkpoint_readers = restore(job, checkpoints, model, optimizer)
-    step_fn = TrainStep(model, optimizer, cfg, device)
+    progress, checkpoint_readers = restore(job, checkpoints, engine.model, engine.optimizer)
 
     train_loader, val_loader = open_loaders(job, device)
     sampler = DeterministicSampler(train_loader.dataset.num_samples, cfg.train.seed)
-    layout = BatchLayout.uniform(world, cfg.train.micro_batch_size, cfg.grad_accum_steps)
-    steps = train_loader.stream(sampler.steps(progress.consumed_samples, layout, rank))
+    layout = plan.batch_layout()
+    replica = plan.worker(rank).data_parallel_rank
+    steps = train_loader.stream(sampler.steps(progress.consumed_samples, layout, replica))
     window = MetricsWindow()
     send(job, rank, [{"event": "start", "step": progress.step, "world_size": world, "device": str(device),
-                      "params": model.num_params(), "flops_per_token": model.flops_per_token(),
+                      "device_model": plan.worker(rank).device_model, "precision": engine.precision.name,
+                      "params": engine.model.num_params(), "flops_per_token": engine.model.flops_per_token(),
+                      "micro_batch_sizes": list(layout.micro_batch_sizes), "grad_accum_steps": plan.grad_accum_steps,
                       "reader": train_loader.reader_choice, "checkpoint_readers": sorted(checkpoint_readers)}])
 
     last_val_loss, rows = None, []
     while progress.step < cfg.train.steps:
         batches = next(steps)
         lr = lr_at(progress.step, cfg.train)
-        loss, grad_norm = step_fn(batches, lr)
+        loss, grad_norm = engine(batches, lr)
         progress.step += 1
         progress.consumed_samples += layout.global_batch
         window.record(progress.step, lr, loss, grad_norm)
@@ -119,12 +123,14 @@ def train_loop(loop_config: dict) -> dict:
         final = progress.step == cfg.train.steps
         if progress.step % cfg.train.log_every == 0 or final:
             rows = window.flush(cfg.tokens_per_step, progress.consumed_samples)
+            rows[-1].update(engine.window_metrics())
             if progress.step % cfg.train.eval_every == 0 or final:
-                last_val_loss = rows[-1]["val_loss"] = validate(step_fn, val_loader, cfg, rank, world)
+                last_val_loss = rows[-1]["val_loss"] = validate(engine, val_loader, cfg, rank, world)
             send(job, rank, rows)
         if progress.step % cfg.checkpoint.every_steps == 0 or final:
             info = checkpoint.CheckpointInfo.for_job(cfg, progress.step, progress.consumed_samples, job.tokenizer, world)
-            send(job, rank, [{"event": "checkpoint", "step": s} for s in checkpoints.save(model, optimizer, info)])
+            saved = checkpoints.save(engine.model, engine.optimizer, info)
+            send(job, rank, [{"event": "checkpoint", "step": s} for s in saved])
             window.started = time.perf_counter()  # checkpoint time is not training throughput
         rows = []
     send(job, rank, [{"event": "checkpoint", "step": s} for s in checkpoints.wait()])
@@ -133,13 +139,21 @@ def train_loop(loop_config: dict) -> dict:
     return {"step": progress.step, "consumed_samples": progress.consumed_samples, "val_loss": last_val_loss}
 
 
-def bind_device(cfg: JobConfig) -> torch.device:
-    if cfg.cluster.use_gpu:
-        device = ray.train.torch.get_device()
+def claim_plan_entry(plan: Plan, ctx) -> tuple[Plan, torch.device]:
+    """Binds this worker to its plan entry's device and cores, and renumbers the plan to Ray's ranks.
+
+    Ray Train numbers workers itself; each claims the entry of its node and local rank, and the
+    claims, gathered in world-rank order, renumber the plan so plan rank == world rank."""
+    entry = binding.claim(plan, ray_node_id=ray.get_runtime_context().get_node_id(), node_id=socket.gethostname(),
+                          local_rank=ctx.get_local_rank())
+    device = torch.device(binding.bind(entry))
+    if device.type == "cpu":
+        torch.set_num_threads(entry.cpus)
+    else:
         torch.cuda.set_device(device)
-        return device
-    torch.set_num_threads(cfg.cluster.cpus_per_worker)
-    return torch.device("cpu")
+    claimed: list[int | None] = [None] * ctx.get_world_size()
+    dist.all_gather_object(claimed, entry.rank)
+    return plan.reordered(claimed), device
 
 
 def run_storage() -> Location:
@@ -169,14 +183,15 @@ def open_loaders(job: WorkerJob, device: torch.device) -> tuple[BatchLoader, Bat
     return train_loader, BatchLoader(val, val_reader, device, depth=1)
 
 
-def validate(step_fn: TrainStep, val_loader: BatchLoader, cfg: JobConfig, rank: int, world: int) -> float:
-    """Mean loss over a fixed, evenly spread set of validation samples, split across ranks."""
+def validate(engine: Engine, val_loader: BatchLoader, cfg: JobConfig, rank: int, world: int) -> float:
+    """Mean loss over a fixed, evenly spread set of validation samples, split evenly across ranks
+    (every rank runs the same number of forward passes: FSDP's are collective)."""
     num_samples = val_loader.dataset.num_samples
-    count = min(cfg.train.eval_samples, num_samples)
+    count = max(world, min(cfg.train.eval_samples, num_samples) // world * world)
     ids = np.linspace(0, num_samples - 1, count).astype(np.int64)[rank::world]
     chunks = [ids[i:i + cfg.train.micro_batch_size] for i in range(0, len(ids), cfg.train.micro_batch_size)]
-    loss_sum, tokens = step_fn.evaluate(val_loader.load(chunks) if chunks else [])
-    totals = torch.tensor([loss_sum, tokens], dtype=torch.float64, device=step_fn.device)
+    loss_sum, tokens = engine.evaluate(val_loader.load(chunks))
+    totals = torch.tensor([loss_sum, tokens], dtype=torch.float64, device=engine.device)
     if dist.is_initialized():
         dist.all_reduce(totals)
     return float(totals[0] / totals[1])

@@ -1,6 +1,6 @@
 """The placement plan: where every worker runs, how much work it gets, in which groups, and what a step costs.
 
-    plan = Plan.load("runs/job/plan.json")          # or placement.plan(topology, config)
+    plan = Plan.load("runs/job/plan.json")          # or placement.make_plan(topology, config)
     worker = plan.worker(rank)                      # node, device UUID, island, micro-batch, CPU cores
     layout = plan.batch_layout()                    # storage.sampler.BatchLayout for the step's samples
     plan.predicted.step_seconds, plan.predicted.dollars_per_million_tokens

@@ -2,7 +2,7 @@
 Ray node has, as one plain object (`ClusterTopology`) that prints, saves as JSON and loads back.
 
     from orchestrator import topology
-    cluster = topology.discover()                                  # one probe task per alive Ray node
+    cluster = topology.discover_cluster()                          # one probe task per alive Ray node
     cluster = topology.ClusterTopology.load("examples/topologies/h200-single.json")
     cluster = topology.machines.cluster([("8xH100-SXM", 4), ("8xL40S", 2)])    # for tests and simulation
     cluster.nvlink_islands, cluster.link(uuid_a, uuid_b)
@@ -14,10 +14,12 @@ from orchestrator.topology.model import (ClusterTopology, Gpu, GpuLink, MigSlice
                                          NumaNode)
 
 __all__ = ["ClusterTopology", "Gpu", "GpuLink", "LinkKind", "MigSlice", "Nic", "NicKind", "NodeTopology",
-           "NumaNode", "NvlinkIsland", "discover"]
+           "NumaNode", "NvlinkIsland", "discover_cluster"]
 
 
-def discover(**kwargs) -> ClusterTopology:
+# Not named `discover`: that is the submodule's name, and importing the submodule anywhere rebinds
+# the package attribute to it.
+def discover_cluster(**kwargs) -> ClusterTopology:
     """Map every alive node of the connected Ray cluster (see orchestrator.topology.discover)."""
-    from orchestrator.topology.discover import discover_cluster
-    return discover_cluster(**kwargs)
+    from orchestrator.topology import discover
+    return discover.discover_cluster(**kwargs)

@@ -9,7 +9,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from orchestrator.errors import ClusterError
-from orchestrator.topology import discover, machines
+from orchestrator.topology import discover_cluster, machines
 from orchestrator.topology.ray_resources import ray_start_arguments
 
 pytestmark = pytest.mark.integration
@@ -32,7 +32,7 @@ def cluster():
 
 def test_one_node_entry_per_ray_node(cluster):
     _, h100 = cluster
-    topology = discover()
+    topology = discover_cluster()
     alive = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
     assert sorted(node.ray_node_id for node in topology.nodes) == sorted(alive)
     assert len({node.node_id for node in topology.nodes}) == 3  # one host: ids made unique per Ray node
@@ -50,6 +50,6 @@ def test_discovery_without_ray_says_how_to_connect(cluster):
     ray.shutdown()
     try:
         with pytest.raises(ClusterError, match="not connected to a Ray cluster"):
-            discover()
+            discover_cluster()
     finally:
         ray.init(address=cluster[0].address, log_to_driver=False)

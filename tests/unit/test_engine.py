@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from orchestrator.config import JobConfig
 from storage.sampler import BatchLayout, DeterministicSampler
 from storage.shards import TokenDataset
-from tests.engine_support import cpu_plan, run_ranks
+from tests.engine_support import uniform_plan, run_ranks
 from workers.engine import Engine
 from workers.models.gpt import GPT
 from workers.models.loss import chunked_cross_entropy
@@ -73,7 +73,7 @@ def distributed_runs(rank: int, world: int, data_dir: str, out_path: str) -> Non
     results = {}
     for name, parallel in {"ddp": {}, "fsdp": {"strategy": "fsdp"}}.items():
         config = job(**parallel)
-        engine = Engine(config, cpu_plan(world, MICRO, 1, strategy=config.parallel.strategy), rank,
+        engine = Engine(config, uniform_plan(world, MICRO, 1, strategy=config.parallel.strategy), rank,
                         torch.device("cpu"))
         results[name] = {"losses": train(engine, rank, world, 1), **_plain(engine.window_metrics())}
     text_job = {"model": {"n_layer": 2, "n_head": 2, "n_embd": 64, "seq_len": 32},
@@ -81,7 +81,7 @@ def distributed_runs(rank: int, world: int, data_dir: str, out_path: str) -> Non
                           "warmup_steps": 0}, "cluster": {"num_workers": 2}}
     for name, parallel in {"text_allreduce": {}, "text_topk": {"comm_hook": "topk", "topk_ratio": 0.2,
                                                                 "comm_warmup_steps": 2}}.items():
-        engine = Engine(JobConfig.from_dict({**text_job, "parallel": parallel}), cpu_plan(world, 8, 1), rank,
+        engine = Engine(JobConfig.from_dict({**text_job, "parallel": parallel}), uniform_plan(world, 8, 1), rank,
                         torch.device("cpu"))
         results[name] = {"losses": text_losses(engine, data_dir, rank, world, TEXT_STEPS),
                          **_plain(engine.window_metrics())}
@@ -99,7 +99,7 @@ def runs(dataset_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("engine") / "runs.json"
     run_ranks(2, distributed_runs, str(dataset_dir), str(out))
     results = json.loads(out.read_text())
-    single = Engine(job(), cpu_plan(1, MICRO, 2), 0, torch.device("cpu"))
+    single = Engine(job(), uniform_plan(1, MICRO, 2), 0, torch.device("cpu"))
     results["single"] = {"losses": train(single, 0, 1, 2)}
     return results
 
@@ -174,8 +174,8 @@ def test_chunked_loss_matches_the_plain_loss_and_gradients():
 def test_compile_runs_on_cpu_and_matches_eager():
     config = JobConfig.from_dict({**job().to_dict(), "compile": {"enable": True}, "cluster": {"num_workers": 1}})
     torch.manual_seed(0)
-    compiled = Engine(config, cpu_plan(1, MICRO, 2), 0, torch.device("cpu"))
-    eager = Engine(job(), cpu_plan(1, MICRO, 2), 0, torch.device("cpu"))
+    compiled = Engine(config, uniform_plan(1, MICRO, 2), 0, torch.device("cpu"))
+    eager = Engine(job(), uniform_plan(1, MICRO, 2), 0, torch.device("cpu"))
     ours, theirs = train(compiled, 0, 1, 2, steps=3), train(eager, 0, 1, 2, steps=3)
     for a, b in zip(ours, theirs):
         assert a == pytest.approx(b, rel=1e-3)

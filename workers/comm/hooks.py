@@ -137,11 +137,15 @@ def topk_hook(state: TopkHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     gathered = torch.empty(state.world_size * payload.numel(), dtype=payload.dtype, device=payload.device)
 
     def accumulate(fut: torch.futures.Future) -> torch.Tensor:
+        rows = [mine.with_payload(row) for row in gathered.view(state.world_size, -1)]
+        # A poisoned bucket on any rank stops every rank; one device wait reads all their headers.
+        nonfinite = torch.stack([row.header[1] for row in rows]).tolist()
+        for row, count in zip(rows, nonfinite):
+            if count:
+                row.raise_if_nonfinite()
         total = torch.zeros(buffer.numel(), dtype=torch.float32, device=buffer.device)
-        for row in gathered.view(state.world_size, -1):
-            theirs = mine.with_payload(row)
-            theirs.raise_if_nonfinite()  # a poisoned bucket on any rank stops every rank
-            decompress_accumulate(total, theirs)
+        for row in rows:
+            decompress_accumulate(total, row)
         buffer.copy_(total.div_(state.world_size))
         return buffer
 
