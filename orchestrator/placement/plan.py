@@ -156,6 +156,25 @@ class Plan:
         _check_batch(self)
         _check_groups(self)
 
+    @classmethod
+    def uniform(cls, *, job_name: str, world_size: int, micro_batch_size: int, grad_accum_steps: int,
+                seq_len: int, intra_island_groups: list[list[int]] | None = None, data_parallel: str = "ddp") -> Plan:
+        """A plan of identical workers with equal micro-batches and no predictions: what benchmarks and
+        tests hand the worker engine when they run it without the planner. The caller binds the devices,
+        so the entries name none (device_model "unplanned")."""
+        workers = [WorkerPlacement(rank=r, node_id="local", device_uuid=None, device_kind=DeviceKind.CPU,
+                                   device_model="unplanned", island_id=None, micro_batch_size=micro_batch_size,
+                                   grad_accum_steps=grad_accum_steps, data_parallel_rank=r) for r in range(world_size)]
+        unknown = Prediction(step_seconds=0.0, compute_seconds=0.0, exposed_communication_seconds=0.0,
+                             communication_seconds=0.0, tokens_per_second=0.0, dollars_per_hour=0.0,
+                             dollars_per_step=0.0, dollars_per_million_tokens=0.0, job_hours=0.0, job_dollars=0.0)
+        ranks = list(range(world_size))
+        return cls(job_name=job_name, objective=Objective.FASTEST, workers=workers,
+                   global_batch_size=world_size * micro_batch_size * grad_accum_steps, seq_len=seq_len,
+                   grad_accum_steps=grad_accum_steps, data_parallel=DataParallel(data_parallel),
+                   intra_island_groups=intra_island_groups or [ranks], tensor_parallel_groups=[[r] for r in ranks],
+                   data_parallel_groups=[ranks], predicted=unknown)
+
     # ---- what the workers read --------------------------------------------------------------------
     @property
     def world_size(self) -> int:

@@ -1,0 +1,71 @@
+"""The engine's DDP comm hooks over NCCL on two GPUs: futures chained on CUDA streams, not gloo threads."""
+
+import json
+
+import pytest
+import torch
+
+from orchestrator.config import JobConfig
+from tests.engine_support import run_ranks, uniform_plan
+from workers.engine import Engine
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
+
+HOOKS = {"allreduce": [[0, 1]], "bf16": [[0, 1]], "powersgd": [[0, 1]], "topk": [[0, 1]],
+         "hierarchical": [[0], [1]]}
+
+
+def nccl_runs(rank: int, world: int, out_path: str) -> None:
+    device = torch.device("cuda", rank)
+    results = {}
+    for hook, islands in HOOKS.items():
+        config = JobConfig.from_dict({
+            "model": {"n_layer": 2, "n_head": 4, "n_embd": 128, "seq_len": 64},
+            "train": {"global_batch_size": 16, "micro_batch_size": 8, "lr": 3e-3, "min_lr": 3e-3, "warmup_steps": 0},
+            "parallel": {"comm_hook": hook, "comm_warmup_steps": 2, "topk_ratio": 0.05, "bucket_mb": 1.0},
+            "cluster": {"num_workers": 2, "use_gpu": True}})
+        engine = Engine(config, uniform_plan(2, 8, 1, islands=islands, seq_len=64), rank, device)
+        losses = []
+        for step in range(12):
+            g = torch.Generator().manual_seed(step % 3)
+            data = torch.randint(0, 257, (16, 65), generator=g)[rank * 8:(rank + 1) * 8].to(device)
+            loss, _ = engine([data], lr=3e-3)
+            total = loss.detach().clone()
+            torch.distributed.all_reduce(total)
+            losses.append(float(total) / 2)
+        metrics = engine.window_metrics()
+        results[hook] = {"losses": losses, "comm_bytes": metrics["comm_bytes"],
+                         "exposed_comm_s": metrics.get("exposed_comm_s"), "overlap_ratio": metrics.get("overlap_ratio")}
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("nccl") / "runs.json"
+    run_ranks(2, nccl_runs, str(out), backend="nccl")
+    return json.loads(out.read_text())
+
+
+def test_every_hook_trains_over_nccl(runs):
+    for hook, result in runs.items():
+        # The compressing hooks learn this memorisation task more slowly: on the H200 pair, 12 steps
+        # took PowerSGD (rank 4) from 5.57 to 5.32 and top-k (5%) to 5.18; the others drop by > 0.5.
+        compressing = hook in ("powersgd", "topk")
+        assert result["losses"][-1] < result["losses"][0] - (0.15 if compressing else 0.5), hook
+        assert result["comm_bytes"] > 0, hook
+        assert result["exposed_comm_s"] is not None and result["exposed_comm_s"] >= 0, hook
+
+
+def test_hierarchical_tracks_flat_allreduce(runs):
+    for ours, theirs in zip(runs["hierarchical"]["losses"], runs["allreduce"]["losses"]):
+        assert ours == pytest.approx(theirs, rel=1e-3)
+
+
+def test_compressed_hooks_send_fewer_bytes(runs):
+    plain = runs["allreduce"]["comm_bytes"]
+    assert runs["bf16"]["comm_bytes"] == plain // 2
+    assert runs["topk"]["comm_bytes"] < 0.3 * plain
+    assert runs["powersgd"]["comm_bytes"] < plain
