@@ -12,6 +12,7 @@ from typing import Any
 import ray
 import torch
 
+from orchestrator.atomic import write_text_atomically
 from orchestrator.errors import TopologyError
 from orchestrator.placement.plan import DeviceKind, Plan
 from orchestrator.topology import catalog
@@ -92,9 +93,7 @@ class RunReport:
         )
 
     def save(self, path: Path) -> None:
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2))
-        tmp.replace(path)  # atomic: a reader never sees half a report
+        write_text_atomically(path, json.dumps(asdict(self), indent=2))
 
     def print_summary(self, console: Console) -> None:
         table = Table(title=f"archipelago run {self.name!r}: {self.status}", show_header=False)

@@ -134,7 +134,7 @@ def _arrow_pieces(path: Path, fmt: SourceFormat) -> list[int]:
         return np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(int).tolist() if rows else []
     except Exception as e:  # noqa: BLE001 - pyarrow raises several kinds for a bad file
         raise DataError(f"not a readable {fmt} file ({e})", where=str(path),
-                        fix=f"check the file, or choose another --format (text, jsonl, parquet, arrow)") from None
+                        fix="check the file, or choose another --format (text, jsonl, parquet, arrow)") from None
 
 
 class _Worker:

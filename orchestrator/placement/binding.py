@@ -39,7 +39,7 @@ from collections import Counter
 from collections.abc import Callable, MutableMapping
 
 from orchestrator.errors import PlacementError
-from orchestrator.placement.devices import parse_cpu_list
+from orchestrator.topology.sysfs import parse_cpu_list
 from orchestrator.placement.plan import DeviceKind, Plan, WorkerPlacement
 from orchestrator.topology.ray_resources import NVLINK_DOMAIN_LABEL, label_value
 

@@ -18,6 +18,7 @@ from orchestrator.cost import CollectiveCostModel, Hop, LinkClass
 from orchestrator.placement.plan import DeviceKind
 from orchestrator.topology.links import PCIE_PATHS, LinkKind
 from orchestrator.topology.model import ClusterTopology, Gpu, MigSlice, NicKind, NodeTopology
+from orchestrator.topology.sysfs import format_cpu_list, parse_cpu_list
 
 UNKNOWN_NETWORK_GB_PER_S = 1.25
 """A NIC whose speed the kernel does not report is planned as 10 Gbit/s Ethernet (and a note says so)."""
@@ -253,24 +254,4 @@ def _cpu_slots(node: NodeTopology, cores: int) -> list[tuple[int | None, str]]:
         if slots:
             return slots
     return [(None, "")] * (node.cpu_count // cores) if node.cpu_count else []
-
-
-def parse_cpu_list(text: str) -> list[int]:
-    """"0-3,8,10-11" → [0, 1, 2, 3, 8, 10, 11] (the kernel's cpulist format)."""
-    cpus: list[int] = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        low, _, high = part.partition("-")
-        cpus.extend(range(int(low), int(high or low) + 1))
-    return cpus
-
-
-def format_cpu_list(cpus: list[int]) -> str:
-    """[0, 1, 2, 3, 8, 10, 11] → "0-3,8,10-11"."""
-    runs: list[list[int]] = []
-    for cpu in sorted(cpus):
-        if runs and cpu == runs[-1][1] + 1:
-            runs[-1][1] = cpu
-        else:
-            runs.append([cpu, cpu])
-    return ",".join(str(low) if low == high else f"{low}-{high}" for low, high in runs)
 

@@ -30,7 +30,8 @@ from orchestrator.config import JobConfig
 from orchestrator.cost import CollectiveCostModel, ComputeModel, PriceTable
 from orchestrator.errors import PlacementError
 from orchestrator.memory import MemoryProfile, measure_steps, profile, usable_bytes
-from orchestrator.placement.devices import Device, DevicePool, DeviceType, Domain, format_cpu_list, parse_cpu_list
+from orchestrator.placement.devices import Device, DevicePool, DeviceType, Domain
+from orchestrator.topology.sysfs import format_cpu_list, parse_cpu_list
 from orchestrator.placement.model import Costing, Footprint, Outcome, PlanningJob, Refusal, Selection
 from orchestrator.placement.plan import DataParallel, DeviceKind, Objective, Plan, Prediction, WorkerPlacement
 from orchestrator.topology.model import ClusterTopology

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
+from orchestrator.atomic import write_text_atomically
 from orchestrator.errors import TopologyError
 from orchestrator.topology import catalog, codec, islands
 from orchestrator.topology.islands import NvlinkIsland
@@ -266,13 +267,7 @@ class ClusterTopology:
         return topology
 
     def save(self, path: str | Path) -> Path:
-        """Write atomically: a reader never sees half a file."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(self.to_json() + "\n")
-        tmp.replace(path)
-        return path
+        return write_text_atomically(path, self.to_json() + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> ClusterTopology:
