@@ -25,7 +25,7 @@ test: $(STAMP)
 	$(PYTHON) -m pytest --timeout=900
 
 test-gpu:
-	PYTHONPATH=. python3 -m pytest -m gpu tests/gpu -p no:cacheprovider
+	PYTHONPATH=.:$$PYTHONPATH python3 -m pytest -m gpu tests/gpu -p no:cacheprovider -rs
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
