@@ -298,14 +298,17 @@ class JobConfig:
                'use ddp_mode = "ddp_optimizer" with a comm hook, or comm_hook = "allreduce"')
         _check(bool(self.name) and "/" not in self.name and self.name not in (".", ".."), "name",
                f"{self.name!r} is not a usable run name", 'use letters, digits, "-" and "_", e.g. name = "cpu-tiny"')
+        # CPU workers are num_workers identical slots; GPU jobs get their worker count and
+        # micro-batches from the planner, which refuses a global batch it cannot split.
         per_pass = self.train.micro_batch_size * self.cluster.num_workers
-        _check(self.train.global_batch_size % per_pass == 0, "[train] global_batch_size",
+        _check(self.cluster.use_gpu or self.train.global_batch_size % per_pass == 0, "[train] global_batch_size",
                f"{self.train.global_batch_size} is not a multiple of micro_batch_size × num_workers = "
                f"{self.train.micro_batch_size} × {self.cluster.num_workers} = {per_pass}",
                f"set global_batch_size to a multiple of {per_pass} (e.g. {per_pass * max(1, round(self.train.global_batch_size / per_pass))})")
 
     @property
     def grad_accum_steps(self) -> int:
+        """Accumulation on num_workers identical CPU workers (for GPU jobs the plan decides)."""
         return self.train.global_batch_size // (self.train.micro_batch_size * self.cluster.num_workers)
 
     @property

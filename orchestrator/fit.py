@@ -51,6 +51,9 @@ class FitResult:
 class Orchestrator:
     def __init__(self, config: JobConfig, *, address: str = "", resume: bool = False, overwrite: bool = False,
                  console: Console | None = None, verbose: bool = False):
+        if resume and overwrite:
+            raise ConfigError("--resume and --overwrite contradict each other", where="command line",
+                              fix="pass --resume to continue the run, or --overwrite to start it over")
         self.config = config
         self.address = address or config.cluster.address or os.environ.get("RAY_ADDRESS", "")
         self.resume = resume
@@ -63,13 +66,13 @@ class Orchestrator:
         started = time.monotonic()
         started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         data_dir, tokenizer = self._dataset()
-        resume_from = self._open_run(tokenizer)
+        resume_from, first_step = self._open_run(tokenizer)
         with self._ray():
             plan = self._plan()
             sink = MetricsSink.remote()
             job = WorkerJob(config=self.config, data_dir=str(data_dir), tokenizer=tokenizer, plan=plan,
                             metrics_sink=sink, resume_from=str(resume_from) if resume_from else None)
-            rows = self._train(job, sink)
+            rows = self._train(job, sink, first_step)
         latest = self.run.latest_checkpoint()
         report = RunReport.from_rows(
             rows, plan=plan, name=self.config.name, status="completed", run_dir=str(self.run.path),
@@ -92,20 +95,18 @@ class Orchestrator:
                            f"({self.run.plan_path})", markup=False)
         return plan
 
-    def _open_run(self, tokenizer: str) -> Path | None:
-        """Creates the run directory, or checks the checkpoint to resume from; returns that checkpoint."""
-        if self.resume and self.overwrite:
-            raise ConfigError("--resume and --overwrite contradict each other", where="command line",
-                              fix="pass --resume to continue the run, or --overwrite to start it over")
+    def _open_run(self, tokenizer: str) -> tuple[Path | Location | None, int]:
+        """Creates the run directory, or checks the checkpoint to resume from; returns that checkpoint
+        (None for a new run) and the step training starts from."""
         if not self.resume:
             self.run.create(overwrite=self.overwrite)
-            return None
+            return None, 0
         latest = self.run.checkpoint_to_resume()
         info = checkpoint.read_info(latest)
         checkpoint.check_compatible(info, self.config, tokenizer, latest)
         self.run.rewind_metrics(info.step)
         self.console.print(f"resuming from {latest}", markup=False)
-        return latest
+        return latest, info.step
 
     def _dataset(self) -> tuple[str, str]:
         """The prepared dataset (preparing it first when the config says where from), checked against the job.
@@ -171,7 +172,7 @@ class Orchestrator:
         finally:
             ray.shutdown()
 
-    def _train(self, job: WorkerJob, sink) -> list[dict]:
+    def _train(self, job: WorkerJob, sink, first_step: int) -> list[dict]:
         cfg = self.config
         backend = job.plan.backend if cfg.parallel.backend == "auto" else cfg.parallel.backend
         trainer = TorchTrainer(
@@ -184,7 +185,6 @@ class Orchestrator:
         outcome: dict = {}
         thread = threading.Thread(target=_fit_into, args=(trainer, outcome), daemon=True)
         rows: list[dict] = []
-        first_step = checkpoint.read_info(job.resume_from).step if job.resume_from else 0
         with ProgressDisplay(self.console, cfg.train.steps, first_step) as display:
             thread.start()
             while thread.is_alive():

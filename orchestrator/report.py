@@ -29,7 +29,7 @@ class RunReport:
     started_at: str
     """UTC, ISO 8601."""
     wall_seconds: float
-    """This invocation of fit, from connecting to Ray to the end of training."""
+    """This invocation of fit, from its start (dataset preparation and checks included) to the end of training."""
     world_size: int
     device: str
     num_params: int
@@ -66,10 +66,8 @@ class RunReport:
         vals = [r["val_loss"] for r in steps if "val_loss" in r]
         start = next((r for r in rows if r.get("event") == "start"), {})
         last_consumed = next((r["consumed_samples"] for r in reversed(steps) if "consumed_samples" in r), 0)
-        seq_len = fields["config"]["model"]["seq_len"]
         start_step = start.get("step", 0)
-        global_batch = fields["config"]["train"]["global_batch_size"]
-        tokens_this_run = (steps[-1]["step"] - start_step) * global_batch * seq_len if steps else 0
+        tokens_this_run = (steps[-1]["step"] - start_step) * plan.tokens_per_step if steps else 0
         tokens_per_second = statistics.median(r["tokens_per_s"] for r in steps) if steps else 0.0
         dollars = plan.predicted.dollars_per_hour * fields["wall_seconds"] / 3600
         return cls(
@@ -78,7 +76,7 @@ class RunReport:
             num_params=start.get("params", 0),
             start_step=start_step,
             final_step=steps[-1]["step"] if steps else start_step,
-            tokens_seen=last_consumed * seq_len,
+            tokens_seen=last_consumed * plan.seq_len,
             tokens_this_run=tokens_this_run,
             tokens_per_second=tokens_per_second,
             predicted_tokens_per_second=plan.predicted.tokens_per_second,

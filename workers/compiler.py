@@ -41,8 +41,11 @@ def compile_stats() -> CompileStats:
     )
 
 
+def compile_options(cfg: CompileConfig, *, fullgraph: bool) -> dict:
+    """Keyword arguments for torch.compile / Module.compile ("default" is torch's mode=None)."""
+    return {"mode": None if cfg.mode == "default" else cfg.mode, "fullgraph": fullgraph}
+
+
 def maybe_compile(module: torch.nn.Module, cfg: CompileConfig, *, fullgraph: bool) -> torch.nn.Module:
     """Compiles `module` when asked; fullgraph only where the wrapping allows one graph."""
-    if not cfg.enable:
-        return module
-    return torch.compile(module, mode=None if cfg.mode == "default" else cfg.mode, fullgraph=fullgraph)
+    return torch.compile(module, **compile_options(cfg, fullgraph=fullgraph)) if cfg.enable else module

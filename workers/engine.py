@@ -14,6 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from orchestrator.config import JobConfig
+from orchestrator.errors import PlacementError
 from orchestrator.placement.plan import Plan
 from workers.comm.stats import CommStats
 from workers.compiler import compile_stats
@@ -34,17 +35,22 @@ class Engine:
         self.float8_layers = (convert_to_float8(self.model, config.train.float8_recipe)
                               if self.precision.name == "fp8" else 0)
         self.comm_stats = CommStats()
-        self.wrapped = wrap(self.model, config, self.precision, device, bucket_cap_mb=plan.ddp_bucket_cap_mb,
-                            island_ranks=plan.intra_island_groups, comm_stats=self.comm_stats)
+        self.wrapped = wrap(self.model, config, plan, self.precision, device, self.comm_stats)
         # After wrapping: FSDP2 replaces parameters with sharded DTensors the optimizer must see.
         self.optimizer = build_optimizer(self.model, config.train, device)
         self.scaler = LossScaler(self.precision, device)
         self.max_grad_norm = config.train.grad_clip if config.train.grad_clip > 0 else float("inf")
-        # Each micro-batch's mean loss is weighted by its share of the global batch, times the world
-        # size that DDP/FSDP divide by: the reduced gradient is then the global batch's mean whatever
+        # Each micro-batch's mean loss is weighted by its share of the global batch, times the number
+        # of replicas DDP/FSDP divide by: the reduced gradient is then the global batch's mean whatever
         # micro-batch each (possibly heterogeneous) worker got. Uniform plans give 1 / accumulation.
-        world = plan.world_size
-        self.micro_batch_weight = world * self.worker.micro_batch_size / plan.global_batch_size
+        if plan.tensor_parallel_size > 1:
+            raise PlacementError(f"the plan asks for tensor parallelism of {plan.tensor_parallel_size}; the "
+                                 "worker engine runs DDP and FSDP2 only", where="[placement] tensor_parallel_size",
+                                 fix="set tensor_parallel_size = 1 to train (`archipelago plan` still plans it)")
+        replicas = len(plan.replica_micro_batch_sizes())
+        self.micro_batch_weight = replicas * self.worker.micro_batch_size / plan.global_batch_size
+        # Evaluation passes are collective under FSDP: every rank cuts the same number of chunks.
+        self.eval_batch_size = min(plan.replica_micro_batch_sizes())
 
     def __call__(self, micro_batches: list[torch.Tensor], lr: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Trains on `micro_batches` (each (B, seq_len + 1) tokens); returns (this rank's weighted loss,
@@ -72,7 +78,7 @@ class Engine:
     @torch.no_grad()
     def evaluate(self, batches: list[torch.Tensor]) -> tuple[float, int]:
         """Summed loss and token count over `batches`, in eval mode (collective under FSDP: call on every rank)."""
-        forward = self.wrapped.forward if self.wrapped.fsdp else self.model
+        forward = self.model  # unwrapped for DDP; under FSDP2 the model itself is the sharded module
         self.model.eval()
         loss_sum, tokens = 0.0, 0
         for batch in batches:
@@ -86,7 +92,10 @@ class Engine:
 
     def window_metrics(self) -> dict:
         """Numbers for the metrics row closing a log window."""
-        metrics: dict = {"comm_bytes": self.comm_stats.take(), "precision": self.precision.name}
+        metrics: dict = {"precision": self.precision.name}
+        if self.wrapped.hook_state is not None:  # FSDP and compiled autograd move bytes no hook counts
+            self.wrapped.hook_state.check()
+            metrics["comm_bytes"] = self.comm_stats.take()
         metrics.update(_ddp_timing(self.wrapped.ddp))
         if self.scaler.enabled:
             metrics["skipped_steps"] = self.scaler.skipped_steps

@@ -189,7 +189,8 @@ def validate(engine: Engine, val_loader: BatchLoader, cfg: JobConfig, rank: int,
     num_samples = val_loader.dataset.num_samples
     count = max(world, min(cfg.train.eval_samples, num_samples) // world * world)
     ids = np.linspace(0, num_samples - 1, count).astype(np.int64)[rank::world]
-    chunks = [ids[i:i + cfg.train.micro_batch_size] for i in range(0, len(ids), cfg.train.micro_batch_size)]
+    size = engine.eval_batch_size
+    chunks = [ids[i:i + size] for i in range(0, len(ids), size)]
     loss_sum, tokens = engine.evaluate(val_loader.load(chunks))
     totals = torch.tensor([loss_sum, tokens], dtype=torch.float64, device=engine.device)
     if dist.is_initialized():

@@ -14,7 +14,7 @@ from orchestrator.config import TrainConfig
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
     params = [p for p in model.parameters() if p.requires_grad]
-    # Norm gains, biases and the position table are vectors or small; decaying them hurts.
+    # Norm gains and biases (the 1-D parameters) are not decayed: shrinking them towards 0 hurts.
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

@@ -7,6 +7,7 @@ autograd captures them); FSDP2 compiles each block before sharding it (the torch
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -15,10 +16,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from orchestrator.config import JobConfig
+from orchestrator.placement.plan import Plan
 from workers.comm.groups import build_island_groups
 from workers.comm.hooks import HookState, make_hook
 from workers.comm.stats import CommStats
-from workers.compiler import maybe_compile
+from workers.compiler import compile_options, maybe_compile
 from workers.models.gpt import GPT
 from workers.precision import Precision
 
@@ -30,12 +32,10 @@ class WrappedModel:
     ddp: DistributedDataParallel | None
     fsdp: bool
     hook_state: HookState | None
-    fullgraph: bool
-    """Whether compile was asked for one graph (False where the wrapping splits it)."""
+    """The DDP comm hook's state (it counts bytes and holds deferred checks); None without a hook."""
 
     def sync_gradients(self, enabled: bool):
         """Context for one micro-batch: gradients are reduced only on the last micro-batch."""
-        import contextlib
         if self.ddp is not None and not enabled:
             return self.ddp.no_sync()
         if self.fsdp:
@@ -43,41 +43,41 @@ class WrappedModel:
         return contextlib.nullcontext()
 
 
-def wrap(model: GPT, config: JobConfig, precision: Precision, device: torch.device, *,
-         bucket_cap_mb: float, island_ranks: list[list[int]], comm_stats: CommStats) -> WrappedModel:
+def wrap(model: GPT, config: JobConfig, plan: Plan, precision: Precision, device: torch.device,
+         comm_stats: CommStats) -> WrappedModel:
     model.set_activation_checkpointing(config.parallel.activation_checkpointing)
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1:
-        fullgraph = config.compile.fullgraph
-        return WrappedModel(maybe_compile(model, config.compile, fullgraph=fullgraph), None, False, None, fullgraph)
+        return WrappedModel(maybe_compile(model, config.compile, fullgraph=config.compile.fullgraph), None, False, None)
     if config.parallel.strategy == "fsdp":
         return _wrap_fsdp(model, config, precision)
-    return _wrap_ddp(model, config, device, world, bucket_cap_mb, island_ranks, comm_stats)
+    return _wrap_ddp(model, config, plan, device, world, comm_stats)
 
 
-def _wrap_ddp(model: GPT, config: JobConfig, device: torch.device, world: int, bucket_cap_mb: float,
-              island_ranks: list[list[int]], comm_stats: CommStats) -> WrappedModel:
+def _wrap_ddp(model: GPT, config: JobConfig, plan: Plan, device: torch.device, world: int,
+              comm_stats: CommStats) -> WrappedModel:
     par = config.parallel
-    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                  bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True)
-    islands = build_island_groups(island_ranks) if par.comm_hook == "hierarchical" else None
-    hook, state = make_hook(par.comm_hook, stats=comm_stats, world_size=world, islands=islands,
-                            warmup_steps=par.comm_warmup_steps, powersgd_rank=par.powersgd_rank,
-                            topk_ratio=par.topk_ratio)
     compiled_autograd = config.compile.enable and config.compile.ddp_mode == "compiled_autograd"
-    if compiled_autograd:
-        # DDP's C++ reducer cannot be traced; the Python reducer's all-reduces become part of the
-        # compiled backward graph (and can be reordered against compute by Inductor).
-        torch._dynamo.config.optimize_ddp = "python_reducer"
-        torch._dynamo.config.compiled_autograd = True
-        state = None
-    else:
+    # DDP reads optimize_ddp once, in its constructor; both flags are process-wide, so every wrap
+    # sets them either way (a later engine in the same process must not inherit them).
+    # With compiled autograd, DDP's C++ reducer is replaced by the Python one, whose all-reduces
+    # become part of the compiled backward graph (and can be reordered against compute by Inductor).
+    torch._dynamo.config.optimize_ddp = "python_reducer" if compiled_autograd else "ddp_optimizer"
+    torch._dynamo.config.compiled_autograd = compiled_autograd
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                  bucket_cap_mb=plan.ddp_bucket_cap_mb or par.bucket_mb, gradient_as_bucket_view=True)
+    state = None
+    if not compiled_autograd:
+        islands = (build_island_groups(plan.intra_island_groups, plan.inter_island_groups)
+                   if par.comm_hook == "hierarchical" else None)
+        hook, state = make_hook(par.comm_hook, stats=comm_stats, world_size=world, islands=islands,
+                                warmup_steps=par.comm_warmup_steps, powersgd_rank=par.powersgd_rank,
+                                topk_ratio=par.topk_ratio)
         ddp.register_comm_hook(state, hook)
-    # DDP measures compute, communication and their overlap on a sample of iterations; every
-    # iteration here, so each metrics window reads a fresh sample.
-    ddp._set_ddp_runtime_logging_sample_rate(1)
-    return WrappedModel(maybe_compile(ddp, config.compile, fullgraph=compiled_autograd), ddp, False, state,
-                        compiled_autograd)
+    # DDP times compute, communication and their overlap on sampled iterations; a sampled iteration
+    # waits for the previous one's timing events, so sample once per metrics window, not every step.
+    ddp._set_ddp_runtime_logging_sample_rate(config.train.log_every * plan.grad_accum_steps)
+    return WrappedModel(maybe_compile(ddp, config.compile, fullgraph=compiled_autograd), ddp, False, state)
 
 
 def _wrap_fsdp(model: GPT, config: JobConfig, precision: Precision) -> WrappedModel:
@@ -85,8 +85,7 @@ def _wrap_fsdp(model: GPT, config: JobConfig, precision: Precision) -> WrappedMo
     policy = MixedPrecisionPolicy(param_dtype=precision.autocast_dtype, reduce_dtype=torch.float32)
     for block in model.blocks:
         if config.compile.enable:
-            block.compile(mode=None if config.compile.mode == "default" else config.compile.mode,
-                          fullgraph=config.compile.fullgraph)
+            block.compile(**compile_options(config.compile, fullgraph=config.compile.fullgraph))
         fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
-    return WrappedModel(model, None, True, None, config.compile.enable and config.compile.fullgraph)
+    fully_shard(model, mp_policy=policy)  # in place: the model itself is now the FSDP module
+    return WrappedModel(model, None, True, None)

@@ -72,12 +72,14 @@ def convert_to_float8(model: torch.nn.Module, recipe: str) -> int:
 
 
 class LossScaler:
-    """A GradScaler for fp16, a no-op otherwise; counts the steps it skipped."""
+    """A GradScaler for fp16, a no-op otherwise; counts the steps it skipped.
+
+    The count lives on the device: reading the scale every step would block the host once per step."""
 
     def __init__(self, precision: Precision, device: torch.device):
         self.enabled = precision.needs_loss_scaling
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.enabled)
-        self.skipped_steps = 0
+        self._skipped: torch.Tensor | int = 0
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss)
@@ -86,22 +88,20 @@ class LossScaler:
         """Divides the gradients by the scale in place; call before clipping."""
         self.scaler.unscale_(optimizer)
 
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Applies the step unless the gradients held inf/NaN; returns whether it was applied."""
+    def step(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | bool:
+        """Applies the step unless the gradients held inf/NaN; returns whether it was applied (a device
+        bool tensor with fp16: test it only where a wait is acceptable)."""
         if not self.enabled:
             optimizer.step()
             return True
-        scale_before = self.scaler.get_scale()
+        scale_before = self.scaler._get_scale_async().clone()
         self.scaler.step(optimizer)
         self.scaler.update()
-        applied = self.scaler.get_scale() >= scale_before  # the scale shrinks exactly when a step is skipped
-        if not applied:
-            self.skipped_steps += 1
-        return applied
+        skipped = self.scaler._get_scale_async() < scale_before  # the scale shrinks exactly when a step is skipped
+        self._skipped = self._skipped + skipped.int()
+        return ~skipped
 
-    def state_dict(self) -> dict:
-        return self.scaler.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        if state:
-            self.scaler.load_state_dict(state)
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped so far; waits for the device (read it once per metrics window)."""
+        return int(self._skipped)

@@ -159,7 +159,8 @@ class Plan:
 
     @classmethod
     def uniform(cls, *, job_name: str, world_size: int, micro_batch_size: int, grad_accum_steps: int,
-                seq_len: int, intra_island_groups: list[list[int]] | None = None, data_parallel: str = "ddp") -> Plan:
+                seq_len: int, intra_island_groups: list[list[int]] | None = None, data_parallel: str = "ddp",
+                ddp_bucket_bytes: int | None = None) -> Plan:
         """A plan of identical workers with equal micro-batches and no predictions: what benchmarks and
         tests hand the worker engine when they run it without the planner. The caller binds the devices,
         so the entries name none (device_model "unplanned")."""
@@ -170,11 +171,14 @@ class Plan:
                              communication_seconds=0.0, tokens_per_second=0.0, dollars_per_hour=0.0,
                              dollars_per_step=0.0, dollars_per_million_tokens=0.0, job_hours=0.0, job_dollars=0.0)
         ranks = list(range(world_size))
+        intra = intra_island_groups or [ranks]
         return cls(job_name=job_name, objective=Objective.FASTEST, workers=workers,
                    global_batch_size=world_size * micro_batch_size * grad_accum_steps, seq_len=seq_len,
                    grad_accum_steps=grad_accum_steps, data_parallel=DataParallel(data_parallel),
-                   intra_island_groups=intra_island_groups or [ranks], tensor_parallel_groups=[[r] for r in ranks],
-                   data_parallel_groups=[ranks], predicted=unknown)
+                   intra_island_groups=intra, inter_island_groups=cross_island_groups(intra),
+                   tensor_parallel_groups=[[r] for r in ranks], data_parallel_groups=[ranks],
+                   ddp_bucket_bytes={"default": ddp_bucket_bytes} if ddp_bucket_bytes else {},
+                   bottleneck_link_class="default" if ddp_bucket_bytes else "", predicted=unknown)
 
     # ---- what the workers read --------------------------------------------------------------------
     @property
@@ -190,9 +194,11 @@ class Plan:
         return self.global_batch_size * self.seq_len
 
     @property
-    def ddp_bucket_cap_mb(self) -> float:
-        """`DistributedDataParallel(bucket_cap_mb=…)` for one flat DDP group over all ranks."""
-        return self.ddp_bucket_bytes.get(self.bottleneck_link_class, 25 * 2**20) / 2**20
+    def ddp_bucket_cap_mb(self) -> float | None:
+        """`DistributedDataParallel(bucket_cap_mb=…)` for one flat DDP group over all ranks; None when
+        the plan chose no size (the engine then takes `[parallel] bucket_mb`)."""
+        size = self.ddp_bucket_bytes.get(self.bottleneck_link_class)
+        return None if size is None else size / 2**20
 
     def worker(self, rank: int) -> WorkerPlacement:
         if not 0 <= rank < len(self.workers):
@@ -274,6 +280,14 @@ class Plan:
             raise PlacementError("file not found", where=str(path),
                                  fix="write one with `archipelago plan --json FILE`") from None
         return cls.from_json(text, where=str(path))
+
+
+def cross_island_groups(intra_island_groups: list[list[int]]) -> list[list[int]]:
+    """The k-th rank of every island, for each k; [] when the islands differ in size (no hierarchical
+    all-reduce then)."""
+    if len({len(group) for group in intra_island_groups}) != 1:
+        return []
+    return [[group[k] for group in intra_island_groups] for k in range(len(intra_island_groups[0]))]
 
 
 def _invalid(what: str, where: str, fix: str = "plan again; a plan file is not meant to be edited by hand") -> None:

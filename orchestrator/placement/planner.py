@@ -32,8 +32,10 @@ from orchestrator.errors import PlacementError
 from orchestrator.memory import MemoryProfile, measure_steps, profile, usable_bytes
 from orchestrator.placement.devices import Device, DevicePool, DeviceType, Domain
 from orchestrator.topology.sysfs import format_cpu_list, parse_cpu_list
-from orchestrator.placement.model import Costing, Footprint, Outcome, PlanningJob, Refusal, Selection
-from orchestrator.placement.plan import DataParallel, DeviceKind, Objective, Plan, Prediction, WorkerPlacement
+from orchestrator.placement.model import (DDP_DEFAULT_BUCKET_BYTES, Costing, Footprint, Outcome, PlanningJob, Refusal,
+                                          Selection)
+from orchestrator.placement.plan import (DataParallel, DeviceKind, Objective, Plan, Prediction, WorkerPlacement,
+                                         cross_island_groups)
 from orchestrator.topology.model import ClusterTopology
 
 REFINE_ROUNDS = 64
@@ -187,7 +189,7 @@ class Planner:
                 what = "whole GPUs" if self.job.use_gpu else "CPU slots"
                 note = (f"Ray's PACK order: {wanted} {what} in node and index order, micro-batch "
                         f"{micro_batch} for every worker ({', '.join(sorted(t.label for t in types))})")
-                return self.build(outcome, notes=[note], bucket_bytes={"default": 25 * 2**20})
+                return self.build(outcome, notes=[note], bucket_bytes={"default": DDP_DEFAULT_BUCKET_BYTES})
         return None
 
     # ---- candidates ------------------------------------------------------------------------------
@@ -375,12 +377,11 @@ class Planner:
         for rank, (_, domain) in enumerate(devices):
             islands[id(domain)].append(rank)
         intra = list(islands.values())
-        equal = len({len(g) for g in intra}) == 1
         return Plan(
             job_name=job.name, objective=job.objective, workers=workers, global_batch_size=job.global_batch_size,
             seq_len=job.seq_len, grad_accum_steps=accum, data_parallel=outcome.data_parallel,
             tensor_parallel_size=t, allreduce=outcome.allreduce, intra_island_groups=intra,
-            inter_island_groups=[[g[j] for g in intra] for j in range(len(intra[0]))] if equal else [],
+            inter_island_groups=cross_island_groups(intra),
             tensor_parallel_groups=[list(range(r, r + t)) for r in range(0, len(workers), t)],
             data_parallel_groups=[list(range(j, len(workers), t)) for j in range(t)],
             ddp_bucket_bytes=bucket_bytes if bucket_bytes is not None else self.costing.bucket_sizes(outcome),

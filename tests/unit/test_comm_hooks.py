@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from orchestrator.placement.plan import cross_island_groups
 from tests.engine_support import run_ranks
 from workers.comm.groups import build_island_groups
 from workers.comm.hooks import make_hook
@@ -35,7 +36,7 @@ def gradients(rank: int, integer: bool) -> list[torch.Tensor]:
 
 
 def reduce_with(hook_name: str, rank: int, world: int, integer: bool, steps: int = 1):
-    islands = build_island_groups(ISLANDS) if hook_name == "hierarchical" else None
+    islands = build_island_groups(ISLANDS, cross_island_groups(ISLANDS)) if hook_name == "hierarchical" else None
     stats = CommStats()
     model = DistributedDataParallel(Params(), bucket_cap_mb=0.004)  # ~1000 floats: several buckets
     hook, state = make_hook(hook_name, stats=stats, world_size=world, islands=islands, warmup_steps=0,

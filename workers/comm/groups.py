@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from orchestrator.errors import PlacementError
+
 
 @dataclass(frozen=True)
 class IslandGroups:
@@ -25,15 +27,14 @@ class IslandGroups:
         return len(self.island_ranks[0])
 
 
-def build_island_groups(island_ranks: list[list[int]]) -> IslandGroups:
-    """Creates the intra-island and inter-island groups; islands must have equal sizes."""
-    sizes = {len(ranks) for ranks in island_ranks}
-    if len(sizes) != 1:
-        raise ValueError(f"hierarchical all-reduce needs islands of equal size, got sizes {sorted(sizes)}; "
-                         "the planner makes equal islands, or use comm_hook = \"allreduce\"")
-    size = sizes.pop()
+def build_island_groups(island_ranks: list[list[int]], inter_island_ranks: list[list[int]]) -> IslandGroups:
+    """Creates the Plan's intra-island and inter-island groups (the Plan lists the inter-island ones
+    only when the islands have equal sizes, which the hierarchical all-reduce needs)."""
+    if len(island_ranks) > 1 and not inter_island_ranks:
+        sizes = sorted({len(ranks) for ranks in island_ranks})
+        raise PlacementError(f"the hierarchical all-reduce needs NVLink islands of equal size; this plan's have "
+                             f"{sizes} workers", where="[parallel] comm_hook",
+                             fix='use comm_hook = "allreduce", or bound [placement] max_gpus so islands are even')
     intra, _ = dist.new_subgroups_by_enumeration([list(r) for r in island_ranks])
-    inter = None
-    if len(island_ranks) > 1:
-        inter, _ = dist.new_subgroups_by_enumeration([[r[i] for r in island_ranks] for i in range(size)])
+    inter = dist.new_subgroups_by_enumeration([list(r) for r in inter_island_ranks])[0] if len(island_ranks) > 1 else None
     return IslandGroups(tuple(tuple(r) for r in island_ranks), intra, inter)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
 from kernels.compression import compress, decompress_accumulate
+from kernels.errors import NonFiniteGradientError
 from workers.comm.groups import IslandGroups
 from workers.comm.stats import CommStats
 
@@ -32,9 +33,11 @@ Hook = Callable[[object, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 class HookState:
     stats: CommStats
     world_size: int
-    group: dist.ProcessGroup | None = None
     warmup_steps: int = 0
     steps_seen: dict[int, int] = field(default_factory=dict)
+
+    def check(self) -> None:
+        """Raises what a hook found but did not stop to report (called once per metrics window)."""
 
     def in_warmup(self, bucket: dist.GradBucket) -> bool:
         """Counts calls per bucket: bucket 0 is reduced once per optimizer step."""
@@ -56,10 +59,10 @@ def _future(work: dist.Work, value: torch.Tensor) -> torch.futures.Future[torch.
         return done
 
 
-def _allreduce(state: HookState, tensor: torch.Tensor, group=None) -> torch.futures.Future[torch.Tensor]:
+def _allreduce(state: HookState, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     state.stats.add(tensor.numel() * tensor.element_size())
     tensor.div_(state.world_size)
-    return _future(dist.all_reduce(tensor, group=group or state.group, async_op=True), tensor)
+    return _future(dist.all_reduce(tensor, async_op=True), tensor)
 
 
 def allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -76,7 +79,7 @@ def bf16_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future
         buffer.copy_(compressed)
         return buffer
 
-    return _future(dist.all_reduce(compressed, group=state.group, async_op=True), compressed).then(decompress)
+    return _future(dist.all_reduce(compressed, async_op=True), compressed).then(decompress)
 
 
 @dataclass
@@ -117,6 +120,9 @@ def _powersgd_bytes(inner: powersgd.PowerSGDState, bucket: dist.GradBucket) -> i
 class TopkHookState(HookState):
     k_ratio: float = 0.01
     residuals: dict[int, torch.Tensor] = field(default_factory=dict)
+    nonfinite: torch.Tensor | None = None
+    """NaN/inf entries any rank's buckets held since the last check, counted on the device: reading
+    it in the hook would block the host on every bucket and stop communication overlapping backward."""
 
     def residual_for(self, bucket: dist.GradBucket) -> torch.Tensor:
         buffer = bucket.buffer()
@@ -125,6 +131,12 @@ class TopkHookState(HookState):
             residual = torch.zeros(buffer.numel(), dtype=torch.float32, device=buffer.device)
             self.residuals[bucket.index()] = residual
         return residual
+
+    def check(self) -> None:
+        if self.nonfinite is not None and (count := int(self.nonfinite)):
+            numel = sum(r.numel() for r in self.residuals.values())
+            self.nonfinite = None
+            raise NonFiniteGradientError(count, numel, with_residual=True)
 
 
 def topk_hook(state: TopkHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -138,24 +150,37 @@ def topk_hook(state: TopkHookState, bucket: dist.GradBucket) -> torch.futures.Fu
 
     def accumulate(fut: torch.futures.Future) -> torch.Tensor:
         rows = [mine.with_payload(row) for row in gathered.view(state.world_size, -1)]
-        # A poisoned bucket on any rank stops every rank; one device wait reads all their headers.
-        nonfinite = torch.stack([row.header[1] for row in rows]).tolist()
-        for row, count in zip(rows, nonfinite):
-            if count:
-                row.raise_if_nonfinite()
+        # Every rank sees every payload's NaN count, so a poisoned bucket anywhere stops all ranks
+        # at the next check(); counted on the device, the hook never waits for it.
+        seen = torch.stack([row.header[1] for row in rows]).sum()
+        state.nonfinite = seen if state.nonfinite is None else state.nonfinite + seen
         total = torch.zeros(buffer.numel(), dtype=torch.float32, device=buffer.device)
         for row in rows:
             decompress_accumulate(total, row)
         buffer.copy_(total.div_(state.world_size))
         return buffer
 
-    work = dist.all_gather_into_tensor(gathered, payload, group=state.group, async_op=True)
+    work = dist.all_gather_into_tensor(gathered, payload, async_op=True)
     return _future(work, gathered).then(accumulate)
 
 
 @dataclass
 class HierarchicalHookState(HookState):
     islands: IslandGroups | None = None
+    padded: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Per bucket whose length the island size does not divide: a padded copy, kept across steps."""
+
+    def working_buffer(self, bucket: dist.GradBucket) -> torch.Tensor:
+        buffer = bucket.buffer()
+        size = self.islands.island_size
+        if buffer.numel() % size == 0:
+            return buffer
+        padded = self.padded.get(bucket.index())
+        if padded is None or padded.numel() != -(-buffer.numel() // size) * size:
+            padded = torch.zeros(-(-buffer.numel() // size) * size, dtype=buffer.dtype, device=buffer.device)
+            self.padded[bucket.index()] = padded
+        padded[:buffer.numel()] = buffer
+        return padded
 
 
 def hierarchical_hook(state: HierarchicalHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -165,13 +190,11 @@ def hierarchical_hook(state: HierarchicalHookState, bucket: dist.GradBucket) -> 
     1/island_size of a flat all-reduce's."""
     islands = state.islands
     buffer = bucket.buffer()
-    size = islands.island_size
-    padded_len = -(-buffer.numel() // size) * size
-    padded = torch.zeros(padded_len, dtype=buffer.dtype, device=buffer.device)
-    padded[:buffer.numel()] = buffer
-    padded.div_(state.world_size)
-    shard = torch.empty(padded_len // size, dtype=buffer.dtype, device=buffer.device)
-    state.stats.add(padded.numel() * padded.element_size() + 2 * shard.numel() * shard.element_size())
+    work_buffer = state.working_buffer(bucket)
+    work_buffer.div_(state.world_size)
+    shard = torch.empty(work_buffer.numel() // islands.island_size, dtype=buffer.dtype, device=buffer.device)
+    crossings = 2 if islands.inter_group is not None else 1  # all-gather, and the cross-island all-reduce
+    state.stats.add((work_buffer.numel() + crossings * shard.numel()) * buffer.element_size())
 
     def across_islands(fut: torch.futures.Future) -> torch.Tensor:
         if islands.inter_group is not None:
@@ -179,11 +202,12 @@ def hierarchical_hook(state: HierarchicalHookState, bucket: dist.GradBucket) -> 
         return shard
 
     def gather_in_island(fut: torch.futures.Future) -> torch.Tensor:
-        dist.all_gather_into_tensor(padded, shard, group=islands.intra_group, async_op=True).wait()
-        buffer.copy_(padded[:buffer.numel()])
+        dist.all_gather_into_tensor(work_buffer, shard, group=islands.intra_group, async_op=True).wait()
+        if work_buffer is not buffer:
+            buffer.copy_(work_buffer[:buffer.numel()])
         return buffer
 
-    work = dist.reduce_scatter_tensor(shard, padded, group=islands.intra_group, async_op=True)
+    work = dist.reduce_scatter_tensor(shard, work_buffer, group=islands.intra_group, async_op=True)
     return _future(work, shard).then(across_islands).then(gather_in_island)
 
 
