@@ -60,7 +60,9 @@ class RunDirectory:
     def create(self, *, overwrite: bool) -> None:
         """A fresh, empty run directory; an earlier run's files go only when overwrite is asked for."""
         occupied = [str(p) for p in (self.path,) if p.is_dir() and any(p.iterdir())]
-        if not self.checkpoints.root.is_local and self.checkpoints.steps():
+        # The store may be another disk or a URI; a new run there must not resume from an old run's steps.
+        # When it is the run directory itself, the check above already looked.
+        if self.checkpoints.root != Location.parse(self.path) and self.checkpoints.steps():
             occupied.append(str(self.checkpoints.root))
         if occupied:
             if not overwrite:

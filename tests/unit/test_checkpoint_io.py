@@ -146,3 +146,17 @@ def test_run_directory_lists_only_committed_steps(tmp_path):
     assert run.committed_checkpoints() == [run.path / "step_00000004"]
     assert run.checkpoint_to_resume() == run.path / "step_00000004"
     assert run.storage_path == str(tmp_path.resolve())
+
+
+def test_a_new_run_refuses_old_steps_in_checkpoint_storage_on_another_disk(tmp_path):
+    from orchestrator.errors import ConfigError
+
+    storage = str(tmp_path / "other-disk")
+    old = RunDirectory(tmp_path / "runs", "job", checkpoint_storage=storage)
+    old.create(overwrite=False)
+    save_checkpoint({"x": torch.ones(2)}, old.checkpoints.step(3), extra={"archipelago.json": b"{}"}).result()
+    again = RunDirectory(tmp_path / "runs2", "job", checkpoint_storage=storage)
+    with pytest.raises(ConfigError, match="already holds a run"):
+        again.create(overwrite=False)
+    again.create(overwrite=True)
+    assert again.committed_checkpoints() == [] and again.path.is_dir()
