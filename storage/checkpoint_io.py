@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
-from orchestrator.errors import ArchipelagoError, CheckpointError
+from orchestrator.errors import ArchipelagoError, CheckpointError, DataError
 from storage.fs import Location
 from storage.loader import read_to_device
 from storage.readers import RangeReader, ReaderKind, choose_reader, host_reader_for
@@ -314,6 +314,11 @@ class RawReader(StorageReader):
                 planner.load_bytes(item, io.BytesIO(self._read_host(host, extent, 0, extent.length).numpy().tobytes()))
             tensors = [i for i in plan.items if i.type != LoadItemType.BYTE_IO]
             self._read_tensors(tensors, planner, host)
+        except DataError as e:
+            # The readers speak of datasets ("verify the dataset"); here a data file of a committed step is
+            # truncated or gone, and the step before it is the one to resume from.
+            raise CheckpointError(f"the checkpoint step is damaged ({e.what})", where=e.where,
+                                  fix=f"delete {self.location} to resume from the previous committed step") from None
         finally:
             host.close()
             if self._cuda is not None:
@@ -352,7 +357,8 @@ class RawReader(StorageReader):
 
     def _cuda_reader(self, device: torch.device) -> RangeReader:
         if self._cuda is None:
-            self._cuda = choose_reader(self.reader_kind, self.location, device, threads=self.threads).reader
+            self._cuda = choose_reader(self.reader_kind, self.location, device, threads=self.threads,
+                                       setting="[checkpoint] reader", error=CheckpointError).reader
         return self._cuda
 
     def _extent(self, extent: RawExtent, span: tuple[int, int]) -> Extent:

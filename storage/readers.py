@@ -10,7 +10,7 @@ Three kinds:
 - `remote`: byte-range reads through pyarrow.fs (S3, GCS, HDFS, ...) from a thread pool.
 
 `choose_reader` picks one and says why, so every run can report what it read with; a config can
-force a kind, and an impossible choice is a DataError that names the reason.
+force a kind, and an impossible choice is an error that names the reason and the setting to change.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from orchestrator.errors import DataError
+from orchestrator.errors import ArchipelagoError, DataError
 from storage.fs import Location
 from storage.shards import Extent
 
@@ -277,9 +277,13 @@ class ReaderChoice:
         return self.reason
 
 
-def choose_reader(kind: ReaderKind, location: Location, device: Any, *, threads: int = 8,
-                  small_reads: bool = False) -> ReaderChoice:
+def choose_reader(kind: ReaderKind, location: Location, device: Any, *, threads: int = 8, small_reads: bool = False,
+                  setting: str = "[data] reader", error: type[ArchipelagoError] = DataError) -> ReaderChoice:
     """The reader for `location` read into `device` (a torch.device); `kind` "auto" decides by itself.
+
+    `setting` is the config field `kind` came from and `error` the error type of an impossible
+    choice: `[data] reader` and DataError for datasets, `[checkpoint] reader` and CheckpointError
+    for checkpoints.
 
     `small_reads` (training samples, a few KiB each): without GPUDirect Storage, kvikio reads through
     a bounce buffer and copies each read to the GPU on its own, so many small reads are faster
@@ -291,8 +295,8 @@ def choose_reader(kind: ReaderKind, location: Location, device: Any, *, threads:
     if kind == "remote" or (kind == "auto" and not location.is_local):
         return ReaderChoice(RemoteReader(location, threads), f"remote (pyarrow.fs {location.fs.type_name})")
     if not location.is_local:
-        raise DataError(f"the {kind} reader needs files on a local or mounted filesystem", where=str(location),
-                        fix='set [data] reader = "remote" or "auto" for datasets in object storage')
+        raise error(f"the {kind} reader needs files on a local or mounted filesystem", where=str(location),
+                    fix=f'set {setting} = "remote" or "auto" for files in object storage')
     if kind == "posix":
         return ReaderChoice(PosixReader(threads), "posix (forced by config)")
     why_not = "the workers have no GPU" if not on_cuda else kvikio_unavailable()
@@ -302,8 +306,8 @@ def choose_reader(kind: ReaderKind, location: Location, device: Any, *, threads:
         return ReaderChoice(PosixReader(threads), "posix (kvikio runs without GPUDirect Storage here, and then "
                                                   "sample-sized reads are faster through pinned memory)")
     if kind == "kvikio":
-        raise DataError(f"the kvikio reader cannot run: {why_not}", where="[data] reader",
-                        fix='set [data] reader = "auto" to fall back to the POSIX reader')
+        raise error(f"the kvikio reader cannot run: {why_not}", where=setting,
+                    fix=f'set {setting} = "auto" to fall back to the POSIX reader')
     return ReaderChoice(PosixReader(threads), f"posix (kvikio: {why_not})")
 
 

@@ -160,3 +160,17 @@ def test_a_new_run_refuses_old_steps_in_checkpoint_storage_on_another_disk(tmp_p
         again.create(overwrite=False)
     again.create(overwrite=True)
     assert again.committed_checkpoints() == [] and again.path.is_dir()
+
+
+@pytest.mark.parametrize("damage", [lambda p: p.write_bytes(p.read_bytes()[:ALIGN + 100]), lambda p: p.unlink()],
+                         ids=["truncated", "missing"])
+def test_a_damaged_data_file_is_a_checkpoint_error_that_names_the_step_to_delete(tmp_path, damage):
+    store = CheckpointStore(tmp_path)
+    save_checkpoint({"w": torch.arange(10_000, dtype=torch.float32)}, store.step(2)).result()
+    (data_file,) = store.step(2).local_path.glob("*.distcp")
+    damage(data_file)
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint({"w": torch.zeros(10_000)}, store.step(2))
+    text = str(info.value)
+    assert str(data_file) in text and "damaged" in text and "dataset" not in text
+    assert f"delete {store.step(2)} to resume from the previous committed step" in text

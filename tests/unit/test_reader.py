@@ -7,7 +7,7 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
-from orchestrator.errors import DataError
+from orchestrator.errors import CheckpointError, DataError
 from storage.fs import Location
 from storage.loader import BatchLoader
 from storage.readers import (MIN_TASK_BYTES, TASK_BYTES, PosixReader, RemoteReader, choose_reader,
@@ -78,6 +78,16 @@ def test_the_choice_is_automatic_and_reported(dataset_dir):
         choose_reader("kvikio", local, CPU)
     with pytest.raises(DataError, match='set \\[data\\] reader = "remote"'):
         choose_reader("posix", remote, CPU)
+
+
+def test_a_checkpoint_reader_choice_names_the_checkpoint_setting(dataset_dir):
+    local = Location.parse(dataset_dir)
+    remote = Location(pafs.SubTreeFileSystem(str(dataset_dir), pafs.LocalFileSystem()), "", "subtree")
+    where = {"setting": "[checkpoint] reader", "error": CheckpointError}
+    with pytest.raises(CheckpointError, match='set \\[checkpoint\\] reader = "remote"'):
+        choose_reader("posix", remote, CPU, **where)
+    with pytest.raises(CheckpointError, match='\\[checkpoint\\] reader: the kvikio reader cannot run'):
+        choose_reader("kvikio", local, CPU, **where)
 
 
 def test_kvikio_is_not_used_where_it_cannot_read():
