@@ -216,12 +216,15 @@ class ClusterTopology:
         node_a, device_a = self.device(uuid_a)
         node_b, device_b = self.device(uuid_b)
         gpu_a, gpu_b = self._whole_gpu(device_a), self._whole_gpu(device_b)
-        if node_a is not node_b and not (gpu_a.nvlink_domain and gpu_a.nvlink_domain == gpu_b.nvlink_domain):
+        if node_a is not node_b:
+            # One NVLink fabric spans the nodes only for whole GPUs of one island: a MIG slice, a
+            # MIG-mode or an unreadable GPU is in no island, whatever nvlink_domain NVML reported.
+            island = self._island_of.get(uuid_a)
+            if island is not None and island is self._island_of.get(uuid_b):
+                return _fabric_link(uuid_a, uuid_b, gpu_a, island)
             return _network_link(uuid_a, uuid_b, node_a, node_b)
         if gpu_a.uuid == gpu_b.uuid:  # two slices of one GPU: staged through host memory
             return _host_memory_link(uuid_a, uuid_b, None, gpu_a, gpu_b)
-        if node_a is not node_b:  # one NVLink fabric spanning nodes
-            return _fabric_link(uuid_a, uuid_b, gpu_a, self._island_of[gpu_a.uuid])
         physical = self._links.get(frozenset((gpu_a.uuid, gpu_b.uuid)))
         if physical is None:
             raise TopologyError(f"no link recorded between {gpu_a.uuid} and {gpu_b.uuid}",

@@ -65,6 +65,28 @@ def test_links_between_any_two_devices():
         cluster.link("GPU-nope", h0.gpus[0].uuid)
 
 
+
+def _in_one_nvlink_domain(spec: str) -> ClusterTopology:
+    """`spec` with every GPU reporting one NVLink fabric domain (as NVML does on a GB200 NVL rack)."""
+    nodes = machines.cluster(spec).nodes
+    for node in nodes:
+        for gpu in node.gpus:
+            gpu.nvlink_domain = "rack-0"
+    return ClusterTopology(nodes=nodes)
+
+
+def test_an_nvlink_domain_joins_nodes_only_for_whole_gpus_of_one_island():
+    whole = _in_one_nvlink_domain("1xH200:2")
+    a, b = whole.nodes
+    fabric = whole.link(a.gpus[0].uuid, b.gpus[0].uuid)
+    assert (fabric.kind, fabric.gpu_a, fabric.gpu_b) == (LinkKind.NVSWITCH, a.gpus[0].uuid, b.gpus[0].uuid)
+    mig = _in_one_nvlink_domain("1xH100-MIG7:2")
+    a, b = mig.nodes
+    assert mig.link(a.mig_slices[0].uuid, b.mig_slices[0].uuid).kind == LinkKind.NETWORK
+    assert mig.link(a.gpus[0].uuid, b.gpus[0].uuid).kind == LinkKind.NETWORK  # MIG-mode GPUs: in no island
+    assert mig.link(a.mig_slices[0].uuid, a.mig_slices[1].uuid).kind == LinkKind.HOST_MEMORY
+
+
 def test_json_round_trips_every_machine():
     cluster = machines.cluster([(name, 1) for name in machines.MACHINES])
     loaded = ClusterTopology.from_dict(json.loads(cluster.to_json()))
