@@ -221,22 +221,15 @@ def _gpu_domains(topology: ClusterTopology, collectives: CollectiveCostModel, ne
 
 
 def _slowest_pair(topology: ClusterTopology, uuids: list[str], collectives: CollectiveCostModel) -> Hop:
-    """The slowest hop of a ring through `uuids` in order (each device to the next, the last to the first).
-
-    Whole GPUs of one node are looked up in the node's own link list (topology.link copies the
-    record, which costs a planner of thousands of nodes a fifth of a second); anything else,
-    MIG slices included, through topology.link."""
+    """The slowest hop of a ring through `uuids` in order (each device to the next, the last to the first)."""
     ring = list(zip(uuids, uuids[1:] + uuids[:1]))[:len(uuids) if len(uuids) > 2 else 1]
-    node, _ = topology.device(uuids[0])
-    physical = {frozenset((link.gpu_a, link.gpu_b)): link for link in node.links}
-    links = {(link.kind, link.bandwidth_gb_per_s)
-             for link in (physical.get(frozenset(pair)) or topology.link(*pair) for pair in ring)}
+    links = {(link.kind, link.bandwidth_gb_per_s) for link in (topology.link(*pair) for pair in ring)}
     hops = [_hop(kind, bandwidth, collectives) for kind, bandwidth in links]
     return min(hops, key=lambda hop: (hop.bytes_per_s, -hop.alpha_s))
 
 
 def _hop(kind: LinkKind, bandwidth_gb_per_s: float, collectives: CollectiveCostModel) -> Hop:
-    if kind in (LinkKind.NVSWITCH, LinkKind.NVLINK):
+    if kind.is_nvlink:
         return collectives.hop(LinkClass(kind.value), bandwidth_gb_per_s)
     if kind in PCIE_PATHS:
         return collectives.hop(LinkClass.PCIE, bandwidth_gb_per_s)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 
@@ -232,7 +232,7 @@ class ClusterTopology:
                                 fix="re-run discovery; an unreadable GPU has no links")
         if isinstance(device_a, MigSlice) or isinstance(device_b, MigSlice):
             return _host_memory_link(uuid_a, uuid_b, physical.pcie_path, gpu_a, gpu_b)
-        return GpuLink(**{**asdict(physical), "gpu_a": uuid_a, "gpu_b": uuid_b})
+        return replace(physical, gpu_a=uuid_a, gpu_b=uuid_b)
 
     def _whole_gpu(self, device: Gpu | MigSlice) -> Gpu:
         if isinstance(device, Gpu):
