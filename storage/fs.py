@@ -6,10 +6,14 @@
 Datasets and checkpoints are addressed by a `Location`, so the same code reads a local dataset,
 a dataset in S3, a checkpoint on NFS or one in GCS. Query parameters of a URI (S3 endpoint,
 region, scheme) are kept when a location is joined, so a child prints and parses back as itself.
+Storage that cannot be reached (an endpoint that refuses, bad credentials) raises the typed error
+the location was parsed with — DataError for a dataset, CheckpointError for checkpoints — not an
+OSError traceback.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import posixpath
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,15 +33,21 @@ class Location:
     """"" for local paths, else the URI scheme ("s3", "gs", "hdfs", ...)."""
     query: str = ""
     """The URI's query string, kept so that joined locations parse back to the same filesystem."""
+    error: type[ArchipelagoError] = field(default=ArchipelagoError, compare=False, repr=False)
+    """What a failure to reach the storage raises: the type the location was parsed with (DataError
+    for a dataset, CheckpointError for checkpoints), kept by every location joined from this one."""
 
     @classmethod
-    def parse(cls, where: str | Path | Location, *, error: type[ArchipelagoError] = ArchipelagoError) -> Location:
+    def parse(cls, where: str | Path | Location, *, error: type[ArchipelagoError] | None = None) -> Location:
+        """A location for a path or URI; `error` is the type of the errors it raises (a Location passed
+        in keeps its own unless `error` is given)."""
         if isinstance(where, Location):
-            return where
+            return where if error in (None, where.error) else dataclasses.replace(where, error=error)
+        error = error or ArchipelagoError
         text = str(where)
         if "://" not in text or text.startswith("file://"):
             local = Path(text.removeprefix("file://")).expanduser().resolve()
-            return cls(pafs.LocalFileSystem(), local.as_posix())
+            return cls(pafs.LocalFileSystem(), local.as_posix(), error=error)
         scheme, rest = text.split("://", 1)
         _, _, query = rest.partition("?")
         try:
@@ -45,7 +55,7 @@ class Location:
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as e:
             raise error(f"cannot open {scheme}:// storage ({e})", where=text,
                         fix="check the URI, its query parameters and the credentials in the environment") from None
-        return cls(fs, path.rstrip("/"), scheme, query)
+        return cls(fs, path.rstrip("/"), scheme, query, error)
 
     @classmethod
     def of(cls, fs: pafs.FileSystem, path: str) -> Location:
@@ -70,10 +80,10 @@ class Location:
 
     @property
     def parent(self) -> Location:
-        return Location(self.fs, posixpath.dirname(self.path), self.scheme, self.query)
+        return dataclasses.replace(self, path=posixpath.dirname(self.path))
 
     def __truediv__(self, part: str) -> Location:
-        return Location(self.fs, posixpath.join(self.path, part), self.scheme, self.query)
+        return dataclasses.replace(self, path=posixpath.join(self.path, part))
 
     def __str__(self) -> str:
         if not self.scheme:
@@ -81,7 +91,10 @@ class Location:
         return f"{self.scheme}://{self.path}" + (f"?{self.query}" if self.query else "")
 
     def info(self) -> pafs.FileInfo:
-        return self.fs.get_file_info(self.path)
+        try:
+            return self.fs.get_file_info(self.path)
+        except OSError as e:
+            raise self._unreachable(e) from None
 
     def exists(self) -> bool:
         return self.info().type != pafs.FileType.NotFound
@@ -99,8 +112,18 @@ class Location:
         """Direct children, sorted by name; empty when the directory does not exist."""
         if not self.is_dir():
             return []
-        infos = self.fs.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
-        return sorted((Location(self.fs, i.path, self.scheme, self.query) for i in infos), key=lambda c: c.path)
+        return sorted((dataclasses.replace(self, path=i.path) for i in self.listing()), key=lambda c: c.path)
+
+    def listing(self) -> list[pafs.FileInfo]:
+        """What the directory holds (name, type, size of each entry) in one listing; empty when it does not exist."""
+        try:
+            return self.fs.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
+        except OSError as e:
+            raise self._unreachable(e) from None
+
+    def _unreachable(self, e: OSError) -> ArchipelagoError:
+        # An endpoint that refuses, a network that is down and rejected credentials all arrive as OSError.
+        return self.error(f"cannot reach storage ({e})", where=str(self), fix="check the endpoint, network and credentials")
 
     def read_bytes(self) -> bytes:
         with self.fs.open_input_file(self.path) as f:

@@ -185,8 +185,7 @@ def open_shard_checked(location: Location, shard: ShardInfo) -> None:
 
 def check_files(location: Location, shards: list[ShardInfo]) -> None:
     """Every shard exists with the size the manifest gives: one directory listing, no reads."""
-    listing = location.fs.get_file_info(pafs.FileSelector(location.path, allow_not_found=True))
-    sizes = {info.base_name: info.size for info in listing if info.type == pafs.FileType.File}
+    sizes = {info.base_name: info.size for info in location.listing() if info.type == pafs.FileType.File}
     for shard in shards:
         size = sizes.get(shard.path)
         if size is None:

@@ -8,14 +8,15 @@ import pytest
 import torch
 
 from orchestrator.config import JobConfig
-from orchestrator.errors import ConfigError
+from orchestrator.errors import CheckpointError, ConfigError, DataError
 from orchestrator.run_dir import RunDirectory
 from storage.checkpoint_io import DCP_METADATA, CheckpointStore, save_checkpoint
 from storage.fs import Location
 from storage.loader import BatchLoader
 from storage.readers import choose_reader
-from storage.shards import TokenDataset, check_files
+from storage.shards import MANIFEST, TokenDataset, check_files, has_dataset
 from storage.verify import verify_dataset
+from tests.engine_support import free_port
 from workers import checkpoint
 from workers.models.gpt import GPT
 from workers.optim import build_optimizer
@@ -107,3 +108,20 @@ def test_a_dataset_in_s3_reads_the_same_bytes_as_on_disk(s3, dataset_dir):
     with BatchLoader(there, choice, torch.device("cpu")) as loader:
         got = loader.load([ids])
     assert np.array_equal(got[0].numpy(), local.batch(ids))
+
+
+
+def test_unreachable_storage_is_a_typed_error_that_names_the_location():
+    port = free_port()  # nothing listens there: the endpoint refuses every connection
+    # Built by hand for one attempt per request, so the test does not wait through the SDK's retries.
+    fs = pafs.S3FileSystem(access_key="testing", secret_key="testing", region="us-east-1", scheme="http",
+                           endpoint_override=f"127.0.0.1:{port}",
+                           retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=1))
+    root = Location(fs, "archipelago-test/elsewhere", "s3", f"endpoint_override=127.0.0.1:{port}&scheme=http")
+    with pytest.raises(DataError, match="cannot reach storage") as info:
+        has_dataset(root / "dataset")
+    assert info.value.where == str(root / "dataset" / MANIFEST)
+    assert info.value.fix == "check the endpoint, network and credentials"
+    with pytest.raises(CheckpointError, match="cannot reach storage") as info:
+        CheckpointStore(root / "job").latest()
+    assert info.value.where == str(root / "job")
