@@ -12,8 +12,10 @@ is needed.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +89,15 @@ class MetricsWindow:
         self.started = time.perf_counter()
         return rows
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time spent inside (validation, a checkpoint save) is not charged to the window's steps."""
+        paused = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.started += time.perf_counter() - paused
+
 
 def train_loop(loop_config: dict) -> dict:
     job: WorkerJob = loop_config["job"]
@@ -125,13 +136,14 @@ def train_loop(loop_config: dict) -> dict:
             rows = window.flush(cfg.tokens_per_step, progress.consumed_samples)
             rows[-1].update(engine.window_metrics())
             if progress.step % cfg.train.eval_every == 0 or final:
-                last_val_loss = rows[-1]["val_loss"] = validate(engine, val_loader, cfg, rank, world)
+                with window.paused():
+                    last_val_loss = rows[-1]["val_loss"] = validate(engine, val_loader, cfg, rank, world)
             send(job, rank, rows)
         if progress.step % cfg.checkpoint.every_steps == 0 or final:
             info = checkpoint.CheckpointInfo.for_job(cfg, progress.step, progress.consumed_samples, job.tokenizer, world)
-            saved = checkpoints.save(engine.model, engine.optimizer, info)
+            with window.paused():
+                saved = checkpoints.save(engine.model, engine.optimizer, info)
             send(job, rank, [{"event": "checkpoint", "step": s} for s in saved])
-            window.started = time.perf_counter()  # checkpoint time is not training throughput
         rows = []
     send(job, rank, [{"event": "checkpoint", "step": s} for s in checkpoints.wait()])
     train_loader.close()
