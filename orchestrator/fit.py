@@ -126,11 +126,11 @@ class Orchestrator:
                                       tokenizer=data.tokenizer, workers=data.prepare_workers)
             self.console.print(f"prepared {summary.tokens['train']:,} train and {summary.tokens['val']:,} "
                                f"validation tokens in {summary.shards} shards ({summary.workers} processes)")
-        train = TokenDataset(location, "train", self.config.model.seq_len)
-        val = TokenDataset(location, "val", self.config.model.seq_len)
+        train = TokenDataset(location, "train", self.config.model.seq_len)  # reads the manifest, once
+        val = TokenDataset(location, "val", self.config.model.seq_len, manifest=train.manifest)
         check_files(location, train.shards + val.shards)
         if data.verify_checksums:
-            report = verify_dataset(location, threads=data.reader_threads)
+            report = verify_dataset(location, manifest=train.manifest, threads=data.reader_threads)
             if not report.ok:
                 bad = report.problems[0]
                 raise DataError(f"{len(report.problems)} bad shard(s); first: {bad.problem}", where=bad.shard,

@@ -204,11 +204,13 @@ class TokenDataset:
     (the training loop reads through `storage.loader.BatchLoader`, which can read into the GPU).
     """
 
-    def __init__(self, directory: str | Path | Location, split: str, seq_len: int):
+    def __init__(self, directory: str | Path | Location, split: str, seq_len: int, *, manifest: Manifest | None = None):
+        """`manifest`: the directory's manifest when the caller has read it already (read here otherwise)."""
         self.location = Location.parse(directory, error=DataError)
         self.split = split
         self.seq_len = seq_len
-        manifest = read_manifest(self.location)
+        self.manifest = manifest = manifest if manifest is not None else read_manifest(self.location)
+        """The whole dataset's manifest (every split), for the other split's dataset or `verify_dataset`."""
         self.vocab_size = manifest.vocab_size
         self.shards = manifest.split(split)
         if not self.shards:

@@ -18,7 +18,7 @@ import numpy as np
 
 from orchestrator.errors import DataError
 from storage.fs import Location
-from storage.shards import HEADER_BYTES, ShardInfo, open_shard_checked, read_manifest
+from storage.shards import HEADER_BYTES, Manifest, ShardInfo, open_shard_checked, read_manifest
 
 CHUNK_BYTES = 16 * 2**20
 
@@ -44,11 +44,14 @@ class VerifyReport:
         return not self.problems
 
 
-def verify_dataset(directory: str | Path | Location, *, threads: int = 8,
+def verify_dataset(directory: str | Path | Location, *, manifest: Manifest | None = None, threads: int = 8,
                    on_shard: Callable[[int, int], None] | None = None) -> VerifyReport:
-    """Checks everything; a manifest that cannot be read at all raises DataError."""
+    """Checks everything; a manifest that cannot be read at all raises DataError.
+
+    `manifest`: the directory's manifest when the caller has read it already (read here otherwise).
+    """
     location = Location.parse(directory, error=DataError)
-    manifest = read_manifest(location)
+    manifest = manifest if manifest is not None else read_manifest(location)
     report = VerifyReport(str(location), shards=len(manifest.shards))
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="archipelago-verify") as pool:
         futures = [pool.submit(verify_shard, location, shard, manifest.vocab_size) for shard in manifest.shards]

@@ -187,8 +187,8 @@ def restore(job: WorkerJob, checkpoints: checkpoint.RunCheckpoints, model: torch
 def open_loaders(job: WorkerJob, device: torch.device) -> tuple[BatchLoader, BatchLoader]:
     """Train and validation loaders; the reader is chosen once (and reported in the start event)."""
     data = job.config.data
-    train = TokenDataset(job.data_dir, "train", job.config.model.seq_len)
-    val = TokenDataset(job.data_dir, "val", job.config.model.seq_len)
+    train = TokenDataset(job.data_dir, "train", job.config.model.seq_len)  # reads the manifest, once
+    val = TokenDataset(job.data_dir, "val", job.config.model.seq_len, manifest=train.manifest)
     choice = choose_reader(data.reader, train.location, device, threads=data.reader_threads, small_reads=True)
     train_loader = BatchLoader(train, choice, device, depth=data.prefetch_steps)
     val_reader = choose_reader(choice.reader.kind, val.location, device, threads=data.reader_threads)

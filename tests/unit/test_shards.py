@@ -146,3 +146,19 @@ def test_check_files_catches_missing_and_resized_shards_with_one_listing(dataset
         f.write(b"extra")
     with pytest.raises(DataError, match=f"{shards[1].path}, offset {shards[1].file_bytes}"):
         check_files(Location.parse(copy), shards[1:])
+
+
+def test_datasets_and_verify_take_a_manifest_read_once(dataset_dir, tmp_path):
+    import shutil
+
+    from storage.verify import verify_dataset
+
+    copy = tmp_path / "copy"
+    shutil.copytree(dataset_dir, copy)
+    manifest = read_manifest(copy)
+    (copy / MANIFEST).unlink()  # anything that read the manifest again would fail now
+    train = TokenDataset(copy, "train", 32, manifest=manifest)
+    val = TokenDataset(copy, "val", 32, manifest=train.manifest)
+    assert train.manifest is val.manifest is manifest and val.num_samples > 0
+    assert train.batch(np.array([0, 5])).shape == (2, 33)
+    assert verify_dataset(copy, manifest=manifest).ok
