@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 
+from orchestrator.atomic import read_text
 from orchestrator.errors import ConfigError
 from orchestrator.placement.plan import AllReduce
 
@@ -116,12 +117,12 @@ class CollectiveCostModel:
     def load(cls, path: str | Path) -> CollectiveCostModel:
         """A measured table, {"infiniband": {"alpha_us": 8.5, "bus_gb_per_s": 47.1}, …}; rows left out
         keep the defaults."""
-        path = Path(path)
+        fix = 'write JSON like {"infiniband": {"alpha_us": 8.5, "bus_gb_per_s": 47.1}}'
+        text = read_text(path, error=ConfigError, fix=fix)
         try:
-            data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ConfigError(f"cannot read the calibration table ({e})", where=str(path),
-                              fix='write JSON like {"infiniband": {"alpha_us": 8.5, "bus_gb_per_s": 47.1}}') from None
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"cannot read the calibration table ({e})", where=str(path), fix=fix) from None
         return cls(parse_calibration(data, where=str(path)))
 
     def hop(self, link_class: LinkClass, nominal_gb_per_s: float = 0.0) -> Hop:

@@ -23,11 +23,12 @@ from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 
-from orchestrator.atomic import write_text_atomically
+from orchestrator.atomic import read_text, write_text_atomically
 from orchestrator.errors import PlacementError, TopologyError
 
 FORMAT = "archipelago.plan"
 VERSION = 1
+_WRITE_COMMAND = "archipelago plan --json FILE"
 
 
 class Objective(StrEnum):
@@ -247,25 +248,18 @@ class Plan:
     def from_dict(cls, data: object, *, where: str = "plan") -> Plan:
         from orchestrator.topology import codec
 
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise PlacementError(f"not an archipelago plan (no \"format\": \"{FORMAT}\")", where=where,
-                                 fix="write it with `archipelago plan --json FILE`")
-        if data.get("version") != VERSION:
-            raise PlacementError(f"plan version {data.get('version')!r}; this archipelago reads {VERSION}",
-                                 where=f"{where}: version", fix="plan again with `archipelago plan --json FILE`")
-        fields = {key: value for key, value in data.items() if key not in ("format", "version")}
+        fields = codec.check_header(data, format=FORMAT, version=VERSION, noun="plan", command=_WRITE_COMMAND,
+                                    error=PlacementError, where=where)
         try:
             return codec.decode(cls, fields, where)
         except TopologyError as e:  # the shared strict decoder speaks of topologies; say plan
-            raise PlacementError(e.what, where=e.where, fix="plan again with `archipelago plan --json FILE`") from None
+            raise PlacementError(e.what, where=e.where, fix=f"plan again with `{_WRITE_COMMAND}`") from None
 
     @classmethod
     def from_json(cls, text: str, *, where: str = "plan") -> Plan:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise PlacementError(f"not JSON: {e.msg} at line {e.lineno} column {e.colno}", where=where,
-                                 fix="write it with `archipelago plan --json FILE`") from None
+        from orchestrator.topology import codec
+
+        data = codec.parse_json(text, error=PlacementError, where=where, fix=f"write it with `{_WRITE_COMMAND}`")
         return cls.from_dict(data, where=where)
 
     def save(self, path: str | Path) -> Path:
@@ -273,12 +267,7 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        path = Path(path)
-        try:
-            text = path.read_text()
-        except FileNotFoundError:
-            raise PlacementError("file not found", where=str(path),
-                                 fix="write one with `archipelago plan --json FILE`") from None
+        text = read_text(path, error=PlacementError, fix=f"write one with `{_WRITE_COMMAND}`")
         return cls.from_json(text, where=str(path))
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from orchestrator.atomic import read_text
 from orchestrator.errors import TopologyError
 from orchestrator.topology import machines, nvidia_smi
 from orchestrator.topology.model import ClusterTopology, NodeTopology
@@ -74,13 +75,9 @@ def _load(args: argparse.Namespace) -> ClusterTopology:
 def _from_files(paths: list[Path]) -> ClusterTopology:
     nodes: list[NodeTopology] = []
     for path in paths:
-        try:
-            text = path.read_text()
-        except OSError as e:
-            raise TopologyError(f"cannot read it ({e.strerror})", where=str(path),
-                                fix="pass a topology JSON or nvidia-smi text file") from None
+        text = read_text(path, error=TopologyError, fix="pass a topology JSON or nvidia-smi text file")
         if text.lstrip().startswith("{"):
-            nodes.extend(ClusterTopology.load(path).nodes)
+            nodes.extend(ClusterTopology.from_json(text, where=str(path)).nodes)
         else:
             nodes.append(nvidia_smi.parse_node(text, node_id=_node_id(path, nodes), source=str(path)))
     return ClusterTopology(nodes=nodes)

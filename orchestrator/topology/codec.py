@@ -1,6 +1,9 @@
 """Strict JSON → dataclass decoding: every wrong field is a TopologyError naming its path.
 
-    codec.decode(list[NodeTopology], data["nodes"], "cluster.json: nodes")
+    data = codec.parse_json(text, error=TopologyError, where="cluster.json", fix="write it with …")
+    fields = codec.check_header(data, format="archipelago.topology", version=1, noun="topology",
+                                command="archipelago topology --json FILE", error=TopologyError, where="cluster.json")
+    codec.decode(list[NodeTopology], fields["nodes"], "cluster.json: nodes")
 
 Encoding is `dataclasses.asdict`: enums are `StrEnum`, so they serialise as their values.
 Decoders are built once per type and cached, so a 1,024-node map loads in about a second.
@@ -10,16 +13,37 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import types
 import typing
 from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
-from orchestrator.errors import TopologyError
+from orchestrator.errors import ArchipelagoError, TopologyError
 
 _FIX = "write the file with `archipelago topology --json FILE`, or fix this field by hand"
 Decoder = Callable[[Any, str], Any]
+
+
+def parse_json(text: str, *, error: type[ArchipelagoError], where: str, fix: str) -> object:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise error(f"not JSON: {e.msg} at line {e.lineno} column {e.colno}", where=where, fix=fix) from None
+
+
+def check_header(data: object, *, format: str, version: int, noun: str, command: str,
+                 error: type[ArchipelagoError], where: str) -> dict[str, Any]:
+    """The fields of an archipelago JSON document after its "format" and "version", once those say
+    it is a `format` document of `version`; `error` naming `where` and `command` otherwise."""
+    if not isinstance(data, dict) or data.get("format") != format:
+        raise error(f"not an archipelago {noun} (no \"format\": \"{format}\")", where=where,
+                    fix=f"write it with `{command}`")
+    if data.get("version") != version:
+        raise error(f"{noun} version {data.get('version')!r}; this archipelago reads {version}",
+                    where=f"{where}: version", fix=f"write it again with `{command}`")
+    return {key: value for key, value in data.items() if key not in ("format", "version")}
 
 
 def decode(kind: Any, value: Any, where: str) -> Any:

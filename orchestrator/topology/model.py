@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 
-from orchestrator.atomic import write_text_atomically
+from orchestrator.atomic import read_text, write_text_atomically
 from orchestrator.errors import TopologyError
 from orchestrator.topology import catalog, codec, islands
 from orchestrator.topology.islands import NvlinkIsland
@@ -27,6 +27,7 @@ from orchestrator.topology.links import (NETWORK_LATENCY_US, PCIE_PATHS, LinkKin
 
 FORMAT = "archipelago.topology"
 VERSION = 1
+_WRITE_COMMAND = "archipelago topology --json FILE"
 _UUID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "archipelago/topology")
 
 
@@ -249,41 +250,34 @@ class ClusterTopology:
 
     @classmethod
     def from_dict(cls, data: object, *, where: str = "topology") -> ClusterTopology:
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise TopologyError(f"not an archipelago topology (no \"format\": \"{FORMAT}\")", where=where,
-                                fix="write it with `archipelago topology --json FILE`")
-        if data.get("version") != VERSION:
-            raise TopologyError(f"topology version {data.get('version')!r}; this archipelago reads {VERSION}",
-                                where=f"{where}: version", fix="re-run `archipelago topology --json FILE`")
-        unknown = sorted(set(data) - {"format", "version", "nodes", "nvlink_islands"})
+        fields = codec.check_header(data, format=FORMAT, version=VERSION, noun="topology", command=_WRITE_COMMAND,
+                                    error=TopologyError, where=where)
+        unknown = sorted(set(fields) - {"nodes", "nvlink_islands"})
         if unknown:
             raise TopologyError(f"unknown field {unknown[0]!r}", where=where,
                                 fix="remove it; fields are format, version, nodes, nvlink_islands")
-        nodes = codec.decode(list[NodeTopology], data.get("nodes"), f"{where}: nodes")
+        nodes = codec.decode(list[NodeTopology], fields.get("nodes"), f"{where}: nodes")
         try:
             topology = cls(nodes=nodes)
         except TopologyError as e:
             raise TopologyError(e.what, where=f"{where}: {e.where}", fix=e.fix) from None
-        if "nvlink_islands" in data:
-            declared = codec.decode(list[NvlinkIsland], data["nvlink_islands"], f"{where}: nvlink_islands")
+        if "nvlink_islands" in fields:
+            declared = codec.decode(list[NvlinkIsland], fields["nvlink_islands"], f"{where}: nvlink_islands")
             islands.check_declared(declared, topology.nvlink_islands, where=f"{where}: nvlink_islands")
         return topology
+
+    @classmethod
+    def from_json(cls, text: str, *, where: str = "topology") -> ClusterTopology:
+        data = codec.parse_json(text, error=TopologyError, where=where, fix=f"write it with `{_WRITE_COMMAND}`")
+        return cls.from_dict(data, where=where)
 
     def save(self, path: str | Path) -> Path:
         return write_text_atomically(path, self.to_json() + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> ClusterTopology:
-        path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise TopologyError("file not found", where=str(path),
-                                fix="write one with `archipelago topology --json FILE`") from None
-        except json.JSONDecodeError as e:
-            raise TopologyError(f"not JSON: {e.msg} at line {e.lineno} column {e.colno}", where=str(path),
-                                fix="write it with `archipelago topology --json FILE`") from None
-        return cls.from_dict(data, where=str(path))
+        text = read_text(path, error=TopologyError, fix=f"write one with `{_WRITE_COMMAND}`")
+        return cls.from_json(text, where=str(path))
 
 
 def _index_devices(nodes: list[NodeTopology]) -> dict[str, tuple[NodeTopology, Gpu | MigSlice]]:

@@ -90,3 +90,14 @@ def test_a_damaged_plan_file_names_the_field():
         Plan.from_dict(data)
     with pytest.raises(PlacementError, match="not an archipelago plan"):
         Plan.from_dict({"workers": []})
+
+
+def test_a_plan_path_that_is_not_a_readable_file_says_so(tmp_path):
+    for path, reason in [(tmp_path, "Is a directory"), (tmp_path / "none.json", "No such file or directory")]:
+        with pytest.raises(PlacementError) as refused:
+            Plan.load(path)
+        assert refused.value.where == str(path) and refused.value.what == f"cannot read it ({reason})"
+    binary = tmp_path / "plan.bin"
+    binary.write_bytes(b"\xff\xfe")
+    with pytest.raises(PlacementError, match="byte 0 is not UTF-8"):
+        Plan.load(binary)

@@ -61,6 +61,7 @@ def test_png_draws_a_picture(capsys, tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--from", "missing.json"], "missing.json: cannot read it (No such file or directory)"),
+    (["--from", "."], ".: cannot read it (Is a directory)"),
     (["--generate", "8xH100-SXM:0"], "--generate: node count '0' in '8xH100-SXM:0' is not a positive whole number"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):

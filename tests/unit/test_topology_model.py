@@ -159,6 +159,20 @@ def test_a_file_that_is_not_json_says_where(tmp_path):
         ClusterTopology.load(path)
 
 
+
+def test_a_topology_path_that_is_not_a_readable_file_says_so(tmp_path):
+    for path, reason in [(tmp_path, "Is a directory"), (tmp_path / "none.json", "No such file or directory")]:
+        with pytest.raises(TopologyError) as refused:
+            ClusterTopology.load(path)
+        assert refused.value.where == str(path) and refused.value.what == f"cannot read it ({reason})"
+
+
+def test_from_json_reads_what_to_json_wrote():
+    cluster = machines.cluster("4xA100-PCIE-bridged:1")
+    assert ClusterTopology.from_json(cluster.to_json()) == cluster
+    with pytest.raises(TopologyError, match="node-a.json: not an archipelago topology"):
+        ClusterTopology.from_json('{"format": "archipelago.plan"}', where="node-a.json")
+
 def test_islands_are_recomputed_when_the_file_has_none(tmp_path):
     data = _two_gpu_json()
     del data["nvlink_islands"]
