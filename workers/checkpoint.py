@@ -106,9 +106,13 @@ def save(location: str | Path | Location, model: torch.nn.Module, optimizer: tor
 
 
 def load(location: str | Path | Location, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-         reader: ReaderKind = "auto", process_group: Any = None) -> tuple[CheckpointInfo, set[str]]:
-    """Collective: loads weights and optimizer state in place; returns the info and the reader kinds used."""
-    info = read_info(location)
+         info: CheckpointInfo | None = None, reader: ReaderKind = "auto",
+         process_group: Any = None) -> tuple[CheckpointInfo, set[str]]:
+    """Collective: loads weights and optimizer state in place; returns the info and the reader kinds used.
+
+    `info`: the step's `archipelago.json` when the caller has read it already (read here otherwise).
+    """
+    info = info if info is not None else read_info(location)
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
     used = load_checkpoint(state, location, reader=reader, process_group=process_group)
@@ -143,8 +147,10 @@ class RunCheckpoints:
                 raise CheckpointError("the checkpoint to resume from is gone", where=resume_from,
                                       fix="run without --resume to start over")
             return None
-        check_compatible(read_info(latest), self.config, tokenizer, latest)
-        return load(latest, model, optimizer, reader=self.config.checkpoint.reader, process_group=self.group)
+        info = read_info(latest)
+        check_compatible(info, self.config, tokenizer, latest)
+        return load(latest, model, optimizer, info=info, reader=self.config.checkpoint.reader,
+                    process_group=self.group)
 
     def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, info: CheckpointInfo) -> list[int]:
         """Starts saving `info.step`; returns the steps committed during this call."""

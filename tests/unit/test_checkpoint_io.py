@@ -174,3 +174,13 @@ def test_a_damaged_data_file_is_a_checkpoint_error_that_names_the_step_to_delete
     text = str(info.value)
     assert str(data_file) in text and "damaged" in text and "dataset" not in text
     assert f"delete {store.step(2)} to resume from the previous committed step" in text
+
+
+def test_load_takes_the_info_its_caller_already_read(tmp_path):
+    model, optimizer = trained(0)
+    checkpoint.save(tmp_path / "ck", model, optimizer, info(2))
+    read = checkpoint.read_info(tmp_path / "ck")
+    (tmp_path / "ck" / checkpoint.INFO_FILE).unlink()  # a second read would fail now
+    fresh, fresh_opt = trained(1)
+    loaded, _ = checkpoint.load(tmp_path / "ck", fresh, fresh_opt, info=read)
+    assert loaded is read and torch.equal(fresh.tok_emb.weight, model.tok_emb.weight)
