@@ -16,7 +16,7 @@ import functools
 import json
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from enum import Enum
 from typing import Any
 
@@ -102,8 +102,8 @@ def _enum_decoder(kind: type[Enum]) -> Decoder:
     members = {member.value: member for member in kind}
 
     def decode_enum(value, where):
-        if value not in members:
-            raise TopologyError(f"{value!r} is not one of {', '.join(members)}", where=where, fix=_FIX)
+        if not isinstance(value, Hashable) or value not in members:  # a list or object is no member either
+            raise TopologyError(f"{value!r:.40} is not one of {', '.join(map(str, members))}", where=where, fix=_FIX)
         return members[value]
     return decode_enum
 

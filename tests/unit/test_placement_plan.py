@@ -92,6 +92,13 @@ def test_a_damaged_plan_file_names_the_field():
         Plan.from_dict({"workers": []})
 
 
+def test_a_list_where_a_plan_names_a_choice_is_refused_not_a_type_error():
+    data = json.loads(cpu_plan().to_json())
+    data["objective"] = ["fastest"]
+    with pytest.raises(PlacementError, match=r"plan.objective: \['fastest'\] is not one of fastest"):
+        Plan.from_dict(data)
+
+
 def test_a_plan_path_that_is_not_a_readable_file_says_so(tmp_path):
     for path, reason in [(tmp_path, "Is a directory"), (tmp_path / "none.json", "No such file or directory")]:
         with pytest.raises(PlacementError) as refused:

@@ -132,6 +132,8 @@ def _slice_of_non_mig_gpu(d):
     (lambda d: d["nodes"][0]["gpus"][1].update(uuid=d["nodes"][0]["gpus"][0]["uuid"]),
      "t.json: nodes[0].gpus[1].uuid", "is listed twice"),
     (lambda d: d["nodes"][0]["links"][0].update(kind="warp_drive"), "t.json: nodes[0].links[0].kind", "is not one of"),
+    (lambda d: d["nodes"][0]["links"][0].update(kind=["nvswitch"]), "t.json: nodes[0].links[0].kind",
+     "['nvswitch'] is not one of"),
     (lambda d: d["nodes"][0]["links"][0].update(nvlink_count=0), "t.json: nodes[0].links[0]", "with nvlink_count 0"),
     (lambda d: d["nodes"][0]["links"][0].update(gpu_b="GPU-elsewhere"), "t.json: nodes[0].links[0].gpu_b",
      "is not a GPU of node"),
