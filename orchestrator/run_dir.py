@@ -13,6 +13,7 @@ import json
 import shutil
 from pathlib import Path
 
+from orchestrator.atomic import write_text_atomically
 from orchestrator.errors import CheckpointError, ConfigError
 from storage.checkpoint_io import CheckpointStore
 from storage.fs import Location
@@ -84,7 +85,7 @@ class RunDirectory:
             return
         rows = [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
         kept = [r for r in rows if r.get("step", 0) <= step]
-        self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        write_text_atomically(self.metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
 
 
 def _plain(where: Location) -> Path | Location:

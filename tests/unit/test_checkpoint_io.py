@@ -184,3 +184,12 @@ def test_load_takes_the_info_its_caller_already_read(tmp_path):
     fresh, fresh_opt = trained(1)
     loaded, _ = checkpoint.load(tmp_path / "ck", fresh, fresh_opt, info=read)
     assert loaded is read and torch.equal(fresh.tok_emb.weight, model.tok_emb.weight)
+
+
+def test_rewinding_metrics_keeps_the_committed_steps_and_leaves_no_temporary_file(tmp_path):
+    run = RunDirectory(tmp_path, "job")
+    run.create(overwrite=False)
+    run.append_metrics([{"event": "start", "step": 0}] + [{"step": s, "loss": 1.0 / s} for s in (2, 4, 6, 8)])
+    run.rewind_metrics(4)
+    assert [json.loads(line)["step"] for line in run.metrics_path.read_text().splitlines()] == [0, 2, 4]
+    assert sorted(p.name for p in run.path.iterdir()) == ["metrics.jsonl"]
