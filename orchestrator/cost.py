@@ -230,10 +230,15 @@ def parse_calibration(data: object, *, where: str) -> dict[LinkClass, LinkCalibr
         if not isinstance(row, dict) or set(row) - {"alpha_us", "efficiency", "bus_gb_per_s"} or "alpha_us" not in row:
             raise ConfigError(f"row {key!r} must be an object with alpha_us and efficiency or bus_gb_per_s",
                               where=where, fix='e.g. {"alpha_us": 8.5, "bus_gb_per_s": 47.1}')
-        values = {name: float(value) for name, value in row.items()}
-        if min(values.values()) < 0:
-            raise ConfigError(f"row {key!r} has a negative number", where=where, fix="times and bandwidths are ≥ 0")
-        table[LinkClass(key)] = LinkCalibration(**values)
+        for name, value in row.items():
+            # `type in`: true is not a number here, and neither is the string "1.5".
+            if type(value) not in (int, float) or not math.isfinite(value):
+                raise ConfigError(f"row {key!r}: {name} is {value!r:.40}, not a number",
+                                  where=f"{where}: {key}.{name}", fix="write a JSON number: no quotes, not true or null")
+            if value < 0:
+                raise ConfigError(f"row {key!r} has a negative number", where=f"{where}: {key}.{name}",
+                                  fix="times and bandwidths are ≥ 0")
+        table[LinkClass(key)] = LinkCalibration(**{name: float(value) for name, value in row.items()})
     return table
 
 

@@ -72,6 +72,16 @@ def test_a_bad_calibration_table_names_the_problem(tmp_path, content, message):
         CollectiveCostModel.load(path)
 
 
+@pytest.mark.parametrize("value", ['"x"', '"1.5"', "[1]", "null", "true", "NaN"])
+def test_a_calibration_value_that_is_not_a_number_names_its_row_and_key(tmp_path, value):
+    path = tmp_path / "table.json"
+    path.write_text('{"infiniband": {"alpha_us": 8.5, "bus_gb_per_s": %s}}' % value)
+    with pytest.raises(ConfigError) as refused:
+        CollectiveCostModel.load(path)
+    assert refused.value.where == f"{path}: infiniband.bus_gb_per_s"
+    assert "row 'infiniband': bus_gb_per_s is" in refused.value.what and "not a number" in refused.value.what
+
+
 def test_a_link_without_bandwidth_is_refused_not_divided_by_zero():
     with pytest.raises(ConfigError, match="no bandwidth"):
         CollectiveCostModel({LinkClass.ETHERNET: LinkCalibration(alpha_us=50.0)}).hop(LinkClass.ETHERNET, 0.0)
