@@ -406,9 +406,6 @@ class PendingSave:
         self.location = location
         self._future = future
 
-    def done(self) -> bool:
-        return self._future is None or self._future.done()
-
     def result(self) -> Location:
         if self._future is not None:
             with _user_errors():

@@ -105,9 +105,6 @@ class Location:
     def is_dir(self) -> bool:
         return self.info().type == pafs.FileType.Directory
 
-    def size(self) -> int:
-        return self.info().size
-
     def children(self) -> list[Location]:
         """Direct children, sorted by name; empty when the directory does not exist."""
         if not self.is_dir():
@@ -128,18 +125,6 @@ class Location:
     def read_bytes(self) -> bytes:
         with self.fs.open_input_file(self.path) as f:
             return f.read()
-
-    def write_bytes(self, data: bytes) -> None:
-        """Writes the whole file; on object stores the upload becomes visible only when complete."""
-        self.parent.mkdir()
-        if self.is_local:
-            temporary = self.parent / f".{self.name}.tmp"
-            with self.fs.open_output_stream(temporary.path) as f:
-                f.write(data)
-            self.fs.move(temporary.path, self.path)  # rename(2): readers never see half a file
-        else:
-            with self.fs.open_output_stream(self.path) as f:
-                f.write(data)
 
     def mkdir(self) -> None:
         self.fs.create_dir(self.path, recursive=True)

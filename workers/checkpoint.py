@@ -26,8 +26,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from orchestrator.config import JobConfig
 from orchestrator.errors import CheckpointError
-from storage.checkpoint_io import (DCP_METADATA, PendingSave, is_committed, load_checkpoint, save_checkpoint,
-                                   step_dir_name)
+from storage.checkpoint_io import DCP_METADATA, PendingSave, is_committed, load_checkpoint, save_checkpoint
 from storage.fs import Location
 from storage.readers import ReaderKind
 from storage.sampler import SAMPLER_NAME
@@ -36,8 +35,8 @@ INFO_FILE = "archipelago.json"
 LEGACY_SAMPLER = "numpy-permutation"
 """The sampler of checkpoints that predate the `sampler` field."""
 
-__all__ = ["DCP_METADATA", "INFO_FILE", "CheckpointInfo", "check_compatible", "dir_name", "is_committed", "load",
-           "read_info", "save"]
+__all__ = ["DCP_METADATA", "INFO_FILE", "CheckpointInfo", "check_compatible", "is_committed", "load", "read_info",
+           "save"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,10 +60,6 @@ class CheckpointInfo:
                 world_size: int = 0) -> CheckpointInfo:
         return cls(step, consumed_samples, dataclasses.asdict(config.model), tokenizer, config.train.seed,
                    config.train.global_batch_size, SAMPLER_NAME, world_size)
-
-
-def dir_name(step: int) -> str:
-    return step_dir_name(step)
 
 
 def read_info(directory: str | Path | Location) -> CheckpointInfo:

@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 import ray.train
-import ray.train.torch
 import torch
 import torch.distributed as dist
 
@@ -122,7 +121,7 @@ def train_loop(loop_config: dict) -> dict:
                       "micro_batch_sizes": list(layout.micro_batch_sizes), "grad_accum_steps": plan.grad_accum_steps,
                       "reader": train_loader.reader_choice, "checkpoint_readers": sorted(checkpoint_readers)}])
 
-    last_val_loss, rows = None, []
+    last_val_loss = None
     while progress.step < cfg.train.steps:
         batches = next(steps)
         lr = lr_at(progress.step, cfg.train)
@@ -144,7 +143,6 @@ def train_loop(loop_config: dict) -> dict:
             with window.paused():
                 saved = checkpoints.save(engine.model, engine.optimizer, info)
             send(job, rank, [{"event": "checkpoint", "step": s} for s in saved])
-        rows = []
     send(job, rank, [{"event": "checkpoint", "step": s} for s in checkpoints.wait()])
     train_loader.close()
     val_loader.close()
