@@ -59,7 +59,7 @@ class Location:
 
     @classmethod
     def of(cls, fs: pafs.FileSystem, path: str) -> Location:
-        """A location for a (filesystem, path) pair, e.g. a Ray checkpoint's."""
+        """A location for a (filesystem, path) pair, such as the run storage Ray's train context gives a worker."""
         if isinstance(fs, pafs.LocalFileSystem):
             return cls(fs, Path(path).resolve().as_posix())
         return cls(fs, path.rstrip("/"), fs.type_name)
@@ -120,7 +120,8 @@ class Location:
 
     def _unreachable(self, e: OSError) -> ArchipelagoError:
         # An endpoint that refuses, a network that is down and rejected credentials all arrive as OSError.
-        return self.error(f"cannot reach storage ({e})", where=str(self), fix="check the endpoint, network and credentials")
+        return self.error(f"cannot reach storage ({e})", where=str(self),
+                          fix="check the endpoint, network and credentials")
 
     def read_bytes(self) -> bytes:
         with self.fs.open_input_file(self.path) as f:

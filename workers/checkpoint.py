@@ -3,11 +3,12 @@
     pending = save(store.step(300), model, optimizer, info, async_save=True, process_group=group)
     info, readers = load(store.latest(), model, optimizer, reader="auto")
 
-DCP writes one file per rank and `.metadata` last; it reshards at load time, so a checkpoint
-saved by N workers loads on M. `archipelago.json` (written by the coordinator before any tensor
-data) holds what is needed to continue exactly — the step, the sampler and its position — and
-what identifies the job (model shape, tokenizer, seed, global batch), so a checkpoint of another
-model is refused with a clear error instead of a shape mismatch from deep inside torch.
+Every rank writes its own data files (several, one per writing thread) and the coordinator writes
+`.metadata` last; DCP reshards at load time, so a checkpoint saved by N workers loads on M.
+`archipelago.json` (written by the coordinator before any tensor data) holds what is needed to
+continue exactly — the step, the sampler and its position — and what identifies the job (model
+shape, tokenizer, seed, global batch), so a checkpoint of another model is refused with a clear
+error instead of a shape mismatch from deep inside torch.
 
 A step directory counts as committed when `.metadata` exists (storage.checkpoint_io explains why
 that is enough); checkpoints live on local disk or any pyarrow.fs URI.

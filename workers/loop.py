@@ -43,14 +43,16 @@ class WorkerJob:
 
     config: JobConfig
     data_dir: str
-    """Absolute path of the prepared dataset (readable from every node)."""
+    """The prepared dataset: a local path or a pyarrow.fs URI, readable from every node."""
     tokenizer: str
     plan: Plan
     """The driver's plan; each worker claims its entry by node and local rank."""
     metrics_sink: Any
     """Actor handle of the driver's MetricsSink."""
     resume_from: str | None = None
-    """A committed checkpoint chosen by the driver; Ray's own restore (after a failure) takes precedence."""
+    """The committed checkpoint the driver chose for --resume (None for a new run). Workers always load the
+    newest committed step in the run's storage (newer than this after a failure or a resize); this only
+    lets them say that the step to resume from is gone when none is left."""
 
 
 @dataclass
