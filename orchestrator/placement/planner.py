@@ -59,7 +59,11 @@ class Planner:
                  collectives: CollectiveCostModel | None = None, compute: ComputeModel | None = None,
                  prices: PriceTable | None = None, exact_memory: bool = True):
         """memory: the job's MemoryProfile (computed from the config when not given; it is the slow
-        part, a few fake training steps); exact_memory re-measures the chosen micro-batches exactly."""
+        part, a few fake training steps); exact_memory re-measures the chosen micro-batches exactly.
+
+        Refuses at once (PlacementError), before the memory profile, a job the cluster cannot hold
+        whatever the memory: no devices, no NVLink island for a tensor-parallel group, too few
+        devices for min_gpus or for the batch, no price for a device under a dollar objective."""
         self.topology = topology
         self.config = config
         self.job = PlanningJob.from_config(config)
@@ -74,6 +78,7 @@ class Planner:
         else:
             self.pool = DevicePool.cpus(topology, self.collectives, cores_per_worker=self.job.cpus_per_worker,
                                         cpu_gflops_per_core=self.compute.cpu_gflops_per_core)
+        self._check_feasible()
         self.memory = memory or profile(config, device_type="cuda" if self.job.use_gpu else "cpu")
         self.costing = Costing(self.job, self.pool, self.collectives, self.compute, self.prices, self.memory)
         self.classes = self._classes()
@@ -84,7 +89,6 @@ class Planner:
 
     # ---- public ----------------------------------------------------------------------------------
     def plan(self) -> Plan:
-        self._check_feasible()
         for _ in range(EXACT_MEMORY_RETRIES):
             best = self.search()
             try:
@@ -196,8 +200,7 @@ class Planner:
     def _classes(self) -> list[list[int]]:
         """Domain indices grouped into classes of interchangeable domains, best first within a class
         (fastest network), classes in the objective's order of preference."""
-        unit = self.job.tensor_parallel_size
-        usable = [i for i, d in enumerate(self.pool.domains) if d.size >= unit and (unit == 1 or d.nvlink)]
+        usable = [i for i, d in enumerate(self.pool.domains) if self._usable(d)]
         classes: dict[tuple, list[int]] = defaultdict(list)
         for i in sorted(usable, key=lambda i: -self.pool.domains[i].network_hop.bytes_per_s):
             classes[self.pool.domains[i].class_key()].append(i)
@@ -211,7 +214,10 @@ class Planner:
         return sorted(classes.values(), key=preference)
 
     def _usable(self, domain: Domain) -> int:
+        """Devices of `domain` the job can use: whole tensor-parallel groups, which need NVLink."""
         unit = self.job.tensor_parallel_size
+        if unit > 1 and not domain.nvlink:
+            return 0
         return domain.size // unit * unit
 
     def _grow(self, counts: tuple[int, ...], c: int, *, fine: bool) -> tuple[int, ...] | None:
@@ -264,6 +270,7 @@ class Planner:
 
     # ---- refusals --------------------------------------------------------------------------------
     def _check_feasible(self) -> None:
+        """The refusals that need only the device pool, the job and the prices (not the memory profile)."""
         job, pool = self.job, self.pool
         what = "GPUs and MIG slices" if job.use_gpu else f"CPU worker slots of {job.cpus_per_worker} cores"
         if pool.device_count == 0:
@@ -279,7 +286,7 @@ class Planner:
                                      f"{have}", where="[placement] tensor_parallel_size",
                                      fix=f"set tensor_parallel_size to at most {largest.size if largest else 1}"
                                          ", or use fully sharded data parallelism ([parallel] strategy = \"fsdp\")")
-        usable = sum(self._capacity)
+        usable = sum(self._usable(domain) for domain in pool.domains)
         if usable < job.min_devices:
             key = "[placement] min_gpus" if job.use_gpu else "[cluster] num_workers"
             raise PlacementError(f"asks for {job.min_devices} workers; the cluster has {usable} usable {what}",

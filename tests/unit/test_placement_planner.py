@@ -164,6 +164,31 @@ def test_refusals_name_the_constraint_and_the_fix(cluster, config, where, messag
     assert refused.value.where == where and message in refused.value.what and refused.value.fix
 
 
+def unpriced(cluster: str) -> ClusterTopology:
+    topology = machines.cluster(cluster)
+    for node in topology.nodes:
+        for gpu in node.gpus:
+            gpu.model = "B300-SXM6-288GB"
+    return ClusterTopology(nodes=topology.nodes)
+
+
+@pytest.mark.parametrize("cluster, config, where", [
+    (laptop(), job(), "topology"),
+    ("8xL40S:1", job(placement={"tensor_parallel_size": 2}), "[placement] tensor_parallel_size"),
+    ("8xH100-SXM:2", job(placement={"min_gpus": 20}), "[placement] min_gpus"),
+    ("8xH100-SXM:2", job(placement={"min_gpus": 16}, train={"global_batch_size": 8, "micro_batch_size": 1}),
+     "[train] global_batch_size"),
+    (unpriced("1xH200:1"), job(placement={"objective": "cheapest"}), "[placement] prices"),
+])
+def test_refusals_that_need_no_memory_profile_come_before_it(monkeypatch, cluster, config, where):
+    def no_profile(*args, **kwargs):
+        raise AssertionError("profiled the model's memory for a job the cluster cannot hold")
+    monkeypatch.setattr("orchestrator.placement.planner.profile", no_profile)
+    with pytest.raises(PlacementError) as refused:
+        planner(cluster, config)
+    assert refused.value.where == where
+
+
 def test_more_cpu_workers_than_cores():
     config = job(cluster={"use_gpu": False, "num_workers": 4, "cpus_per_worker": 1})
     with pytest.raises(PlacementError, match=r"\[cluster\] num_workers: asks for 4 workers; the cluster has 2"):
