@@ -15,9 +15,8 @@ from storage.loader import BatchLoader
 from storage.readers import KvikioReader, PosixReader, RemoteReader, choose_reader, kvikio_unavailable
 from storage.sampler import BatchLayout, DeterministicSampler
 from storage.shards import TokenDataset
+from tests.checkpoint_support import trained
 from workers import checkpoint
-from workers.models.gpt import GPT
-from workers.optim import build_optimizer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 CUDA = torch.device("cuda", 0)
@@ -81,19 +80,12 @@ def test_double_buffered_stream_never_hands_out_stale_bytes(dataset_dir):
 def test_checkpoint_loads_straight_into_gpu_tensors(tmp_path):
     config = JobConfig.from_dict({"model": {"n_layer": 2, "n_head": 4, "n_embd": 128, "seq_len": 64},
                                   "cluster": {"num_workers": 1, "use_gpu": True}})
-    torch.manual_seed(0)
-    model = GPT(config.model).to(CUDA)
-    optimizer = build_optimizer(model, config.train, CUDA)
-    tokens = torch.randint(0, 257, (4, 65), device=CUDA)
-    model(tokens[:, :-1], tokens[:, 1:]).backward()
-    optimizer.step()
+    model, optimizer = trained(0, config, CUDA, batch_size=4)
     info = checkpoint.CheckpointInfo.for_job(config, 1, 4, "bytes", world_size=1)
     checkpoint.save(tmp_path / "step_00000001", model, optimizer, info)
     expected_kinds = [("auto", "kvikio" if kvikio_unavailable() is None else "posix"), ("posix", "posix")]
     for kind, used_kind in expected_kinds:
-        torch.manual_seed(1)
-        fresh = GPT(config.model).to(CUDA)
-        fresh_opt = build_optimizer(fresh, config.train, CUDA)
+        fresh, fresh_opt = trained(1, config, CUDA, batch_size=4)
         loaded, used = checkpoint.load(tmp_path / "step_00000001", fresh, fresh_opt, reader=kind)
         assert loaded == info and used_kind in used, (kind, used)
         for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):

@@ -7,7 +7,6 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
-from orchestrator.config import JobConfig
 from orchestrator.errors import CheckpointError, ConfigError, DataError
 from orchestrator.run_dir import RunDirectory
 from storage.checkpoint_io import DCP_METADATA, CheckpointStore, save_checkpoint
@@ -16,15 +15,11 @@ from storage.loader import BatchLoader
 from storage.readers import choose_reader
 from storage.shards import MANIFEST, TokenDataset, check_files, has_dataset
 from storage.verify import verify_dataset
+from tests.checkpoint_support import CONFIG, trained
 from tests.engine_support import free_port
 from workers import checkpoint
-from workers.models.gpt import GPT
-from workers.optim import build_optimizer
 
 pytestmark = pytest.mark.integration
-CONFIG = JobConfig.from_dict({"model": {"n_layer": 1, "n_head": 2, "n_embd": 32, "seq_len": 16},
-                              "train": {"global_batch_size": 4, "micro_batch_size": 2},
-                              "checkpoint": {"keep_last": 2, "async_save": True}, "cluster": {"num_workers": 2}})
 
 
 @pytest.fixture(scope="module")
@@ -46,16 +41,6 @@ def s3():
             yield root
         finally:
             server.stop()
-
-
-def trained(seed):
-    torch.manual_seed(seed)
-    model = GPT(CONFIG.model)
-    optimizer = build_optimizer(model, CONFIG.train, torch.device("cpu"))
-    tokens = torch.randint(0, 257, (2, 17))
-    model(tokens[:, :-1], tokens[:, 1:]).backward()
-    optimizer.step()
-    return model, optimizer
 
 
 def test_locations_print_and_parse_back(s3):

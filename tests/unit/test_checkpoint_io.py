@@ -11,23 +11,8 @@ from orchestrator.errors import CheckpointError
 from orchestrator.run_dir import RunDirectory
 from storage.checkpoint_io import (ALIGN, DCP_METADATA, CheckpointStore, RawExtent, is_committed, load_checkpoint,
                                    save_checkpoint)
+from tests.checkpoint_support import CONFIG, trained
 from workers import checkpoint
-from workers.models.gpt import GPT
-from workers.optim import build_optimizer
-
-CONFIG = JobConfig.from_dict({"model": {"n_layer": 1, "n_head": 2, "n_embd": 32, "seq_len": 16},
-                              "train": {"global_batch_size": 4, "micro_batch_size": 2},
-                              "cluster": {"num_workers": 2}})
-
-
-def trained(seed: int):
-    torch.manual_seed(seed)
-    model = GPT(CONFIG.model)
-    optimizer = build_optimizer(model, CONFIG.train, torch.device("cpu"))
-    tokens = torch.randint(0, 257, (2, 17))
-    model(tokens[:, :-1], tokens[:, 1:]).backward()
-    optimizer.step()
-    return model, optimizer
 
 
 def info(step: int) -> checkpoint.CheckpointInfo:
