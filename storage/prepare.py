@@ -317,6 +317,10 @@ def prepare_dataset(source: str, out: str | Path, *, pattern: str | None = None,
     root = resolve_source(source)
     files = list_files(root, pattern or DEFAULT_PATTERNS[source_format])
     units = plan_units(root, files, source_format, workers or os.cpu_count() or 1)
+    if not units:  # Parquet or Arrow files without a single row group or record batch
+        raise DataError(f"the source holds no rows ({len(files)} {source_format} file(s), none with a row group "
+                        "or record batch)", where=str(root),
+                        fix="point --source (or [data] prepare_from) at files with rows")
     workers = min(workers or os.cpu_count() or 1, len(units))
     staging = out.with_name(out.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)

@@ -181,3 +181,14 @@ def test_dtype_mismatch_between_header_and_manifest(dataset_dir, tmp_path):
     with pytest.raises(DataError) as info:
         data.tokens(start, 10)
     assert "dtype mismatch" in str(info.value) and f"{bad}, offset 8" in str(info.value)
+
+
+@pytest.mark.parametrize("workers", [1, 0])
+def test_an_arrow_source_without_record_batches_holds_no_rows(tmp_path, workers):
+    (tmp_path / "ipc").mkdir()
+    with ipc.new_file(tmp_path / "ipc" / "empty.arrow", pa.schema([("text", pa.string())])):
+        pass  # a valid file with a schema and no record batch
+    with pytest.raises(DataError, match="the source holds no rows") as info:
+        prepare_dataset(str(tmp_path / "ipc"), tmp_path / "out", source_format="arrow", workers=workers)
+    assert info.value.where == str(tmp_path / "ipc")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
