@@ -329,6 +329,11 @@ def _check_groups(plan: Plan) -> None:
         flat = [rank for group in groups for rank in group]
         if groups and (sorted(flat) != sorted(ranks)):
             _invalid(f"{name} do not hold every rank exactly once", name)
+    # The workers build their hierarchical process groups from these: anything but the k-th rank of
+    # every island (or none) would name ranks that do not exist or mix ranks of one island.
+    if plan.inter_island_groups and plan.inter_island_groups != cross_island_groups(plan.intra_island_groups):
+        _invalid(f"inter_island_groups {plan.inter_island_groups[:4]} are not the k-th rank of every "
+                 "intra-island group, for each k", "inter_island_groups")
     if plan.tensor_parallel_size < 1 or plan.world_size % plan.tensor_parallel_size:
         _invalid(f"tensor_parallel_size {plan.tensor_parallel_size} does not divide {plan.world_size} workers",
                  "tensor_parallel_size")

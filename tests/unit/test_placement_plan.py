@@ -59,7 +59,7 @@ def test_tensor_parallel_ranks_share_one_replica():
     workers = [gpu_worker(r, f"GPU-{r}", 8, dp=r // 2, tp=r % 2) for r in range(4)]
     plan = cpu_plan(workers=workers, global_batch_size=32, grad_accum_steps=2, tensor_parallel_size=2,
                     tensor_parallel_groups=[[0, 1], [2, 3]], data_parallel_groups=[[0, 2], [1, 3]],
-                    intra_island_groups=[[0, 1, 2, 3]])
+                    intra_island_groups=[[0, 1, 2, 3]], inter_island_groups=[[0], [1], [2], [3]])
     assert plan.replica_micro_batch_sizes() == (8, 8)
 
 
@@ -69,6 +69,8 @@ def test_tensor_parallel_ranks_share_one_replica():
     (dict(workers=[gpu_worker(1, "GPU-a", 16, accum=1), gpu_worker(0, "GPU-b", 16, accum=1)]), "has rank 1"),
     (dict(workers=[gpu_worker(0, "GPU-a", 16, accum=1), gpu_worker(1, "GPU-b", 16, accum=2)]), "same number"),
     (dict(tensor_parallel_groups=[[0]]), "every rank exactly once"),
+    (dict(inter_island_groups=[[0, 9]]), "not the k-th rank of every intra-island group"),
+    (dict(inter_island_groups=[[0, 1]]), "not the k-th rank of every intra-island group"),
 ])
 def test_a_plan_that_contradicts_itself_is_refused(change, message):
     with pytest.raises(PlacementError, match=message):
@@ -108,3 +110,16 @@ def test_a_plan_path_that_is_not_a_readable_file_says_so(tmp_path):
     binary.write_bytes(b"\xff\xfe")
     with pytest.raises(PlacementError, match="byte 0 is not UTF-8"):
         Plan.load(binary)
+
+
+def test_inter_island_groups_are_none_or_the_kth_rank_of_every_island():
+    workers = [gpu_worker(r, f"GPU-{r}", 4, island=f"n{r // 2}-nvl0") for r in range(4)]
+    two_islands = dict(workers=workers, global_batch_size=32, grad_accum_steps=2, intra_island_groups=[[0, 1], [2, 3]],
+                       tensor_parallel_groups=[[r] for r in range(4)], data_parallel_groups=[[0, 1, 2, 3]])
+    plan = cpu_plan(**two_islands, inter_island_groups=[[0, 2], [1, 3]])
+    assert plan.reordered([2, 3, 0, 1]).inter_island_groups == [[2, 0], [3, 1]]
+    assert cpu_plan(**two_islands, inter_island_groups=[]).inter_island_groups == []
+    data = json.loads(plan.to_json())
+    data["inter_island_groups"] = [[0, 9]]  # a hand-edited file: refused on load, not a KeyError in the worker
+    with pytest.raises(PlacementError, match=r"plan: inter_island_groups: inter_island_groups \[\[0, 9\]\]"):
+        Plan.from_dict(data)
