@@ -4,7 +4,7 @@
     hop = collectives.hop(LinkClass.INFINIBAND, nominal_gb_per_s=400)
     collectives.allreduce_seconds(2**30, ranks=16, hop=hop, algorithm=AllReduce.RING)
     ComputeModel().micro_step_seconds(peak_tflops=989.4, flops=6e12, n_embd=768, n_layer=12)
-    PriceTable.default().dollars_per_hour("H100-SXM5-80GB", spot=False)
+    PriceTable().dollars_per_hour("H100-SXM5-80GB", spot=False)
 
 Collectives follow the alpha–beta model: a collective of n bytes over p ranks takes
 (steps × alpha) + (bytes each rank moves / beta). Ring all-reduce: 2(p−1) steps moving
@@ -323,10 +323,6 @@ override any of them with `[placement] prices`. A MIG slice costs its share of t
 @dataclass(frozen=True, slots=True)
 class PriceTable:
     prices: dict[str, tuple[float, float]] = field(default_factory=lambda: dict(DEFAULT_PRICES))
-
-    @classmethod
-    def default(cls) -> PriceTable:
-        return cls()
 
     def with_overrides(self, overrides: dict[str, float], *, spot: bool) -> PriceTable:
         """`overrides` replace the column in use (spot or on-demand) for the models they name."""

@@ -83,7 +83,7 @@ class PlanningJob:
     """0 = no limit."""
     tensor_parallel_size: int
     strategies: tuple[DataParallel, ...]
-    """What [parallel] strategy allows: ddp or fsdp (a future "auto" would allow both)."""
+    """The data-parallel strategies the search costs: the one [parallel] strategy names."""
     use_gpu: bool
     cpus_per_worker: int
     spot: bool
@@ -95,8 +95,6 @@ class PlanningJob:
         placement = config.placement
         precision = config.train.precision
         dtype = "fp32" if precision == "fp32" or (precision == "auto" and not config.cluster.use_gpu) else "bf16"
-        strategy = config.parallel.strategy
-        strategies = tuple(DataParallel) if strategy == "auto" else (DataParallel(strategy),)
         workers = config.cluster.num_workers
         return cls(name=config.name, global_batch_size=config.train.global_batch_size, seq_len=config.model.seq_len,
                    steps=config.train.steps, micro_batch_limit=config.train.micro_batch_size,
@@ -107,7 +105,7 @@ class PlanningJob:
                    min_devices=placement.min_gpus if config.cluster.use_gpu else workers,
                    max_devices=placement.max_gpus if config.cluster.use_gpu else workers,
                    tensor_parallel_size=placement.tensor_parallel_size if config.cluster.use_gpu else 1,
-                   strategies=strategies, use_gpu=config.cluster.use_gpu,
+                   strategies=(DataParallel(config.parallel.strategy),), use_gpu=config.cluster.use_gpu,
                    cpus_per_worker=config.cluster.cpus_per_worker,
                    spot=placement.pricing == "spot", use_mig=placement.use_mig)
 

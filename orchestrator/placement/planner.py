@@ -69,7 +69,7 @@ class Planner:
         self.job = PlanningJob.from_config(config)
         self.collectives = collectives or CollectiveCostModel()
         self.compute = compute or (ComputeModel.compiled() if config.compile.enable else ComputeModel())
-        prices = prices or PriceTable.default()
+        prices = prices or PriceTable()
         self.prices = prices.with_overrides(config.placement.prices, spot=self.job.spot)
         self.exact_memory = exact_memory
         if self.job.use_gpu:
@@ -454,8 +454,3 @@ def _split_cpus(cpus: str, parts: int) -> tuple[str, ...]:
     if per == 0:
         return (cpus,) * parts
     return tuple(format_cpu_list(cores[k * per:(k + 1) * per]) for k in range(parts))
-
-
-def plan(topology: ClusterTopology, config: JobConfig, **kwargs) -> Plan:
-    """`Planner(topology, config, **kwargs).plan()`."""
-    return Planner(topology, config, **kwargs).plan()

@@ -114,7 +114,7 @@ def test_utilisation_follows_the_measured_anchors():
 
 
 def test_prices_spot_on_demand_and_overrides():
-    table = PriceTable.default()
+    table = PriceTable()
     assert table.dollars_per_hour("H100-SXM5-80GB", spot=True) < table.dollars_per_hour("H100-SXM5-80GB", spot=False)
     assert table.dollars_per_hour("B300", spot=False) is None
     mine = table.with_overrides({"H100-SXM5-80GB": 1.25, "B300": 9.0}, spot=True)
