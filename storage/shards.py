@@ -18,9 +18,11 @@ reader (storage/readers.py) moves those ranges into host or GPU memory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -170,17 +172,20 @@ def check_shard(location: Location, shard: ShardInfo, header: bytes, size: int) 
                         fix="the file is truncated or was replaced; prepare the dataset again")
 
 
-def open_shard_checked(location: Location, shard: ShardInfo) -> None:
-    """Reads a shard's header and size and checks them (a missing file is a DataError too)."""
+@contextlib.contextmanager
+def open_shard(location: Location, shard: ShardInfo) -> Iterator[pa.NativeFile]:
+    """The shard's file, open for reading, once its header and size agree with the manifest row
+    (DataError otherwise, also for a missing file)."""
     path = location / shard.path
     try:
-        with location.fs.open_input_file(path.path) as f:
-            size = f.size()
-            header = f.read_at(min(HEADER_BYTES, size), 0)
+        f = location.fs.open_input_file(path.path)
     except FileNotFoundError:
         raise DataError("shard listed in the manifest is missing", where=str(path),
                         fix="restore the file or prepare the dataset again") from None
-    check_shard(path, shard, header, size)
+    with f:
+        size = f.size()
+        check_shard(path, shard, f.read_at(min(HEADER_BYTES, size), 0), size)
+        yield f
 
 
 def check_files(location: Location, shards: list[ShardInfo]) -> None:
@@ -298,5 +303,5 @@ class TokenDataset:
             return
         with self._lock:
             if not self._checked[shard]:
-                open_shard_checked(self.location, self.shards[shard])
-                self._checked[shard] = True
+                with open_shard(self.location, self.shards[shard]):
+                    self._checked[shard] = True
