@@ -28,7 +28,6 @@ import statistics
 import subprocess
 import sys
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -40,33 +39,24 @@ from storage.checkpoint_io import CheckpointStore, load_checkpoint, save_checkpo
 from storage.loader import BatchLoader, read_to_device  # noqa: E402
 from storage.readers import KvikioReader, PosixReader, kvikio_unavailable  # noqa: E402
 from storage.sampler import BatchLayout, DeterministicSampler  # noqa: E402
-from storage.shards import HEADER_BYTES, Extent, ShardInfo, TokenDataset, shard_header, write_manifest  # noqa: E402
+from storage.shards import HEADER_BYTES, Extent, TokenDataset, write_manifest, write_shard  # noqa: E402
 
 GB = 1e9
 
 
 def make_token_set(directory: Path, total_bytes: int, shard_bytes: int) -> list[Path]:
-    """Random uint16 tokens (vocab 50,304) in shards of `shard_bytes`, with a real manifest."""
+    """Random uint16 tokens (vocab 50,304) in shards of `shard_bytes`, with a real manifest; returns the train shards.
+
+    Nothing is fsynced here: `drop_cache` flushes every file before evicting it, so the cold reads are cold.
+    """
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
-    shards, paths = [], []
-    for index in range(max(1, total_bytes // shard_bytes)):
-        tokens = rng.integers(0, 50_304, size=shard_bytes // 2, dtype=np.uint16)
-        name = f"train-{index:05d}.tokens"
-        with open(directory / name, "wb") as f:
-            f.write(shard_header("uint16", tokens.size, "bench"))
-            f.write(tokens.data)
-            f.flush()
-            os.fsync(f.fileno())
-        shards.append(ShardInfo("train", name, "uint16", int(tokens.size), [0], zlib.crc32(tokens.data), "bench"))
-        paths.append(directory / name)
-    val = rng.integers(0, 50_304, size=2**20, dtype=np.uint16)
-    with open(directory / "val-00000.tokens", "wb") as f:
-        f.write(shard_header("uint16", val.size, "bench"))
-        f.write(val.data)
-    shards.append(ShardInfo("val", "val-00000.tokens", "uint16", int(val.size), [0], zlib.crc32(val.data), "bench"))
-    write_manifest(directory, shards, 50_304)
-    return paths
+    train = [write_shard(directory, "train", index, rng.integers(0, 50_304, size=shard_bytes // 2, dtype=np.uint16),
+                         [0], "bench")
+             for index in range(max(1, total_bytes // shard_bytes))]
+    val = write_shard(directory, "val", 0, rng.integers(0, 50_304, size=2**20, dtype=np.uint16), [0], "bench")
+    write_manifest(directory, train + [val], 50_304)
+    return [directory / shard.path for shard in train]
 
 
 def drop_cache(paths: list[Path]) -> str:
