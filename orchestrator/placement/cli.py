@@ -9,12 +9,11 @@
 from __future__ import annotations
 
 import argparse
-import os
-from pathlib import Path
 
 from rich.console import Console
 
-from orchestrator.topology import machines
+from orchestrator.topology import ClusterTopology, discover_cluster, load_files, machines
+from orchestrator.topology.cli import add_timeout_argument
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
@@ -29,6 +28,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     source.add_argument("--address", help="Ray cluster to map (default: RAY_ADDRESS, else an embedded cluster)")
     plan.add_argument("--json", metavar="OUT", help="save the plan as JSON (what the workers read)")
     plan.add_argument("--png", metavar="OUT", help="draw the workers on the map (needs matplotlib)")
+    add_timeout_argument(plan)
     plan.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     plan.set_defaults(command=_plan)
 
@@ -55,11 +55,9 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _topology(args: argparse.Namespace):
-    from orchestrator.topology.cli import _from_files, _from_ray
-
+def _topology(args: argparse.Namespace) -> ClusterTopology:
     if args.topology:
-        return _from_files([Path(f) for f in args.topology])
+        return load_files(args.topology)
     if args.generate:
         return machines.cluster(args.generate)
-    return _from_ray(args.address or os.environ.get("RAY_ADDRESS", ""), 120.0)
+    return discover_cluster(address=args.address or "", timeout_s=args.timeout)

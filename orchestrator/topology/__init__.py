@@ -3,23 +3,20 @@ Ray node has, as one plain object (`ClusterTopology`) that prints, saves as JSON
 
     from orchestrator import topology
     cluster = topology.discover_cluster()                          # one probe task per alive Ray node
+    cluster = topology.discover_cluster(address="auto", timeout_s=300)     # connect for the probes only
     cluster = topology.ClusterTopology.load("examples/topologies/h200-single.json")
+    cluster = topology.load_files(["node-a.txt", "node-b.txt"])   # `nvidia-smi -L; nvidia-smi topo -m` texts
     cluster = topology.machines.cluster([("8xH100-SXM", 4), ("8xL40S", 2)])    # for tests and simulation
     cluster.nvlink_islands, cluster.link(uuid_a, uuid_b)
 """
 
+from orchestrator.topology.discover import discover_cluster
+from orchestrator.topology.files import load_files
 from orchestrator.topology.islands import NvlinkIsland
 from orchestrator.topology.links import LinkKind
 from orchestrator.topology.model import (ClusterTopology, Gpu, GpuLink, MigSlice, Nic, NicKind, NodeTopology,
                                          NumaNode)
 
 __all__ = ["ClusterTopology", "Gpu", "GpuLink", "LinkKind", "MigSlice", "Nic", "NicKind", "NodeTopology",
-           "NumaNode", "NvlinkIsland", "discover_cluster"]
+           "NumaNode", "NvlinkIsland", "discover_cluster", "load_files"]
 
-
-# Not named `discover`: that is the submodule's name, and importing the submodule anywhere rebinds
-# the package attribute to it.
-def discover_cluster(**kwargs) -> ClusterTopology:
-    """Map every alive node of the connected Ray cluster (see orchestrator.topology.discover)."""
-    from orchestrator.topology import discover
-    return discover.discover_cluster(**kwargs)

@@ -12,16 +12,12 @@
 from __future__ import annotations
 
 import argparse
-import os
-import re
-from pathlib import Path
 
 from rich.console import Console
 
-from orchestrator.atomic import read_text
-from orchestrator.errors import TopologyError
-from orchestrator.topology import machines, nvidia_smi
-from orchestrator.topology.model import ClusterTopology, NodeTopology
+from orchestrator.topology import discover_cluster, load_files, machines
+from orchestrator.topology.discover import TIMEOUT_S
+from orchestrator.topology.model import ClusterTopology
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
@@ -36,7 +32,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
                         help=f"a made-up cluster, MACHINE:COUNT,…; machines: {', '.join(machines.MACHINES)}")
     topology.add_argument("--json", metavar="OUT", help="save the map as JSON")
     topology.add_argument("--png", metavar="OUT", help="draw the map (needs matplotlib)")
-    topology.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for every node's probe")
+    add_timeout_argument(topology)
     topology.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     topology.set_defaults(command=_topology)
 
@@ -46,6 +42,12 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
                            help="args (default): flags to splice into `ray start`; json: an object")
     resources.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     resources.set_defaults(command=_node_resources)
+
+
+def add_timeout_argument(parser: argparse.ArgumentParser) -> None:
+    """--timeout for the commands that map the live Ray cluster (topology discovery says to raise it)."""
+    parser.add_argument("--timeout", type=float, default=TIMEOUT_S,
+                        help=f"seconds to wait for every node's topology probe (default {TIMEOUT_S:g})")
 
 
 def _topology(args: argparse.Namespace, console: Console) -> int:
@@ -66,41 +68,10 @@ def _load(args: argparse.Namespace) -> ClusterTopology:
         from orchestrator.topology.probe import probe_local_node
         return ClusterTopology(nodes=[probe_local_node()])
     if args.from_files:
-        return _from_files([Path(f) for f in args.from_files])
+        return load_files(args.from_files)
     if args.generate:
         return machines.cluster(args.generate)
-    return _from_ray(args.address or os.environ.get("RAY_ADDRESS", ""), args.timeout)
-
-
-def _from_files(paths: list[Path]) -> ClusterTopology:
-    nodes: list[NodeTopology] = []
-    for path in paths:
-        text = read_text(path, error=TopologyError, fix="pass a topology JSON or nvidia-smi text file")
-        if text.lstrip().startswith("{"):
-            nodes.extend(ClusterTopology.from_json(text, where=str(path)).nodes)
-        else:
-            nodes.append(nvidia_smi.parse_node(text, node_id=_node_id(path, nodes), source=str(path)))
-    return ClusterTopology(nodes=nodes)
-
-
-def _node_id(path: Path, nodes: list[NodeTopology]) -> str:
-    """The file's name up to its first dot (node-a.txt → node-a), unique among the nodes so far."""
-    base = re.sub(r"[^A-Za-z0-9_.-]+", "-", path.name.split(".")[0]) or "node"
-    taken = {node.node_id for node in nodes}
-    return next(candidate for candidate in (base if k == 0 else f"{base}-{k}" for k in range(len(taken) + 1))
-                if candidate not in taken)
-
-
-def _from_ray(address: str, timeout_s: float) -> ClusterTopology:
-    import ray
-
-    from orchestrator.topology.discover import discover_cluster
-
-    ray.init(address=address or None, log_to_driver=False, include_dashboard=False if not address else None)
-    try:
-        return discover_cluster(timeout_s=timeout_s)
-    finally:
-        ray.shutdown()
+    return discover_cluster(address=args.address or "", timeout_s=args.timeout)
 
 
 def _node_resources(args: argparse.Namespace, console: Console) -> int:

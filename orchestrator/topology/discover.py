@@ -1,7 +1,8 @@
 """Map every alive node of a Ray cluster: one probe task pinned to each node, results joined.
 
     ray.init(address="auto")
-    cluster = discover_cluster()
+    cluster = discover_cluster()                         # the cluster this driver is connected to
+    cluster = discover_cluster(address="auto")          # connect, probe, disconnect (the CLIs)
 
 The probe asks for no CPU and no GPU, so it runs even on a node whose resources are all taken,
 and sees every GPU the node owns (NVML does not care about CUDA_VISIBLE_DEVICES set by Ray for
@@ -10,6 +11,7 @@ GPU tasks; the node's own CUDA_VISIBLE_DEVICES from `ray start` is honoured by t
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from dataclasses import asdict
 
@@ -18,13 +20,32 @@ from orchestrator.topology import codec
 from orchestrator.topology.model import ClusterTopology, NodeTopology
 from orchestrator.topology.probe import probe_local_node
 
+TIMEOUT_S = 120.0
+"""How long discovery waits for every node's probe by default (`--timeout` on the CLIs)."""
+
 
 def _probe() -> dict:
     # A plain dict crosses the object store: no dependence on pickling our dataclasses.
     return asdict(probe_local_node())
 
 
-def discover_cluster(*, timeout_s: float = 120.0) -> ClusterTopology:
+def discover_cluster(*, address: str | None = None, timeout_s: float = TIMEOUT_S) -> ClusterTopology:
+    """address None: the Ray cluster this process is connected to (ClusterError when it is not).
+    Otherwise connect to `address` ("auto", "ray://host:10001", host:port; "" for RAY_ADDRESS, else
+    an embedded cluster) for the probes and disconnect after."""
+    if address is None:
+        return _probe_every_node(timeout_s)
+    import ray
+
+    address = address or os.environ.get("RAY_ADDRESS", "")
+    ray.init(address=address or None, log_to_driver=False, include_dashboard=False if not address else None)
+    try:
+        return _probe_every_node(timeout_s)
+    finally:
+        ray.shutdown()
+
+
+def _probe_every_node(timeout_s: float) -> ClusterTopology:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

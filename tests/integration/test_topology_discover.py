@@ -53,3 +53,12 @@ def test_discovery_without_ray_says_how_to_connect(cluster):
             discover_cluster()
     finally:
         ray.init(address=cluster[0].address, log_to_driver=False)
+
+
+def test_discovery_at_an_address_connects_for_the_probes_only(cluster):
+    ray.shutdown()
+    try:
+        topology = discover_cluster(address=cluster[0].address, timeout_s=60)
+        assert len(topology.nodes) == 3 and not ray.is_initialized()
+    finally:
+        ray.init(address=cluster[0].address, log_to_driver=False)
