@@ -1,9 +1,10 @@
 """What a training step costs: collective times (alpha–beta), compute time, and dollars.
 
     collectives = CollectiveCostModel()                        # or CollectiveCostModel.load("nccl-tests.json")
-    hop = collectives.hop(LinkClass.INFINIBAND, nominal_gb_per_s=400)
-    collectives.allreduce_seconds(2**30, ranks=16, hop=hop, algorithm=AllReduce.RING)
-    ComputeModel().micro_step_seconds(peak_tflops=989.4, flops=6e12, n_embd=768, n_layer=12)
+    hop = collectives.hop(LinkClass.INFINIBAND, nominal_gb_per_s=50)
+    seconds, latency = collectives.ring_allreduce(2**30, ranks=16, hop=hop)
+    collectives.gradient_reduction(2**30, ranks=16, world_hop=hop).seconds()     # the fastest algorithm
+    ComputeModel().gpu_samples_per_second(peak_tflops=989.4, flops_per_sample=6e12, n_embd=768)
     PriceTable().dollars_per_hour("H100-SXM5-80GB", spot=False)
 
 Collectives follow the alpha–beta model: a collective of n bytes over p ranks takes

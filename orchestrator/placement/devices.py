@@ -1,6 +1,7 @@
 """What the planner places workers on: devices, grouped into domains of identical, closely linked devices.
 
-    pool = DevicePool.from_topology(topology, collectives, job)   # GPUs and MIG slices, or CPU slots
+    pool = DevicePool.gpus(topology, collectives, dtype="bf16", use_mig=True)      # GPUs and MIG slices
+    pool = DevicePool.cpus(topology, collectives, cores_per_worker=4, cpu_gflops_per_core=100.0)  # CPU slots
     pool.domains              # each: one node's devices of one kind that share a fast interconnect
 
 A domain is the unit a hierarchical all-reduce reduces inside: an NVLink island (one GPU model),
