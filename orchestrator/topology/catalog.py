@@ -10,6 +10,7 @@ has them. A dtype missing from `peak_tflops` has no fast path on that GPU (bf16 
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -115,6 +116,7 @@ _BY_KEY = {model.key: model for model in MODELS}
 _NVLINK_GENERATION_BY_CC_MAJOR = {6: 1, 7: 2, 8: 3, 9: 4, 10: 5}
 
 
+@functools.cache  # a cluster has a handful of names, asked for once per GPU and per link
 def lookup(name: str) -> GpuModel | None:
     """The catalog entry for a GPU name as NVML prints it, or None for a GPU the catalog lacks."""
     return next((model for model in MODELS if re.search(model.name_pattern, name, re.IGNORECASE)), None)
