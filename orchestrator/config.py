@@ -275,6 +275,16 @@ class PlacementConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class ElasticConfig:
+    """How the job rides out workers coming and going (see orchestrator/elastic.py)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class BillConfig:
+    """Cost and convergence accounting: targets, alerts and exports (see orchestrator/report.py)."""
+
+
+@dataclass(kw_only=True, slots=True)
 class JobConfig:
     name: str = "run"
     """Run name: outputs go to <runs_dir>/<name>/."""
@@ -288,6 +298,8 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    bill: BillConfig = field(default_factory=BillConfig)
 
     def __post_init__(self) -> None:
         _check(self.train.precision != "fp8" or self.compile.enable, "[train] precision",
