@@ -88,7 +88,8 @@ class PowerSgdHookState(HookState):
     inner: powersgd.PowerSGDState | None = None
 
     def __post_init__(self) -> None:
-        self.inner = powersgd.PowerSGDState(process_group=self.group, matrix_approximation_rank=self.rank,
+        self.inner = powersgd.PowerSGDState(process_group=None,  # the default group: every DDP rank
+                                            matrix_approximation_rank=self.rank,
                                             start_powerSGD_iter=max(2, self.warmup_steps),
                                             use_error_feedback=True, warm_start=True)
 
