@@ -1,0 +1,431 @@
+"""Multi-GPU measurements on every GPU of one machine: the engine under DDP and FSDP2 against plain
+PyTorch DDP + torch.compile, an all-reduce sweep that recalibrates the cost model, the planner's
+prediction against the measured step, and the DDP comm hooks against plain all-reduce.
+
+    python3 benchmarks/multigpu.py --out $OUT            # all sections on every visible GPU
+    python3 benchmarks/multigpu.py --out $OUT --only hooks --world 1   # hook compute cost on one GPU
+    python3 benchmarks/multigpu.py --cpu --world 2 --out /tmp/mg       # gloo, tiny model: checks the script
+
+Sections (--only picks some):
+  sweep   all-reduce of 1 MB–1 GB over all ranks: bus bandwidth per size, and the (alpha, bus GB/s)
+          calibration row for the machine's link class (calibration.json; `CollectiveCostModel.load`)
+  train   per model: engine DDP, engine FSDP2 and plain DDP + compile on all ranks, the engine alone on
+          one GPU; tokens/s per GPU, MFU, scaling efficiency, exposed communication and overlap
+  plan    the planner's plan for the same job on this machine's probed topology: predicted step time
+          against the measured engine DDP step (topology.json is the probe's map)
+  hooks   GPT-2 124M on real text (the standard library's .py bytes) for --hook-steps steps per hook:
+          step time, final loss and bytes per step; the hook's own compute cost from a one-rank run
+          gives the link bandwidth below which it beats plain all-reduce
+
+Every figure is a median over timed steps after warm-up, between CUDA synchronisations. Rank 0
+writes the results; each configuration runs in fresh processes so compile caches do not leak.
+Needs no Ray. Keep NCCL's NVLink multicast off on the lent machines (NCCL_NVLS_ENABLE=0; set here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import socket
+import statistics
+import sys
+import sysconfig
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from orchestrator import placement  # noqa: E402
+from orchestrator.config import JobConfig  # noqa: E402
+from orchestrator.placement.plan import Plan  # noqa: E402
+from orchestrator.topology import catalog  # noqa: E402
+from orchestrator.topology.model import ClusterTopology  # noqa: E402
+from orchestrator.topology.probe import probe_local_node  # noqa: E402
+from workers.engine import Engine  # noqa: E402
+from workers.models.gpt import GPT  # noqa: E402
+
+# name: (model section, micro-batch per GPU)
+GPU_MODELS = {
+    "gpt2-124m": ({"n_layer": 12, "n_head": 12, "n_embd": 768, "seq_len": 1024, "vocab_size": 50304}, 32),
+    "gpt-1.3b": ({"n_layer": 24, "n_head": 16, "n_embd": 2048, "seq_len": 2048, "vocab_size": 50304}, 8),
+}
+CPU_MODELS = {"tiny": ({"n_layer": 2, "n_head": 4, "n_embd": 128, "seq_len": 64, "vocab_size": 257}, 4)}
+HOOKS = ("allreduce", "bf16", "powersgd", "topk")
+SWEEP_MB = (1, 4, 16, 64, 256, 1024)
+
+
+# ---- launching ----------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, cpu: bool, fn, args, errors) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
+    if not cpu:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("gloo" if cpu else "nccl", rank=rank, world_size=world,
+                            device_id=None if cpu else torch.device("cuda", rank))
+    try:
+        fn(rank, world, cpu, *args)
+    except BaseException:
+        errors.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, cpu: bool, fn, *args) -> dict:
+    """Runs fn(rank, world, cpu, *args, out_path) in `world` fresh processes; returns what rank 0 wrote."""
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"multigpu-{os.getpid()}-{time.monotonic_ns()}.json"
+    errors = mp.get_context("spawn").SimpleQueue()
+    try:
+        mp.spawn(_entry, args=(world, _free_port(), cpu, fn, (*args, str(out)), errors), nprocs=world)
+    except mp.ProcessRaisedException:
+        rank, text = errors.get()
+        return {"error": f"rank {rank}: {text.strip().splitlines()[-1][:300]}"}
+    result = json.loads(out.read_text())
+    out.unlink()
+    return result
+
+
+def _device(rank: int, cpu: bool) -> torch.device:
+    return torch.device("cpu") if cpu else torch.device("cuda", rank)
+
+
+def _sync(cpu: bool) -> None:
+    if not cpu:
+        torch.cuda.synchronize()
+
+
+def _median_step(step, warmup: int, steps: int, cpu: bool) -> tuple[float, float]:
+    """(median seconds per step, warm-up seconds incl. compile); every rank times the same steps."""
+    started = time.perf_counter()
+    for _ in range(warmup):
+        step()
+    _sync(cpu)
+    dist.barrier()
+    warm = time.perf_counter() - started
+    times = []
+    for _ in range(steps):
+        _sync(cpu)
+        begin = time.perf_counter()
+        step()
+        _sync(cpu)
+        times.append(time.perf_counter() - begin)
+    # The slowest rank sets the pace of a synchronous step.
+    median = torch.tensor([statistics.median(times)], device="cpu" if cpu else "cuda")
+    dist.all_reduce(median, op=dist.ReduceOp.MAX)
+    return float(median), warm
+
+
+# ---- sweep --------------------------------------------------------------------------------------
+def sweep(rank: int, world: int, cpu: bool, out_path: str) -> None:
+    device = _device(rank, cpu)
+    rows = []
+    for mb in SWEEP_MB if not cpu else SWEEP_MB[:3]:
+        x = torch.ones(mb * 2**20 // 4, device=device)
+        seconds, _ = _median_step(lambda: dist.all_reduce(x), 3, 10 if mb < 256 else 5, cpu)
+        bus = 2 * (world - 1) / world * x.numel() * 4 / seconds / 1e9 if world > 1 else 0.0
+        rows.append({"mb": mb, "ms": round(seconds * 1e3, 3), "bus_gb_per_s": round(bus, 1)})
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(rows))
+
+
+def calibration_row(rows: list[dict], world: int) -> dict:
+    """Least squares of t = 2(n-1)·alpha + 2(n-1)/n · bytes / bus over the sweep (the ring model the
+    cost model uses), so the planner's predictions follow this machine."""
+    steps = 2 * (world - 1)
+    xs = [steps / world * r["mb"] * 2**20 for r in rows]
+    ts = [r["ms"] / 1e3 for r in rows]
+    n, sx, st = len(xs), sum(xs), sum(ts)
+    slope = (n * sum(x * t for x, t in zip(xs, ts)) - sx * st) / (n * sum(x * x for x in xs) - sx * sx)
+    intercept = (st - slope * sx) / n
+    return {"alpha_us": round(max(intercept, 0.0) / steps * 1e6, 2), "bus_gb_per_s": round(1 / slope / 1e9, 1)}
+
+
+# ---- train --------------------------------------------------------------------------------------
+def _job(model: dict, micro: int, world: int, cpu: bool, **sections) -> JobConfig:
+    data = {"model": model,
+            "train": {"global_batch_size": micro * world, "micro_batch_size": micro, "lr": 3e-4, "min_lr": 3e-4,
+                      "warmup_steps": 0, "precision": "fp32" if cpu else "bf16", "log_every": 1000},
+            "compile": {"enable": not cpu}, "cluster": {"num_workers": world, "use_gpu": not cpu}}
+    for name, values in sections.items():
+        data.setdefault(name, {}).update(values)
+    return JobConfig.from_dict(data)
+
+
+def _batches(config: JobConfig, rank: int, cpu: bool, count: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + rank)
+    shape = (config.train.micro_batch_size, config.model.seq_len + 1)
+    return [torch.randint(0, config.model.vocab_size, shape, generator=g).to(_device(rank, cpu)) for _ in range(count)]
+
+
+def engine_run(rank: int, world: int, cpu: bool, model: dict, micro: int, strategy: str, warmup: int, steps: int,
+               out_path: str) -> None:
+    config = _job(model, micro, world, cpu, parallel={"strategy": strategy})
+    # One DDP timing sample, inside the timed steps: every sampled step waits on the last one's events.
+    config.train.log_every = warmup + steps - 1
+    plan = Plan.uniform(job_name="multigpu", world_size=world, micro_batch_size=micro, grad_accum_steps=1,
+                        seq_len=config.model.seq_len, data_parallel=strategy)
+    engine = Engine(config, plan, rank, _device(rank, cpu))
+    batch = _batches(config, rank, cpu, 1)
+    seconds, warm = _median_step(lambda: engine(batch, 3e-4), warmup, steps, cpu)
+    metrics = engine.window_metrics()
+    if rank == 0:
+        Path(out_path).write_text(json.dumps({
+            "step_s": seconds, "warmup_s": warm, "flops_per_token": engine.model.flops_per_token(),
+            "exposed_comm_s": metrics.get("exposed_comm_s"), "comm_s": metrics.get("comm_s"),
+            "overlap_ratio": metrics.get("overlap_ratio"),
+            "peak_mem_GiB": None if cpu else torch.cuda.max_memory_allocated() / 2**30}))
+
+
+def plain_ddp_run(rank: int, world: int, cpu: bool, model: dict, micro: int, warmup: int, steps: int,
+                  out_path: str) -> None:
+    """The baseline a user writes: DDP around the same GPT, torch.compile (DDPOptimizer), bf16 autocast,
+    fused AdamW, full-logits loss."""
+    config = _job(model, micro, world, cpu)
+    device = _device(rank, cpu)
+    torch.manual_seed(0)
+    net = GPT(config.model).to(device)
+    ddp = torch.nn.parallel.DistributedDataParallel(net, device_ids=None if cpu else [rank])
+    forward = ddp if cpu else torch.compile(ddp)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=3e-4, fused=not cpu)
+    (batch,) = _batches(config, rank, cpu, 1)
+
+    def step() -> None:
+        with torch.autocast(device.type, torch.bfloat16, enabled=not cpu):
+            loss = forward(batch[:, :-1], batch[:, 1:], chunked_loss=False)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    seconds, warm = _median_step(step, warmup, steps, cpu)
+    if rank == 0:
+        Path(out_path).write_text(json.dumps({"step_s": seconds, "warmup_s": warm,
+                                              "flops_per_token": net.flops_per_token()}))
+
+
+def _row(what: str, name: str, result: dict, world: int, tokens_per_step_per_rank: int, peak: float | None) -> dict:
+    if "error" in result:
+        return {"model": name, "config": what, "world": world, **result}
+    per_gpu = tokens_per_step_per_rank / result["step_s"]
+    row = {"model": name, "config": what, "world": world, "step_ms": round(result["step_s"] * 1e3, 2),
+           "tokens_per_s_per_gpu": round(per_gpu), "warmup_s": round(result["warmup_s"], 1)}
+    if peak:
+        row["mfu"] = round(per_gpu * result["flops_per_token"] / peak, 4)
+    for key in ("exposed_comm_s", "overlap_ratio", "peak_mem_GiB"):
+        if result.get(key) is not None:
+            row[key] = round(result[key], 4)
+    return row
+
+
+def train_section(args, world: int, peak: float | None) -> list[dict]:
+    rows = []
+    for name, (model, micro) in (CPU_MODELS if args.cpu else GPU_MODELS).items():
+        if args.models and name not in args.models:
+            continue
+        tokens = micro * model["seq_len"]
+        single = run_ranks(1, args.cpu, engine_run, model, micro, "ddp", args.warmup, args.steps)
+        group = {"single": _row("engine, 1 GPU", name, single, 1, tokens, peak)}
+        for strategy in ("ddp", "fsdp"):
+            result = run_ranks(world, args.cpu, engine_run, model, micro, strategy, args.warmup, args.steps)
+            group[strategy] = _row(f"engine {strategy}", name, result, world, tokens, peak)
+        plain = run_ranks(world, args.cpu, plain_ddp_run, model, micro, args.warmup, args.steps)
+        group["plain"] = _row("plain DDP + compile", name, plain, world, tokens, peak)
+        for key in ("ddp", "fsdp", "plain"):
+            row = group[key]
+            if "error" in row or "error" in group["single"]:
+                continue
+            row["scaling_efficiency"] = round(row["tokens_per_s_per_gpu"] / group["single"]["tokens_per_s_per_gpu"], 3)
+            # What the step costs beyond the same work on one GPU: communication not hidden (FSDP2 and
+            # plain DDP have no DDP timers of ours, so this is the comparable figure for all three).
+            row["step_overhead_vs_1gpu"] = round(row["step_ms"] / group["single"]["step_ms"] - 1, 4)
+            if key != "plain" and "error" not in group["plain"]:
+                row["vs_plain_ddp_compile"] = round(row["tokens_per_s_per_gpu"] / group["plain"]["tokens_per_s_per_gpu"], 3)
+        rows += group.values()
+        for row in group.values():
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+# ---- plan ---------------------------------------------------------------------------------------
+def plan_section(args, world: int, topology: ClusterTopology, calibration: dict | None, measured: list[dict]) -> list[dict]:
+    rows = []
+    for name, (model, micro) in (CPU_MODELS if args.cpu else GPU_MODELS).items():
+        ddp = next((r for r in measured if r["model"] == name and r["config"] == "engine ddp" and "step_ms" in r), None)
+        if ddp is None:
+            continue
+        config = _job(model, micro, world, args.cpu, placement={"min_gpus": world, "max_gpus": world})
+        for label, table in (("built-in link table", None), ("recalibrated from the sweep", calibration)):
+            if label != "built-in link table" and table is None:
+                continue
+            kwargs = {}
+            if table is not None:
+                from orchestrator.cost import CollectiveCostModel, parse_calibration
+                kwargs["collectives"] = CollectiveCostModel(parse_calibration(table, where="sweep"))
+            try:
+                plan = placement.make_plan(topology, config, **kwargs)
+            except Exception as e:  # the measurement stands even where the planner refuses
+                rows.append({"model": name, "calibration": label, "error": f"{type(e).__name__}: {e}"[:300]})
+                continue
+            predicted = plan.predicted.step_seconds * 1e3
+            rows.append({"model": name, "calibration": label, "predicted_step_ms": round(predicted, 2),
+                         "measured_step_ms": ddp["step_ms"],
+                         "error": round(predicted / ddp["step_ms"] - 1, 4)})
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+# ---- hooks --------------------------------------------------------------------------------------
+def _text_tokens() -> np.ndarray:
+    """Bytes of the running Python's standard library: real text every machine has."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks = [p.read_bytes() for p in sorted(root.glob("*.py"))]
+    return np.frombuffer(b"\x00".join(chunks), dtype=np.uint8)
+
+
+def hook_run(rank: int, world: int, cpu: bool, model: dict, micro: int, hook: str, steps: int, out_path: str) -> None:
+    config = _job(model, micro, world, cpu, parallel={"comm_hook": hook, "comm_warmup_steps": 10})
+    config.train.lr, config.train.min_lr = 6e-4, 6e-4
+    plan = Plan.uniform(job_name="hooks", world_size=world, micro_batch_size=micro, grad_accum_steps=1,
+                        seq_len=config.model.seq_len)
+    engine = _hooked_engine(config, plan, rank, world, cpu)
+    tokens = torch.from_numpy(_text_tokens().astype(np.int64))
+    span = config.model.seq_len + 1
+    g = torch.Generator().manual_seed(7)
+    device = _device(rank, cpu)
+    losses, times, comm_bytes = [], [], 0
+    for step in range(steps):
+        starts = torch.randint(0, len(tokens) - span, (world, micro), generator=g)[rank]
+        batch = torch.stack([tokens[s:s + span] for s in starts.tolist()]).to(device)
+        _sync(cpu)
+        begin = time.perf_counter()
+        loss, _ = engine([batch], config.train.lr)
+        _sync(cpu)
+        times.append(time.perf_counter() - begin)
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / world)
+        if step == 19:  # bytes of the compressed steps only (after comm_warmup_steps)
+            engine.comm_stats.take()
+    comm_bytes = engine.comm_stats.take()
+    if rank == 0:
+        Path(out_path).write_text(json.dumps({
+            "step_s": statistics.median(times[20:]), "final_loss": statistics.mean(losses[-10:]),
+            "bytes_per_step": comm_bytes / (steps - 20)}))
+
+
+def _hooked_engine(config: JobConfig, plan: Plan, rank: int, world: int, cpu: bool) -> Engine:
+    """An engine whose DDP and hook run even on one rank (the engine skips DDP when alone), so one GPU
+    measures a hook's own compute: the all-reduce of one rank moves nothing."""
+    if world > 1:
+        return Engine(config, plan, rank, _device(rank, cpu))
+    import workers.parallel as parallel
+    original = dist.get_world_size
+    try:  # wrap() asks the world size to decide whether to wrap at all
+        parallel.dist.get_world_size = lambda *a, **k: 2
+        engine = Engine(config, plan, rank, _device(rank, cpu))
+    finally:
+        parallel.dist.get_world_size = original
+    engine.wrapped.hook_state.world_size = 1
+    return engine
+
+
+def hooks_section(args, world: int) -> list[dict]:
+    name, (model, micro) = next(iter((CPU_MODELS if args.cpu else GPU_MODELS).items()))
+    rows = []
+    for hook in HOOKS:
+        on_world = run_ranks(world, args.cpu, hook_run, model, micro, hook, args.hook_steps)
+        alone = on_world if world == 1 else run_ranks(1, args.cpu, hook_run, model, micro, hook, 40)
+        rows.append({"model": name, "hook": hook, "world": world, **{k: v for k, v in on_world.items()},
+                     "alone_step_s": alone.get("step_s"), "alone_bytes_per_step": alone.get("bytes_per_step")})
+    base = next(r for r in rows if r["hook"] == "allreduce")
+    for row in rows:
+        if "error" in row or "error" in base or row["hook"] == "allreduce":
+            continue
+        row["step_vs_allreduce"] = round(row["step_s"] / base["step_s"], 3)
+        row["loss_vs_allreduce"] = round(row["final_loss"] / base["final_loss"] - 1, 4)
+        # The hook wins when the time its saved bytes take on the wire exceeds its own compute:
+        # saved_bytes / bandwidth > cost, i.e. below bandwidth = saved_bytes / cost. The bytes are one
+        # rank's share of a ring all-reduce (2(n-1)/n of the bucket) against what the hook sends.
+        cost = row["alone_step_s"] - base["alone_step_s"]
+        n = max(world, 2)
+        full = base["bytes_per_step"] if world > 1 else base["alone_bytes_per_step"] * 2 * (n - 1) / n
+        sent = row["bytes_per_step"] if world > 1 else row["alone_bytes_per_step"] * (2 * (n - 1) / n if row["hook"] == "bf16" else 1)
+        row["hook_compute_ms"] = round(cost * 1e3, 3)
+        row["break_even_gb_per_s"] = round((full - sent) / cost / 1e9, 2) if cost > 0 else math.inf
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+# ---- main ---------------------------------------------------------------------------------------
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="folder for multigpu.json, topology.json, calibration.json")
+    parser.add_argument("--only", nargs="+", choices=("sweep", "train", "plan", "hooks"),
+                        default=("sweep", "train", "plan", "hooks"))
+    parser.add_argument("--world", type=int, default=0, help="ranks; 0 is every visible GPU")
+    parser.add_argument("--models", nargs="+", choices=list(GPU_MODELS) + list(CPU_MODELS))
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--hook-steps", type=int, default=200)
+    parser.add_argument("--cpu", action="store_true", help="gloo on CPU processes with a tiny model")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    world = args.world or (2 if args.cpu else torch.cuda.device_count())
+    if world < 1:
+        sys.exit("no CUDA GPU visible: run on a GPU machine, or pass --cpu for a gloo check of the script")
+    peak = None
+    topology = ClusterTopology(nodes=[probe_local_node()])
+    if not args.cpu:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        model = catalog.lookup(torch.cuda.get_device_name())
+        peak = model.peak_tflops["bf16"] * 1e12 if model else None
+        topology.save(out / "topology.json")
+    results: dict = {"world": world, "device": "cpu" if args.cpu else torch.cuda.get_device_name(),
+                     "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    calibration = None
+    if "sweep" in args.only and world > 1:
+        results["sweep"] = run_ranks(world, args.cpu, sweep)
+        if "error" not in results["sweep"]:
+            link = "loopback" if args.cpu else _link_class(topology)
+            calibration = {link: calibration_row(results["sweep"], world)}
+            (out / "calibration.json").write_text(json.dumps(calibration, indent=1))
+            results["calibration"] = calibration
+        print(json.dumps({"sweep": results["sweep"], "calibration": calibration}), flush=True)
+    if "train" in args.only:
+        results["train"] = train_section(args, world, peak)
+    if "plan" in args.only and "train" in results:
+        results["plan"] = plan_section(args, world, topology, calibration, results["train"])
+    if "hooks" in args.only:
+        results["hooks"] = hooks_section(args, world)
+    (out / "multigpu.json").write_text(json.dumps(results, indent=1))
+
+
+def _link_class(topology: ClusterTopology) -> str:
+    """The class of the slowest link between this machine's GPUs (the ring's bottleneck)."""
+    from orchestrator.cost import LinkClass
+    links = [link for node in topology.nodes for link in node.gpu_links]
+    kinds = {getattr(link, "kind", None) for link in links}
+    if not links or kinds - {"nvlink", "nvswitch"}:
+        return LinkClass.PCIE.value
+    return LinkClass.NVSWITCH.value if "nvswitch" in kinds else LinkClass.NVLINK.value
+
+
+if __name__ == "__main__":
+    mp.set_start_method("spawn", force=True)
+    main()
