@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import tomllib
 import types
 import typing
@@ -276,12 +277,106 @@ class PlacementConfig:
 
 @dataclass(kw_only=True, slots=True)
 class ElasticConfig:
-    """How the job rides out workers coming and going (see orchestrator/elastic.py)."""
+    """How the job rides out workers coming and going (see orchestrator/elastic.py).
+
+    On every start of the worker group (the first, and each restart after a failure, a preemption
+    or a resize) the driver plans again for the workers Ray actually granted; the global batch and
+    the learning-rate schedule stay as [train] says, and training resumes at the exact next sample
+    of the newest committed checkpoint."""
+
+    min_workers: int = 0
+    """Fewest workers the job runs on: Ray Train starts or restarts it with anything from min_workers
+    to the planned size ([cluster] num_workers on CPUs, the plan's GPUs on GPUs) and grows it again
+    when capacity returns. 0 keeps the size fixed."""
+    max_failures: int = 3
+    """Worker failures (a process or node that dies) the run recovers from, restarting from the newest
+    committed checkpoint each time; one more stops the run with a FailureBudgetError. -1 = no limit."""
+    max_preemption_failures: int = -1
+    """Preemptions (a node drained with notice, e.g. a spot reclaim) the run recovers from, counted
+    apart from max_failures. -1 = no limit, 0 = none."""
+    preemption_grace_s: float = 0.0
+    """Seconds the surviving workers may run past a preemption deadline (to finish the checkpoint
+    taken on notice) before Ray Train tears them down."""
+    preemption_check_steps: int = 1
+    """Steps between polls of Ray's preemption notice; on notice every worker commits a checkpoint at
+    once. Each poll is a barrier across the workers (a few ms), so 1 loses no committed step."""
+    resize_check_s: float = 60.0
+    """Seconds between Ray Train's checks for capacity to grow a running elastic job (Ray's
+    elastic_resize_monitor_interval_s); a grow restarts the workers from the newest checkpoint."""
+    sample_ledger: bool = False
+    """Record, in every checkpoint, the global sample ids of every committed step (8 bytes per sample
+    trained so far), so a test can prove each sample was used exactly once (storage/ledger.py)."""
+
+    def __post_init__(self) -> None:
+        _check(self.min_workers >= 0, "[elastic] min_workers", f"must be 0 or more, got {self.min_workers}",
+               "set min_workers = 0 for a fixed size, or the fewest workers the job may run on")
+        for name in ("max_failures", "max_preemption_failures"):
+            value = getattr(self, name)
+            _check(value >= -1, f"[elastic] {name}", f"must be -1 (no limit) or more, got {value}",
+                   f"set {name} = -1 for no limit, 0 to stop at the first, or a count")
+        _check(self.preemption_grace_s >= 0, "[elastic] preemption_grace_s",
+               f"must be 0 or more, got {self.preemption_grace_s}", "set preemption_grace_s = 0.0")
+        _positive("elastic", preemption_check_steps=self.preemption_check_steps)
+        _check(self.resize_check_s >= 0, "[elastic] resize_check_s", f"must be 0 or more, got {self.resize_check_s}",
+               "set resize_check_s = 60.0")
+
+
+@dataclass(kw_only=True, slots=True)
+class AlertsConfig:
+    """Alerts printed on the driver while training runs and listed in the report (orchestrator/alerts.py).
+    Each is on by default; 0 (or false) turns one off."""
+
+    cost_rise_percent: float = 25.0
+    """Alert when the dollars per 1,000 steps over the last `cost_window_steps` steps exceed those of
+    the window before by more than this percentage (slower steps, a resize to pricier devices,
+    steps redone after a restart)."""
+    cost_window_steps: int = 100
+    """Steps in each of the two windows the cost alert compares."""
+    val_patience_steps: int = 1000
+    """Alert when the validation loss has not improved on its best for this many steps."""
+    mfu_floor: float = 0.2
+    """Alert when a log window's model FLOPs utilisation on GPUs falls below this share of peak
+    (CPU workers' MFU is against a nominal peak and is not held to it)."""
+    skipped_steps: bool = True
+    """Alert when steps are skipped because their gradients held inf/NaN (fp16 loss scaling), or a
+    reported loss is not finite."""
+    recompilations: bool = True
+    """Alert when torch.compile recompiles after the first log window (shapes or guards changing
+    mid-run cost a compile each time)."""
+
+    def __post_init__(self) -> None:
+        for name in ("cost_rise_percent", "mfu_floor"):
+            _check(getattr(self, name) >= 0, f"[bill.alerts] {name}", f"must be 0 or more, got {getattr(self, name)}",
+                   f"set {name} = 0 to turn this alert off")
+        _check(self.mfu_floor < 1, "[bill.alerts] mfu_floor", f"is a share of peak below 1, got {self.mfu_floor}",
+               "write a share, e.g. mfu_floor = 0.2 for 20%")
+        _positive("bill.alerts", cost_window_steps=self.cost_window_steps)
+        _check(self.val_patience_steps >= 0, "[bill.alerts] val_patience_steps",
+               f"must be 0 or more, got {self.val_patience_steps}", "set val_patience_steps = 0 to turn this alert off")
 
 
 @dataclass(kw_only=True, slots=True)
 class BillConfig:
-    """Cost and convergence accounting: targets, alerts and exports (see orchestrator/report.py)."""
+    """Cost and convergence accounting: targets, alerts and exports (orchestrator/bill.py, report.py)."""
+
+    targets: list[float] = field(default_factory=list)
+    """Validation losses to price, e.g. [3.0, 2.5, 2.2]: the report gives the dollars and GPU-hours at
+    which the run first reached each, and projects the cost of the first one not reached yet."""
+    prices_file: str = ""
+    """A TOML or JSON file of device prices per hour that replaces rows of orchestrator/cost.py's table:
+    "H100-SXM5-80GB" = { on_demand = 2.49, spot = 1.25 } (a column left out keeps the default);
+    `[placement] prices` override it in turn. Relative paths are from the working directory."""
+    tensorboard: bool = True
+    """Write the bill's per-step numbers as TensorBoard events into <run>/tensorboard/."""
+    prometheus: bool = True
+    """Export loss, tokens/s, MFU and dollars as Prometheus metrics through Ray's metrics agent
+    (ray.util.metrics; scraped from each node's metrics export port)."""
+    alerts: AlertsConfig = field(default_factory=AlertsConfig)
+
+    def __post_init__(self) -> None:
+        for i, target in enumerate(self.targets):
+            _check(0 < target < float("inf"), f"[bill] targets[{i}]", f"must be a positive loss, got {target}",
+                   "list validation losses to reach, e.g. targets = [3.0, 2.5]")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -310,17 +405,41 @@ class JobConfig:
                'use ddp_mode = "ddp_optimizer" with a comm hook, or comm_hook = "allreduce"')
         _check(bool(self.name) and "/" not in self.name and self.name not in (".", ".."), "name",
                f"{self.name!r} is not a usable run name", 'use letters, digits, "-" and "_", e.g. name = "cpu-tiny"')
-        # CPU workers are num_workers identical slots; GPU jobs get their worker count and
-        # micro-batches from the planner, which refuses a global batch it cannot split.
+        # A fixed number of CPU workers are identical slots that split the batch evenly; GPU jobs and
+        # elastic jobs get their micro-batches from the planner for the workers they are granted.
+        elastic = self.elastic.min_workers > 0
+        _check(not elastic or self.elastic.min_workers <= self.cluster.num_workers, "[elastic] min_workers",
+               f"{self.elastic.min_workers} is above [cluster] num_workers = {self.cluster.num_workers}",
+               "set min_workers to at most num_workers, or 0 for a fixed size")
+        if self.cluster.use_gpu:
+            return
+        if elastic:
+            self._check_batch_splits(range(self.elastic.min_workers, self.cluster.num_workers + 1))
+            return
         per_pass = self.train.micro_batch_size * self.cluster.num_workers
-        _check(self.cluster.use_gpu or self.train.global_batch_size % per_pass == 0, "[train] global_batch_size",
+        _check(self.train.global_batch_size % per_pass == 0, "[train] global_batch_size",
                f"{self.train.global_batch_size} is not a multiple of micro_batch_size × num_workers = "
                f"{self.train.micro_batch_size} × {self.cluster.num_workers} = {per_pass}",
                f"set global_batch_size to a multiple of {per_pass} (e.g. {per_pass * max(1, round(self.train.global_batch_size / per_pass))})")
 
+    def _check_batch_splits(self, world_sizes: range) -> None:
+        """Every worker count the elastic range allows can split the global batch: some accumulation
+        count a leaves global_batch / a samples per micro-step, between one and micro_batch_size per worker."""
+        batch, micro = self.train.global_batch_size, self.train.micro_batch_size
+        bad = [w for w in world_sizes
+               if not any(batch % a == 0 and w <= batch // a <= w * micro for a in range(1, batch + 1))]
+        if not bad:
+            return
+        lcm = math.lcm(*world_sizes)
+        _check(False, "[train] global_batch_size",
+               f"{batch} samples cannot be split over {' or '.join(map(str, bad))} workers of at most "
+               f"micro_batch_size = {micro} (the [elastic] range is {world_sizes.start}–{world_sizes.stop - 1} workers)",
+               f"make global_batch_size a multiple of {lcm} (e.g. {lcm * max(1, round(batch / lcm))}), raise "
+               "micro_batch_size, or narrow the range with [elastic] min_workers")
+
     @property
     def grad_accum_steps(self) -> int:
-        """Accumulation on num_workers identical CPU workers (for GPU jobs the plan decides)."""
+        """Accumulation on num_workers identical CPU workers (for GPU and elastic jobs the plan decides)."""
         return self.train.global_batch_size // (self.train.micro_batch_size * self.cluster.num_workers)
 
     @property
@@ -364,15 +483,16 @@ def _build(cls: type, data: dict[str, Any], section: str) -> Any:
             close = difflib.get_close_matches(key, names, n=1)
             fix = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(names)}"
             raise ConfigError("unknown key", where=where, fix=fix)
-        kwargs[key] = _convert(value, hints[key], where, key)
+        kwargs[key] = _convert(value, hints[key], where, key, f"{section}.{key}" if section else key)
     return cls(**kwargs)
 
 
-def _convert(value: Any, hint: Any, where: str, key: str) -> Any:
+def _convert(value: Any, hint: Any, where: str, key: str, path: str) -> Any:
+    """`value` as type `hint`; `path` is the dotted TOML name a nested section is written under ("bill.alerts")."""
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
-            raise ConfigError(f"must be a table, got {type(value).__name__}", where=key, fix=f"write it as a [{key}] section")
-        return _build(hint, value, section=key)
+            raise ConfigError(f"must be a table, got {type(value).__name__}", where=path, fix=f"write it as a [{path}] section")
+        return _build(hint, value, section=path)
     origin = typing.get_origin(hint)
     if origin is Literal:
         choices = typing.get_args(hint)
@@ -381,11 +501,15 @@ def _convert(value: Any, hint: Any, where: str, key: str) -> Any:
                               fix=f"set it to one of {', '.join(map(repr, choices))}")
         return value
     if origin in (typing.Union, types.UnionType):
-        return _convert(value, next(a for a in typing.get_args(hint) if a is not type(None)), where, key)
+        return _convert(value, next(a for a in typing.get_args(hint) if a is not type(None)), where, key, path)
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"must be a table, got {value!r}", where=where, fix=f"write it as {key} = {{ name = value }}")
-        return {name: _convert(item, typing.get_args(hint)[1], f"{where}.{name}", key) for name, item in value.items()}
+        return {name: _convert(item, typing.get_args(hint)[1], f"{where}.{name}", key, path) for name, item in value.items()}
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"must be a list, got {value!r}", where=where, fix=f"write it as {key} = [ ... ]")
+        return [_convert(item, typing.get_args(hint)[0], f"{where}[{i}]", key, path) for i, item in enumerate(value)]
     expected = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[hint]
     ok = isinstance(value, hint) and not (hint is int and isinstance(value, bool))
     if hint is float and isinstance(value, int) and not isinstance(value, bool):

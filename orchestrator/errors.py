@@ -52,3 +52,9 @@ class TopologyError(ArchipelagoError):
 
 class PlacementError(ArchipelagoError):
     """A job cannot be placed on the cluster: which constraint failed and what would make it fit."""
+
+
+class FailureBudgetError(ClusterError):
+    """Workers failed (or were preempted) more often than `[elastic] max_failures`
+    (`max_preemption_failures`) allows; the message lists each failure, and the run's last
+    committed checkpoint is left as it was, ready for `--resume`."""

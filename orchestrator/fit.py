@@ -3,6 +3,10 @@
     from orchestrator import Orchestrator, JobConfig
     result = Orchestrator(JobConfig.from_toml("examples/cpu-tiny.toml")).fit()
     print(result.report.final_val_loss, result.checkpoint)
+
+Failures and resizes (orchestrator/elastic.py): Ray Train restarts the worker group within the
+`[elastic]` failure budgets; a PlanCoordinator actor plans each new group for the workers Ray
+granted and records the events. The report is built with the plan the last group ran.
 """
 
 from __future__ import annotations
@@ -17,13 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ray
-from ray.train import RunConfig, ScalingConfig
+from ray.train import PreemptionError, RunConfig, ScalingConfig, TrainingFailedError
 from ray.train.torch import TorchConfig, TorchTrainer
 from rich.console import Console
 
-from orchestrator import placement, topology
+from orchestrator import elastic, placement, topology
 from orchestrator.config import JobConfig
-from orchestrator.errors import ArchipelagoError, ClusterError, ConfigError, DataError
+from orchestrator.errors import ArchipelagoError, ClusterError, ConfigError, DataError, FailureBudgetError
 from orchestrator.placement import binding
 from orchestrator.placement.plan import Plan
 from orchestrator.progress import MetricsSink, ProgressDisplay
@@ -68,11 +72,18 @@ class Orchestrator:
         data_dir, tokenizer = self._dataset()
         resume_from, first_step = self._open_run(tokenizer)
         with self._ray():
-            plan = self._plan()
+            cluster = topology.discover_cluster()
+            plan = self._plan(cluster)
             sink = MetricsSink.remote()
-            job = WorkerJob(config=self.config, data_dir=str(data_dir), tokenizer=tokenizer, plan=plan,
-                            metrics_sink=sink, resume_from=str(resume_from) if resume_from else None)
-            rows = self._train(job, sink, first_step)
+            coordinator = elastic.start_coordinator(self.config, plan, cluster, str(self.run.plan_path), sink)
+            try:
+                job = WorkerJob(config=self.config, data_dir=str(data_dir), tokenizer=tokenizer, plan=plan,
+                                metrics_sink=sink, coordinator=coordinator,
+                                resume_from=str(resume_from) if resume_from else None)
+                rows = self._train(job, sink, first_step)
+                plan = ray.get(coordinator.current_plan.remote())  # the last group's: it may have been re-planned
+            finally:
+                ray.kill(coordinator)
         latest = self.run.latest_checkpoint()
         report = RunReport.from_rows(
             rows, plan=plan, name=self.config.name, status="completed", run_dir=str(self.run.path),
@@ -83,9 +94,17 @@ class Orchestrator:
         report.save(self.run.report_path)
         return FitResult(rows, latest, plan, report)
 
-    def _plan(self) -> Plan:
-        """Maps the cluster Ray gives us and plans the job on it; the plan is saved beside the metrics."""
-        plan = placement.make_plan(topology.discover_cluster(), self.config)
+    def _plan(self, cluster: topology.ClusterTopology) -> Plan:
+        """Plans the job on the cluster Ray gives us; the plan is saved beside the metrics.
+
+        An elastic CPU job is planned on the worker slots Ray can grant now (each node's Ray CPUs), as
+        many as [cluster] num_workers at most and [elastic] min_workers at least; it grows later."""
+        config = self.config
+        if config.elastic.min_workers and not config.cluster.use_gpu:
+            cluster, slots = elastic.ray_cpu_slots(cluster, config.cluster.cpus_per_worker)
+            config = elastic.config_for_world(config, max(config.elastic.min_workers,
+                                                          min(slots, config.cluster.num_workers)))
+        plan = placement.make_plan(cluster, config)
         plan.save(self.run.plan_path)
         predicted = plan.predicted
         self.console.print(f"plan: {plan.world_size} × {plan.workers[0].device_model} workers, "
@@ -175,25 +194,49 @@ class Orchestrator:
     def _train(self, job: WorkerJob, sink, first_step: int) -> list[dict]:
         cfg = self.config
         backend = job.plan.backend if cfg.parallel.backend == "auto" else cfg.parallel.backend
+        scaling = binding.scaling_config_kwargs(job.plan, elastic_min_workers=cfg.elastic.min_workers or None)
+        if cfg.elastic.min_workers and not cfg.cluster.use_gpu:  # CPU jobs may grow to num_workers
+            scaling["num_workers"] = (cfg.elastic.min_workers, cfg.cluster.num_workers)
         trainer = TorchTrainer(
             train_loop,
             train_loop_config={"job": job},
             torch_config=TorchConfig(backend=backend),
-            scaling_config=ScalingConfig(**binding.scaling_config_kwargs(job.plan)),
-            run_config=RunConfig(name=cfg.name, storage_path=self.run.storage_path),
+            scaling_config=ScalingConfig(**scaling, elastic_resize_monitor_interval_s=cfg.elastic.resize_check_s),
+            run_config=RunConfig(name=cfg.name, storage_path=self.run.storage_path,
+                                 failure_config=elastic.failure_config(cfg),
+                                 callbacks=[elastic.failure_recorder(job.coordinator)]),
         )
         outcome: dict = {}
         thread = threading.Thread(target=_fit_into, args=(trainer, outcome), daemon=True)
         rows: list[dict] = []
-        with ProgressDisplay(self.console, cfg.train.steps, first_step) as display:
+        with ProgressDisplay.for_job(self.console, job, self.run.path, first_step) as display:
             thread.start()
             while thread.is_alive():
                 thread.join(timeout=0.5)
                 self._collect(sink, rows, display)
             self._collect(sink, rows, display)
         if "error" in outcome:
-            raise _user_error(outcome["error"]) or outcome["error"]
+            error = outcome["error"]
+            user_error = _user_error(error)
+            if user_error is None and isinstance(error, TrainingFailedError):
+                raise self._budget_error(error, job.coordinator) from error
+            raise user_error or error
         return rows
+
+    def _budget_error(self, error: TrainingFailedError, coordinator) -> FailureBudgetError:
+        """Ray Train gave up: which failures used the budget, and the checkpoint that is left."""
+        failures = ray.get(coordinator.failures.remote())
+        preempted = isinstance(error, PreemptionError)
+        key = "max_preemption_failures" if preempted else "max_failures"
+        limit = getattr(self.config.elastic, key)
+        what = "preemption(s)" if preempted else "worker failure(s)"
+        listed = "; ".join(f.describe() for f in failures) or str(error).splitlines()[0]
+        latest = self.run.latest_checkpoint()
+        kept = (f"the last committed checkpoint, step {checkpoint.read_info(latest).step} ({latest}), is intact"
+                if latest else "no checkpoint was committed")
+        return FailureBudgetError(f"training stopped after {len(failures) or 1} {what}, more than [elastic] {key} = "
+                                  f"{limit} allows: {listed}", where=f"[elastic] {key}",
+                                  fix=f"{kept}: fix the cause and run again with --resume, or raise {key}")
 
     def _collect(self, sink, rows: list[dict], display: ProgressDisplay) -> None:
         new = ray.get(sink.drain.remote())

@@ -36,8 +36,8 @@ INFO_FILE = "archipelago.json"
 LEGACY_SAMPLER = "numpy-permutation"
 """The sampler of checkpoints that predate the `sampler` field."""
 
-__all__ = ["DCP_METADATA", "INFO_FILE", "CheckpointInfo", "check_compatible", "is_committed", "load", "read_info",
-           "save"]
+__all__ = ["DCP_METADATA", "INFO_FILE", "CheckpointInfo", "check_compatible", "is_committed", "load", "read_extra",
+           "read_info", "save"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,12 +93,21 @@ def check_compatible(info: CheckpointInfo, config: JobConfig, tokenizer: str, di
 
 
 def save(location: str | Path | Location, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         info: CheckpointInfo, *, async_save: bool = False, process_group: Any = None) -> PendingSave:
-    """Collective: every rank calls it. With async_save the state is copied to host memory before it returns."""
+         info: CheckpointInfo, *, async_save: bool = False, process_group: Any = None,
+         extra: dict[str, bytes] | None = None) -> PendingSave:
+    """Collective: every rank calls it. With async_save the state is copied to host memory before it returns.
+
+    `extra`: more files the coordinator writes beside `archipelago.json` (the sample ledger), before `.metadata`."""
     model_state, optim_state = get_state_dict(model, optimizer)
-    extra = {INFO_FILE: json.dumps(dataclasses.asdict(info), indent=2).encode()}
+    extra = {INFO_FILE: json.dumps(dataclasses.asdict(info), indent=2).encode(), **(extra or {})}
     return save_checkpoint({"model": model_state, "optimizer": optim_state}, location, extra=extra,
                            async_save=async_save, process_group=process_group)
+
+
+def read_extra(directory: str | Path | Location, name: str) -> bytes | None:
+    """A file saved through `save(extra=…)` in a committed checkpoint; None when it has none."""
+    path = Location.parse(directory, error=CheckpointError) / name
+    return path.read_bytes() if path.is_file() else None
 
 
 def load(location: str | Path | Location, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -132,6 +141,8 @@ class RunCheckpoints:
         self.rank = rank
         self.group = checkpoint_group()
         self._pending: tuple[int, PendingSave] | None = None
+        self.restored_from: Location | None = None
+        """The committed step directory the last `restore` loaded (None: a fresh start)."""
 
     def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokenizer: str,
                 resume_from: str | None = None) -> tuple[CheckpointInfo, set[str]] | None:
@@ -145,16 +156,20 @@ class RunCheckpoints:
             return None
         info = read_info(latest)
         check_compatible(info, self.config, tokenizer, latest)
+        self.restored_from = latest
         return load(latest, model, optimizer, info=info, reader=self.config.checkpoint.reader,
                     process_group=self.group)
 
-    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, info: CheckpointInfo) -> list[int]:
-        """Starts saving `info.step`; returns the steps committed during this call."""
+    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, info: CheckpointInfo, *,
+             extra: dict[str, bytes] | None = None, wait: bool = False) -> list[int]:
+        """Starts saving `info.step`; returns the steps committed during this call (with wait, or without
+        async_save, `info.step` among them)."""
         committed = self.wait()
         pending = save(self.store.step(info.step), model, optimizer, info,
-                       async_save=self.config.checkpoint.async_save, process_group=self.group)
+                       async_save=self.config.checkpoint.async_save and not wait, process_group=self.group,
+                       extra=extra)
         self._pending = (info.step, pending)
-        return committed + ([] if self.config.checkpoint.async_save else self.wait())
+        return committed + ([] if self.config.checkpoint.async_save and not wait else self.wait())
 
     def wait(self) -> list[int]:
         """Blocks until the save in flight (if any) is committed, then applies retention."""

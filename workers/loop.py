@@ -1,6 +1,6 @@
 """The training loop each Ray Train worker runs.
 
-    restore the latest checkpoint → while step < steps: step; log; validate; checkpoint
+    join the group's plan → restore the latest checkpoint → while step < steps: step; log; validate; checkpoint
 
 Rank 0 sends one metrics row per step to the driver's `MetricsSink` every `log_every` steps.
 Input comes from `storage.loader.BatchLoader`, which reads the next steps' samples (with kvikio
@@ -8,6 +8,13 @@ straight into GPU memory where it can) while this one trains. Checkpoints are wr
 rank straight into the run's storage (`workers.checkpoint.RunCheckpoints`): the newest committed
 step there is what a restarted or resized worker group resumes from, so no `ray.train.report`
 is needed.
+
+Elastic runs (workers/elastic.py): every start of the worker group — the first, and each restart
+Ray Train makes after a failure, a preemption or a resize — asks the driver's PlanCoordinator for the
+plan of exactly the workers granted, so micro-batches and accumulation fit the group while the
+global batch stays fixed and the sampler continues at the checkpoint's exact sample. A preemption
+notice commits a checkpoint at once; with `[elastic] sample_ledger` every checkpoint carries the
+sample ids of every committed step.
 """
 
 from __future__ import annotations
@@ -25,14 +32,17 @@ import torch
 import torch.distributed as dist
 
 from orchestrator.config import JobConfig
+from orchestrator.errors import ArchipelagoError, CheckpointError
 from orchestrator.placement import binding
 from orchestrator.placement.plan import Plan
 from storage.fs import Location
+from storage.ledger import LEDGER_FILE
 from storage.loader import BatchLoader
 from storage.readers import choose_reader
 from storage.sampler import DeterministicSampler
 from storage.shards import TokenDataset
 from workers import checkpoint
+from workers.elastic import LedgerKeeper, PreemptionWatch, join_group, preemption_row
 from workers.engine import Engine
 from workers.optim import lr_at
 
@@ -49,6 +59,8 @@ class WorkerJob:
     """The driver's plan; each worker claims its entry by node and local rank."""
     metrics_sink: Any
     """Actor handle of the driver's MetricsSink."""
+    coordinator: Any
+    """Actor handle of the driver's PlanCoordinator (orchestrator/elastic.py)."""
     resume_from: str | None = None
     """The committed checkpoint the driver chose for --resume (None for a new run). Workers always load the
     newest committed step in the run's storage (newer than this after a failure or a resize); this only
@@ -68,12 +80,16 @@ class MetricsWindow:
     steps: list[int] = field(default_factory=list)
     lrs: list[float] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
+    data_waits: list[float] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
 
-    def record(self, step: int, lr: float, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+    def record(self, step: int, lr: float, loss: torch.Tensor, grad_norm: torch.Tensor,
+               data_wait_s: float = 0.0) -> None:
+        """data_wait_s: how long the step waited for its input (rank 0's wait; the loader reads ahead)."""
         self.steps.append(step)
         self.lrs.append(lr)
         self.values.append(torch.stack([loss.float(), grad_norm.float()]))
+        self.data_waits.append(data_wait_s)
 
     def flush(self, tokens_per_step: int, consumed_samples: int) -> list[dict]:
         values = torch.stack(self.values)
@@ -83,10 +99,10 @@ class MetricsWindow:
         values = values.tolist()  # waits for the GPU: the window's time below is honest
         seconds = time.perf_counter() - self.started
         tokens_per_s = tokens_per_step * len(self.steps) / seconds
-        rows = [{"step": s, "loss": v[0], "grad_norm": v[1], "lr": lr, "tokens_per_s": tokens_per_s}
-                for s, lr, v in zip(self.steps, self.lrs, values)]
+        rows = [{"step": s, "loss": v[0], "grad_norm": v[1], "lr": lr, "tokens_per_s": tokens_per_s, "data_wait_s": w}
+                for s, lr, v, w in zip(self.steps, self.lrs, values, self.data_waits)]
         rows[-1]["consumed_samples"] = consumed_samples
-        self.steps, self.lrs, self.values = [], [], []
+        self.steps, self.lrs, self.values, self.data_waits = [], [], [], []
         self.started = time.perf_counter()
         return rows
 
@@ -101,21 +117,37 @@ class MetricsWindow:
 
 
 def train_loop(loop_config: dict) -> dict:
+    started_at = time.time()
     job: WorkerJob = loop_config["job"]
+    try:
+        return train(job, ray.train.get_context(), started_at)
+    except ArchipelagoError as e:  # the user's to fix: Ray Train retries any error, so later groups stop at once
+        ray.get(job.coordinator.give_up.remote(e))
+        raise
+
+
+def train(job: WorkerJob, ctx, started_at: float) -> dict:
     cfg = job.config
-    ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    plan, device = claim_plan_entry(job.plan, ctx)
+    marks = {}  # when this group reached each stage of its start (unix s): the recovery's timeline
+    plan = join_group(job.coordinator, ctx, use_gpu=cfg.cluster.use_gpu, started_at=started_at)
+    marks["planned"] = time.time()
+    plan, device = claim_plan_entry(plan, ctx)
 
     engine = Engine(cfg, plan, rank, device)
     checkpoints = checkpoint.RunCheckpoints(run_storage(), cfg, rank)
+    marks["restore_start"] = time.time()
     progress, checkpoint_readers = restore(job, checkpoints, engine.model, engine.optimizer)
+    marks["restored"] = time.time()
+    restored_step = progress.step
+    replica = plan.worker(rank).data_parallel_rank
+    ledger = open_ledger(cfg, checkpoints, rank, replica, restored_step)
 
     train_loader, val_loader = open_loaders(job, device)
     sampler = DeterministicSampler(train_loader.dataset.num_samples, cfg.train.seed)
     layout = plan.batch_layout()
-    replica = plan.worker(rank).data_parallel_rank
-    steps = train_loader.stream(sampler.steps(progress.consumed_samples, layout, replica))
+    steps = train_loader.stream(ledger.tap(sampler.steps(progress.consumed_samples, layout, replica)))
+    preemption = PreemptionWatch(cfg.elastic.preemption_check_steps)
     window = MetricsWindow()
     send(job, rank, [{"event": "start", "step": progress.step, "world_size": world, "device": str(device),
                       "device_model": plan.worker(rank).device_model, "precision": engine.precision.name,
@@ -125,12 +157,21 @@ def train_loop(loop_config: dict) -> dict:
 
     last_val_loss = None
     while progress.step < cfg.train.steps:
+        waiting = time.perf_counter()
         batches = next(steps)
+        data_wait_s = time.perf_counter() - waiting
         lr = lr_at(progress.step, cfg.train)
         loss, grad_norm = engine(batches, lr)
         progress.step += 1
         progress.consumed_samples += layout.global_batch
-        window.record(progress.step, lr, loss, grad_norm)
+        ledger.trained(progress.step)
+        window.record(progress.step, lr, loss, grad_norm, data_wait_s)
+        if rank == 0:
+            job.coordinator.reached.remote(progress.step, time.time())
+            if progress.step == restored_step + 1:
+                loss.item()  # the step has really finished (GPU work is asynchronous)
+                marks["first_step_done"] = time.time()
+                job.coordinator.first_step.remote(restored_step, marks)
 
         final = progress.step == cfg.train.steps
         if progress.step % cfg.train.log_every == 0 or final:
@@ -140,15 +181,36 @@ def train_loop(loop_config: dict) -> dict:
                 with window.paused():
                     last_val_loss = rows[-1]["val_loss"] = validate(engine, val_loader, cfg, rank, world)
             send(job, rank, rows)
-        if progress.step % cfg.checkpoint.every_steps == 0 or final:
+        notice = preemption.check(progress.step)
+        if progress.step % cfg.checkpoint.every_steps == 0 or final or notice:
             info = checkpoint.CheckpointInfo.for_job(cfg, progress.step, progress.consumed_samples, job.tokenizer, world)
+            saving = time.perf_counter()
             with window.paused():
-                saved = checkpoints.save(engine.model, engine.optimizer, info)
+                # On a preemption notice, wait for the commit: the node may go any moment.
+                saved = checkpoints.save(engine.model, engine.optimizer, info, extra=ledger.extra(),
+                                         wait=notice is not None)
             send(job, rank, [{"event": "checkpoint", "step": s} for s in saved])
+            if notice and rank == 0:
+                job.coordinator.record.remote([preemption_row(notice, progress.step, time.perf_counter() - saving)])
     send(job, rank, [{"event": "checkpoint", "step": s} for s in checkpoints.wait()])
     train_loader.close()
     val_loader.close()
     return {"step": progress.step, "consumed_samples": progress.consumed_samples, "val_loss": last_val_loss}
+
+
+def open_ledger(cfg: JobConfig, checkpoints: checkpoint.RunCheckpoints, rank: int, replica: int,
+                restored_step: int) -> LedgerKeeper:
+    """The sample ledger, continued from the restored checkpoint's (rank 0 keeps it; the others send ids)."""
+    enabled = cfg.elastic.sample_ledger
+    restored = None
+    if enabled and rank == 0 and checkpoints.restored_from is not None:
+        restored = checkpoint.read_extra(checkpoints.restored_from, LEDGER_FILE)
+    keeper = LedgerKeeper(enabled, restored, rank=rank, replica=replica, group=checkpoints.group)
+    if enabled and rank == 0 and keeper.ledger.last_step != restored_step:
+        raise CheckpointError(f"the checkpoint of step {restored_step} holds a sample ledger up to step "
+                              f"{keeper.ledger.last_step} only", where=str(checkpoints.restored_from),
+                              fix="set [elastic] sample_ledger = false for this run, or start it over with it on")
+    return keeper
 
 
 def claim_plan_entry(plan: Plan, ctx) -> tuple[Plan, torch.device]:

@@ -79,8 +79,10 @@ def placement_bundles(plan: Plan) -> dict:
 def scaling_config_kwargs(plan: Plan, *, elastic_min_workers: int | None = None) -> dict:
     """Keyword arguments for `ray.train.ScalingConfig` that place the plan's workers.
 
-    elastic_min_workers makes it elastic, num_workers=(min, plan size); the driver re-plans on the
-    surviving topology after a resize, and the per-worker selectors stay those of this plan."""
+    elastic_min_workers makes it elastic, num_workers=(min, plan size), without per-worker node pins:
+    a worker pinned to a node that is gone could never be scheduled again, and Ray could not grow
+    the job onto a node that joins later. The plan follows the workers instead: on every start of
+    the group the driver plans again for the workers Ray granted (orchestrator/elastic.py)."""
     kinds = Counter(worker.device_kind for worker in plan.workers)
     resources = [worker_resources(worker) for worker in plan.workers]
     common = {key: value for key, value in resources[0].items() if all(r.get(key) == value for r in resources)}
@@ -90,7 +92,7 @@ def scaling_config_kwargs(plan: Plan, *, elastic_min_workers: int | None = None)
     size = plan.world_size
     kwargs: dict = {"num_workers": (elastic_min_workers, size) if elastic_min_workers else size,
                     "use_gpu": "GPU" in common, "resources_per_worker": common}
-    if all(selectors):
+    if all(selectors) and not elastic_min_workers:
         kwargs["label_selector"] = selectors
     return kwargs
 

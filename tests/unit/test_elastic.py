@@ -1,0 +1,117 @@
+"""The elastic policy without Ray: [elastic] config, the map cut to granted workers, re-planning, events."""
+
+import pytest
+
+from orchestrator import placement
+from orchestrator.config import JobConfig
+from orchestrator.elastic import ElasticState, WorkerReport, config_for_world, granted_topology, matches, ray_cpu_slots
+from orchestrator.errors import ConfigError, PlacementError
+from orchestrator.memory import profile
+from orchestrator.topology.model import ClusterTopology, NodeTopology, NumaNode
+
+JOB = {"model": {"n_layer": 1, "n_head": 2, "n_embd": 32, "seq_len": 32},
+       "train": {"global_batch_size": 8, "micro_batch_size": 2},
+       "cluster": {"num_workers": 3}, "elastic": {"min_workers": 1}}
+
+
+def job(**sections) -> JobConfig:
+    return JobConfig.from_dict({**JOB, **sections})
+
+
+def node(name: str, cpus: int = 2, ray_cpus: float = 1.0, hostname: str = "") -> NodeTopology:
+    return NodeTopology(node_id=name, hostname=hostname or name, address=f"10.0.0.{ord(name[-1]) % 50}",
+                        ray_node_id=name.upper() * 4, cpu_count=cpus, memory_bytes=8 * 2**30,
+                        numa_nodes=[NumaNode(numa_id=0, cpus=f"0-{cpus - 1}")], ray_resources={"CPU": ray_cpus})
+
+
+def reports(*nodes: NodeTopology) -> list[WorkerReport]:
+    return [WorkerReport(world_rank=r, local_rank=0, ray_node_id=n.ray_node_id, address=n.address, pid=100 + r,
+                         started_at=1000.0) for r, n in enumerate(nodes)]
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"elastic": {"min_workers": -1}}, "[elastic] min_workers: must be 0 or more"),
+    ({"elastic": {"min_workers": 4}}, "[elastic] min_workers: 4 is above [cluster] num_workers = 3"),
+    ({"elastic": {"max_preemption_failures": -3}}, "[elastic] max_preemption_failures: must be -1 (no limit) or more"),
+    ({"elastic": {"preemption_check_steps": 0}}, "[elastic] preemption_check_steps: must be positive"),
+    ({"elastic": {"resize_check_s": -1.0}}, "[elastic] resize_check_s: must be 0 or more"),
+    ({"elastic": {"min_workers": 1}, "train": {"global_batch_size": 7, "micro_batch_size": 2}},
+     "[train] global_batch_size: 7 samples cannot be split over 2 or 3 workers"),
+])
+def test_bad_elastic_values_name_the_key_and_the_fix(section, message):
+    with pytest.raises(ConfigError) as info:
+        job(**section)
+    assert message in str(info.value) and " — " in str(info.value)
+
+
+def test_a_worker_range_relaxes_the_even_split_check():
+    assert job().train.global_batch_size == 8  # 8 over 3 workers: the planner splits it unevenly
+    with pytest.raises(ConfigError, match="not a multiple of micro_batch_size × num_workers"):
+        job(elastic={"min_workers": 0})
+
+
+def test_the_map_keeps_only_what_ray_granted():
+    a, b, c = node("a", cpus=4, ray_cpus=4), node("b"), node("c")
+    granted = granted_topology([a, b, c], reports(a, a, c), cpus_per_worker=1, use_gpu=False)
+    assert [(n.node_id, n.cpu_count, [d.cpus for d in n.numa_nodes]) for n in granted.nodes] == \
+           [("a", 2, ["0-1"]), ("c", 1, ["0"])]
+    shared = [node("x", hostname="box"), node("y", hostname="box")]  # two Ray nodes, one machine
+    cut = granted_topology(shared, reports(*shared), cpus_per_worker=1, use_gpu=False)
+    assert [n.numa_nodes for n in cut.nodes] == [[], []]  # unpinned, not both on core 0
+    slots_map, slots = ray_cpu_slots(ClusterTopology(nodes=[a, b, c]), cpus_per_worker=1)
+    assert slots == 6 and [n.cpu_count for n in slots_map.nodes] == [4, 1, 1]
+
+
+@pytest.fixture(scope="module")
+def state_and_nodes():
+    config = job()
+    memory = profile(config, device_type="cpu")
+    nodes = [node("a"), node("b"), node("c")]
+    plan_for = lambda topology, cfg: placement.make_plan(topology, cfg, memory=memory)  # noqa: E731
+    first = plan_for(granted_topology(nodes, reports(*nodes), cpus_per_worker=1, use_gpu=False), config)
+    clock = iter(float(t) for t in range(2000, 3000))
+    state = ElasticState(config, first, nodes, plan_for=plan_for, discover=lambda: ClusterTopology(nodes=nodes),
+                         clock=lambda: next(clock))
+    return state, nodes
+
+
+def test_a_lost_worker_is_recorded_once_and_the_smaller_group_is_replanned(state_and_nodes):
+    state, (a, b, c) = state_and_nodes
+    plan, rows = state.group_started(reports(a, b, c))
+    assert rows == [] and plan.world_size == 3 and list(plan.replica_micro_batch_sizes()) == [2, 1, 1]
+    state.reached(7, at=1990.0)
+    lost = state.failed({1: "ActorDiedError: The actor died unexpectedly\nmore detail"})
+    assert lost[0]["event"] == "worker_lost" and lost[0]["step"] == 7
+    assert lost[0]["nodes"] == [f"{b.address} ({b.ray_node_id[:8]})"] and lost[0]["error"].endswith("unexpectedly")
+    assert state.failed({1: "the same failure, polled again"}) == []
+
+    plan, rows = state.group_started(reports(a, c))
+    assert [r["event"] for r in rows] == ["resize", "replan"]
+    assert rows[0]["previous_world_size"] == 3 and rows[0]["world_size"] == 2
+    assert plan.world_size == 2 and plan.global_batch_size == 8
+    assert sorted(w.ray_node_id for w in plan.workers) == sorted([a.ray_node_id, c.ray_node_id])
+    assert sum(plan.replica_micro_batch_sizes()) * plan.grad_accum_steps == 8
+    marks = {"planned": 2100.0, "restore_start": 2101.0, "restored": 2101.5, "first_step_done": 2102.0}
+    (restart,) = state.first_step(4, marks)
+    assert restart["steps_redone"] == 3 and restart["step"] == 4 and restart["cause"] == "worker lost"
+    assert restart["restore_s"] == 0.5 and restart["recompile_s"] == 0.5 and restart["setup_s"] == 1.0
+    assert restart["recovery_s"] == 2102.0 - 1990.0 and restart["detect_s"] > 0
+    assert state.failure_summary().startswith("group 1: rank 1 on 10.0.0.")
+
+
+def test_the_same_workers_keep_the_plan_and_a_planner_refusal_names_the_group(state_and_nodes):
+    state, (a, b, c) = state_and_nodes
+    plan = state.plan
+    assert matches(plan, reports(a, c)) and not matches(plan, reports(a, b))
+    same, rows = state.group_started(reports(c, a)[::-1])
+    assert same is plan and rows == []
+    state.config = job(train={"global_batch_size": 1, "micro_batch_size": 1}, elastic={"min_workers": 0},
+                       cluster={"num_workers": 1})
+    with pytest.raises(PlacementError, match="no plan for the 2 workers Ray granted"):
+        state.group_started(reports(a, b))
+
+
+def test_config_for_world_pins_the_device_range():
+    assert config_for_world(job(), 2).cluster.num_workers == 2
+    gpu = config_for_world(job(cluster={"num_workers": 3, "use_gpu": True}), 5)
+    assert (gpu.placement.min_gpus, gpu.placement.max_gpus) == (5, 5)

@@ -1,0 +1,127 @@
+"""The worker's side of an elastic run: get this group's plan, heed preemption notices, keep the sample ledger.
+
+    plan = join_group(job.coordinator, ctx, use_gpu=…)       # every rank, first thing (collective)
+    notice = PreemptionWatch(every_steps).check(step)           # every rank, same steps (collective)
+    ledger = LedgerKeeper(enabled, restored_bytes, rank, replica, group)
+    steps = loader.stream(ledger.tap(sampler.steps(...)));  ledger.trained(step);  extra = ledger.extra()
+
+See orchestrator/elastic.py for the driver's side.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import ray
+import ray.train
+import torch
+import torch.distributed as dist
+
+from orchestrator.elastic import WorkerReport
+from orchestrator.errors import ArchipelagoError
+from orchestrator.placement.plan import Plan
+from storage.ledger import LEDGER_FILE, SampleLedger
+
+
+def join_group(coordinator, ctx, *, use_gpu: bool, started_at: float) -> Plan:
+    """Tells the coordinator who this group is (gathered to rank 0) and returns the plan it made for it.
+    An error from the coordinator (no plan fits, a fatal error earlier) is raised on every rank alike."""
+    report = WorkerReport(world_rank=ctx.get_world_rank(), local_rank=ctx.get_local_rank(),
+                          ray_node_id=ray.get_runtime_context().get_node_id(),
+                          address=ray.util.get_node_ip_address(), pid=os.getpid(),
+                          device_uuids=_visible_gpus() if use_gpu else (), started_at=started_at)
+    reports: list[Any] = [None] * ctx.get_world_size()
+    if dist.is_initialized():
+        dist.all_gather_object(reports, report)
+    else:
+        reports = [report]
+    answer: list[Any] = [None]
+    if ctx.get_world_rank() == 0:
+        try:
+            answer[0] = ray.get(coordinator.group_started.remote(reports))
+        except ray.exceptions.RayTaskError as e:
+            answer[0] = e.cause if isinstance(e.cause, ArchipelagoError) else RuntimeError(str(e))
+    if dist.is_initialized():
+        dist.broadcast_object_list(answer, src=0)
+    if isinstance(answer[0], BaseException):
+        raise answer[0]
+    return answer[0]
+
+
+def _visible_gpus() -> tuple[str, ...]:
+    """UUIDs of the GPUs Ray made visible to this worker, as NVML names them (GPU-…)."""
+    if not torch.cuda.is_available():
+        return ()
+    return tuple(f"GPU-{torch.cuda.get_device_properties(i).uuid}" for i in range(torch.cuda.device_count()))
+
+
+class PreemptionWatch:
+    """Polls Ray's preemption notice every `every_steps` steps. `ray.train.get_preemption_info` is a
+    barrier across the workers, so every rank calls `check` at the same steps; the notice is acted on
+    once per group (Ray restarts the group when the node goes)."""
+
+    def __init__(self, every_steps: int):
+        self.every_steps = every_steps
+        self.noticed = False
+
+    def check(self, step: int):
+        if self.noticed or step % self.every_steps:
+            return None
+        notice = ray.train.get_preemption_info()
+        self.noticed = notice is not None
+        return notice
+
+
+def preemption_row(notice, step: int, checkpoint_s: float) -> dict:
+    deadline = notice.deadline_ms / 1000 if notice.deadline_ms else None
+    return {"event": "preemption", "time": time.time(), "step": step, "nodes": notice.preempted_node_ids,
+            "ranks": notice.preempted_ranks, "seconds_to_deadline": deadline - time.time() if deadline else None,
+            "checkpoint_s": checkpoint_s}
+
+
+class LedgerKeeper:
+    """Records the sample ids each step trained on, as handed to the loader, and puts the ledger of every
+    committed step into each checkpoint (storage/ledger.py). Off: every method is a no-op."""
+
+    def __init__(self, enabled: bool, restored: bytes | None, *, rank: int, replica: int, group: Any):
+        self.enabled, self.rank, self.replica, self.group = enabled, rank, replica, group
+        self.ledger = SampleLedger.from_bytes(restored) if restored else SampleLedger()
+        self._handed: deque[np.ndarray] = deque()
+        """Ids given to the loader and not trained yet (it reads `prefetch_steps` ahead)."""
+        self._trained: list[tuple[int, np.ndarray]] = []
+        """(step, this rank's ids) since the last checkpoint."""
+
+    def tap(self, steps: Iterator[list[np.ndarray]]) -> Iterator[list[np.ndarray]]:
+        for micro_batches in steps:
+            if self.enabled:
+                self._handed.append(np.concatenate(micro_batches))
+            yield micro_batches
+
+    def trained(self, step: int) -> None:
+        if self.enabled:
+            self._trained.append((step, self._handed.popleft()))
+
+    def extra(self) -> dict[str, bytes]:
+        """Collective: gathers every rank's ids to rank 0, which returns the ledger file for the checkpoint."""
+        if not self.enabled:
+            return {}
+        mine = (self.replica, self._trained)
+        gathered: list[Any] = [mine]
+        if dist.is_initialized():
+            gathered = [None] * dist.get_world_size() if self.rank == 0 else None
+            dist.gather_object(mine, gathered, dst=0, group=self.group)
+        self._trained = []
+        if self.rank != 0:
+            return {}
+        replicas: dict[int, list] = {}
+        for replica, trained in gathered:  # one entry per replica: tensor-parallel peers read the same ids
+            replicas.setdefault(replica, trained)
+        blocks = [replicas[r] for r in sorted(replicas)]  # stream order: replica 0's block first
+        for i, (step, _) in enumerate(blocks[0]):
+            self.ledger.record(step, np.concatenate([trained[i][1] for trained in blocks]))
+        return {LEDGER_FILE: self.ledger.to_bytes()}
