@@ -5,6 +5,8 @@
     archipelago fit examples/cpu-tiny.toml --resume     # continue from the latest committed checkpoint
     archipelago prepare --source stdlib --out data/stdlib-bytes
     archipelago verify data/stdlib-bytes                 # every shard's checksum; names any bad shard
+    archipelago report runs/cpu-tiny                     # runs/cpu-tiny/report.html and its PNG plots
+    archipelago report runs/a runs/b                     # two runs side by side (runs/compare-a-b/)
 
 User errors print one line and exit 2; --debug shows the traceback.
 """
@@ -92,6 +94,27 @@ def _verify(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace, console: Console) -> int:
+    from pathlib import Path
+
+    from orchestrator.report_html import render_report
+
+    runs = [Path(d) for d in args.runs]
+    if len(runs) > 2:
+        raise ArchipelagoError(f"{len(runs)} run directories given", where="archipelago report",
+                               fix="give one run, or two to compare")
+    if args.out:
+        out = Path(args.out)
+    elif len(runs) == 1:
+        out = runs[0]
+    else:
+        out = runs[0].resolve().parent / f"compare-{runs[0].resolve().name}-{runs[1].resolve().name}"
+    rendered = render_report(runs, out)
+    console.print(f"wrote {rendered.html} and {len(rendered.plots)} plots beside it "
+                  f"({', '.join(p.name for p in rendered.plots)})", markup=False, highlight=False, soft_wrap=True)
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="archipelago", description="Elastic training on heterogeneous GPU clusters.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and worker logs")
@@ -126,6 +149,13 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--threads", type=int, default=8, help="shards checked at once")
     verify.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     verify.set_defaults(command=_verify)
+
+    report = commands.add_parser("report", help="write report.html and PNG plots of a run, or compare two runs")
+    report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directory (runs/<name>); give two to compare")
+    report.add_argument("--out", help="directory for report.html and the plots (default: the run directory; "
+                                      "for two runs, compare-A-B beside the first)")
+    report.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    report.set_defaults(command=_report)
 
     add_topology_commands(commands)
     add_placement_commands(commands)

@@ -2,16 +2,22 @@
 
 Rank 0 pushes rows into `MetricsSink` (a tiny actor) without waiting; the driver drains it
 twice a second, appends the rows to metrics.jsonl and moves the progress bar. On a terminal the
-bar redraws in place; elsewhere (CI logs, `ray job logs`) it prints one line per report.
+bar redraws in place; elsewhere (CI logs, `ray job logs`) it prints one line per report. With the
+job's plan, the display also keeps the live bill (orchestrator/live_bill.py): MFU and dollars on
+the progress line, alerts as they fire, and bill.jsonl, TensorBoard and Prometheus behind it.
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import ray
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from orchestrator.live_bill import LiveBill
 
 
 @ray.remote(num_cpus=0)
@@ -28,15 +34,24 @@ class MetricsSink:
 
 
 class ProgressDisplay:
-    def __init__(self, console: Console, total_steps: int, first_step: int):
+    def __init__(self, console: Console, total_steps: int, first_step: int, bill: LiveBill | None = None):
         self.console = console
         self.total_steps = total_steps
         self.started = time.monotonic()
         self.live = console.is_terminal
+        self.bill = bill
         self._bar = Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
                              TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+                             TextColumn("MFU {task.fields[mfu]}"), TextColumn("{task.fields[dollars]}"),
                              TimeElapsedColumn(), console=console, transient=False)
-        self._task = self._bar.add_task("train", total=total_steps, completed=first_step, loss="-", tps="-")
+        self._task = self._bar.add_task("train", total=total_steps, completed=first_step, loss="-", tps="-",
+                                        mfu="-", dollars="$-")
+
+    @classmethod
+    def for_job(cls, console: Console, job, run_dir: Path, first_step: int) -> ProgressDisplay:
+        """The display with the live bill of `job` (a workers.loop.WorkerJob: its config and plan)."""
+        bill = LiveBill.open(job.plan, job.config, run_dir, resumed=first_step > 0)
+        return cls(console, job.config.train.steps, first_step, bill)
 
     def __enter__(self) -> ProgressDisplay:
         if self.live:
@@ -46,23 +61,34 @@ class ProgressDisplay:
     def __exit__(self, *exc) -> None:
         if self.live:
             self._bar.stop()
+        if self.bill is not None:
+            self.bill.close()
 
     def update(self, rows: list[dict]) -> None:
+        bills = {}
+        if self.bill is not None:
+            bill_rows, alerts = self.bill.update(rows)
+            bills = {id(row): bill for row, bill in zip((r for r in rows if "loss" in r), bill_rows)}
+            for alert in alerts:
+                self.console.print(f"[bold yellow]alert:[/] step {alert.step}: {escape(alert.message)}",
+                                   highlight=False, soft_wrap=True)
         for row in rows:
             if row.get("event"):
                 self._event(row)
             elif "loss" in row:
-                self._step(row)
+                self._step(row, bills.get(id(row)))
 
-    def _step(self, row: dict) -> None:
+    def _step(self, row: dict, bill: dict | None) -> None:
         loss, tps = f"{row['loss']:.4f}", f"{row['tokens_per_s']:,.0f}"
-        self._bar.update(self._task, completed=row["step"], loss=loss, tps=tps)
+        mfu = "-" if bill is None or bill["mfu"] is None else f"{bill['mfu']:.1%}"
+        dollars = "$-" if bill is None else f"${bill['dollars']:.4f}"
+        self._bar.update(self._task, completed=row["step"], loss=loss, tps=tps, mfu=mfu, dollars=dollars)
         if "val_loss" in row:
             self.console.print(f"step {row['step']}: validation loss {row['val_loss']:.4f}")
         elif not self.live and "consumed_samples" in row:  # the last row of a report
             elapsed = time.monotonic() - self.started
-            self.console.print(f"step {row['step']}/{self.total_steps}  loss {loss}  {tps} tok/s  "
-                               f"elapsed {elapsed:.0f}s")
+            self.console.print(f"step {row['step']}/{self.total_steps}  loss {loss}  {tps} tok/s  MFU {mfu}  "
+                               f"{dollars}  elapsed {elapsed:.0f}s", markup=False, highlight=False)
 
     def _event(self, row: dict) -> None:
         if row["event"] == "start":
@@ -71,3 +97,10 @@ class ProgressDisplay:
                                f"{row['params'] / 1e6:.2f}M parameters")
         elif row["event"] == "checkpoint":
             self.console.print(f"step {row['step']}: checkpoint committed")
+        else:  # restart, resize, preempted, …: whatever the elastic driver reports, shown as it is
+            fields = "  ".join(f"{key} {_short(value)}" for key, value in row.items() if key != "event")
+            self.console.print(f"event: {row['event']}  {fields}", markup=False, highlight=False)
+
+
+def _short(value) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)

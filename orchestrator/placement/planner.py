@@ -69,7 +69,7 @@ class Planner:
         self.job = PlanningJob.from_config(config)
         self.collectives = collectives or CollectiveCostModel()
         self.compute = compute or (ComputeModel.compiled() if config.compile.enable else ComputeModel())
-        prices = prices or PriceTable()
+        prices = prices or PriceTable.for_job(config)  # defaults and [bill] prices_file
         self.prices = prices.with_overrides(config.placement.prices, spot=self.job.spot)
         self.exact_memory = exact_memory
         if self.job.use_gpu:

@@ -2,10 +2,12 @@
 
     model = catalog.lookup("NVIDIA H100 80GB HBM3")      # the name NVML and nvidia-smi print
     model.peak_tflops["bf16"]                           # 989.4
-    catalog.mig_profile("1g.10gb", model).sm_share      # 1/7
+    catalog.mig_profile("1g.10gb").sm_share(7)          # 1/7
+    catalog.device_peak_tflops("H100-SXM5-80GB 3g.40gb", "bf16")   # 424.03: a plan's device, MIG share included
 
-Peaks are NVIDIA's published dense figures (no 2:4 sparsity), tensor-core rates where the dtype
-has them. A dtype missing from `peak_tflops` has no fast path on that GPU (bf16 on V100).
+Peaks are the vendors' published dense figures (no 2:4 sparsity), tensor-core (matrix-core) rates
+where the dtype has them. A dtype missing from `peak_tflops` has no fast path on that GPU (bf16 on
+V100). AMD GPUs are listed so that bills and prices compare across vendors; NVML never finds them.
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ class GpuModel:
     mig_slices: int = 0
     """Compute slices MIG divides the GPU into (7 on A100/H100/H200); 0 = no MIG."""
     mig_profiles: tuple[str, ...] = ()
+    vendor: str = "nvidia"
+
+    @property
+    def memory_gb(self) -> float:
+        return self.memory_mib * 2**20 / 1e9
 
 
 _HOPPER_SXM = {"fp64": 67.0, "fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9,
@@ -96,6 +103,13 @@ MODELS: tuple[GpuModel, ...] = (
     GpuModel(key="L4", nvml_name="NVIDIA L4", name_pattern=r"\bL4\b", architecture="ada", compute_capability="8.9", sm_count=58,
              memory_mib=23034, memory_gb_per_s=300.0,
              peak_tflops={"fp32": 30.3, "tf32": 60.0, "bf16": 121.0, "fp16": 121.0, "fp8": 242.5, "int8": 242.5}),
+    # CDNA3 matrix-core rates from AMD's data sheet; sm_count holds compute units. Its Infinity Fabric
+    # (7 links per GPU) is not modelled as an island: the planner sees PCIe peers.
+    GpuModel(key="MI300X", nvml_name="AMD Instinct MI300X", name_pattern=r"MI300X", architecture="cdna3",
+             compute_capability="", sm_count=304, memory_mib=196608, memory_gb_per_s=5300.0,
+             peak_tflops={"fp64": 163.4, "fp32": 163.4, "tf32": 653.7, "bf16": 1307.4, "fp16": 1307.4,
+                          "fp8": 2614.9, "int8": 2614.9},
+             pcie_generation=5, vendor="amd"),
     GpuModel(key="V100-SXM2-32GB", nvml_name="Tesla V100-SXM2-32GB", name_pattern=r"V100[- ]SXM2[- ]32GB", architecture="volta",
              compute_capability="7.0", sm_count=80, memory_mib=32768, memory_gb_per_s=900.0,
              peak_tflops={"fp64": 7.8, "fp32": 15.7, "fp16": 125.0}, nvlink_generation=2, nvlink_links=6,
@@ -170,3 +184,18 @@ def full_gpu_memory_gb(model: GpuModel) -> int:
 
 def scaled_peaks(peak_tflops: dict[str, float], share: float) -> dict[str, float]:
     return {dtype: round(value * share, 2) for dtype, value in peak_tflops.items()}
+
+
+def device_peak_tflops(device_model: str, dtype: str) -> float | None:
+    """Dense peak of a plan's device at `dtype`: a catalog key ("A100-SXM4-80GB"), or a key and a MIG
+    profile ("H100-SXM5-80GB 1g.10gb"), which gets its share of the GPU's SMs. bf16 falls back to
+    fp16 (V100), anything else to fp32. None for a device the catalog lacks."""
+    key, _, profile = device_model.partition(" ")
+    model = _BY_KEY.get(key)
+    if model is None:
+        return None
+    peaks = model.peak_tflops
+    peak = peaks.get(dtype) or (peaks.get("fp16") if dtype == "bf16" else None) or peaks.get("fp32", 0.0)
+    if profile and model.mig_slices:
+        peak *= mig_profile(profile).sm_share(model.mig_slices)
+    return peak
