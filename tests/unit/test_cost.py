@@ -121,3 +121,70 @@ def test_prices_spot_on_demand_and_overrides():
     assert mine.dollars_per_hour("H100-SXM5-80GB", spot=True) == 1.25
     assert mine.dollars_per_hour("H100-SXM5-80GB", spot=False) == table.dollars_per_hour("H100-SXM5-80GB", spot=False)
     assert mine.dollars_per_hour("B300", spot=True) == 9.0
+
+
+def test_the_normalised_unit_compares_devices_across_vendors():
+    table = PriceTable()
+    # $2.99 an hour for 989.4 dense bf16 TFLOP/s: $0.003022 per bf16 TFLOP/s·h.
+    assert table.dollars_per_bf16_tflops_hour("H100-SXM5-80GB", spot=False) == pytest.approx(0.0030220, rel=1e-4)
+    # MI300X at $1.30 spot for 1,307.4: $0.000994.
+    assert table.dollars_per_bf16_tflops_hour("MI300X", spot=True) == pytest.approx(0.00099434, rel=1e-4)
+    assert table.dollars_per_bf16_tflops_hour("cpu", spot=False) is None  # no data-sheet peak
+
+
+def test_the_catalog_has_the_devices_people_rent():
+    from orchestrator.topology import catalog
+    for key in ("H100-SXM5-80GB", "H200-SXM5-141GB", "A100-SXM4-40GB", "A100-SXM4-80GB", "L40S", "A10G", "MI300X"):
+        model = catalog.by_key(key)
+        assert model.peak_tflops["bf16"] > 0 and model.memory_gb > 20
+        assert PriceTable().dollars_per_hour(key, spot=True) < PriceTable().dollars_per_hour(key, spot=False)
+    mi300x = catalog.lookup("AMD Instinct MI300X")
+    assert (mi300x.vendor, mi300x.peak_tflops["fp8"], round(mi300x.memory_gb)) == ("amd", 2614.9, 206)
+    # A plan's MIG slice has its share of the SMs; a bf16 job on V100 runs at the fp16 tensor rate.
+    assert catalog.device_peak_tflops("A100-SXM4-80GB 1g.10gb", "bf16") == pytest.approx(312.0 / 7)
+    assert catalog.device_peak_tflops("V100-SXM2-32GB", "bf16") == 125.0
+    assert catalog.device_peak_tflops("cpu", "bf16") is None
+
+
+def job(tmp_path, prices_file: str = "", pricing: str = "on_demand", prices: dict | None = None):
+    from orchestrator.config import JobConfig
+    return JobConfig.from_dict({"bill": {"prices_file": prices_file},
+                                "placement": {"pricing": pricing, "prices": prices or {}}})
+
+
+@pytest.mark.parametrize("name, text", [
+    ("prices.toml", '"H100-SXM5-80GB" = { on_demand = 2.10 }\n[B300]\non_demand = 6.0\nspot = 3.0\n'),
+    ("prices.json", '{"H100-SXM5-80GB": {"on_demand": 2.10}, "B300": {"on_demand": 6, "spot": 3}}'),
+])
+def test_a_price_file_replaces_rows_and_placement_prices_override_it(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    table = PriceTable.for_job(job(tmp_path, str(path)))
+    assert table.dollars_per_hour("H100-SXM5-80GB", spot=False) == 2.10
+    assert table.dollars_per_hour("H100-SXM5-80GB", spot=True) == 1.60  # the column left out keeps the default
+    assert (table.dollars_per_hour("B300", spot=False), table.dollars_per_hour("B300", spot=True)) == (6.0, 3.0)
+    spot = PriceTable.for_job(job(tmp_path, str(path), pricing="spot", prices={"B300": 2.5}))
+    assert spot.dollars_per_hour("B300", spot=True) == 2.5 and spot.dollars_per_hour("B300", spot=False) == 6.0
+
+
+@pytest.mark.parametrize("text, where, message", [
+    ('"H100-SXM5-80GB" = { on_demand = -1.0 }', "H100-SXM5-80GB.on_demand", "is not a price"),
+    ('"H100-SXM5-80GB" = { on_demand = "2.1" }', "H100-SXM5-80GB.on_demand", "is not a price"),
+    ('"H100-SXM5-80GB" = { hourly = 2.1 }', "H100-SXM5-80GB", "must be a table of on_demand and/or spot"),
+    ('"H100-SXM5-80GB" = 2.1', "H100-SXM5-80GB", "must be a table"),
+    ("", "prices.toml", "holds no prices"),
+    ("x = = 1", "prices.toml", "cannot read the price file"),
+])
+def test_a_bad_price_file_names_the_row_and_the_fix(tmp_path, text, where, message):
+    path = tmp_path / "prices.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as refused:
+        PriceTable.for_job(job(tmp_path, str(path)))
+    assert refused.value.where.startswith("[bill] prices_file") and refused.value.where.endswith(where)
+    assert message in refused.value.what and "on_demand = 2.49" in refused.value.fix or "≥ 0" in refused.value.fix
+
+
+def test_a_missing_price_file_says_where_it_was_looked_for(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read it") as refused:
+        PriceTable.for_job(job(tmp_path, str(tmp_path / "nope.toml")))
+    assert "nope.toml" in str(refused.value)

@@ -1,0 +1,93 @@
+"""Each alert fires on a synthetic series that should raise it, and stays quiet on a healthy one."""
+
+import math
+
+import pytest
+
+from orchestrator.alerts import AlertMonitor
+from orchestrator.config import AlertsConfig
+
+
+def series(count: int = 400, *, dollars_per_step=lambda step: 0.01, val=None, mfu=0.45, skipped=None,
+           recompilations=None, loss=lambda step: 3.0, window: int = 10) -> list[dict]:
+    """Bill rows: a log window every `window` steps, a validation every 100 steps."""
+    rows, dollars = [], 0.0
+    for step in range(1, count + 1):
+        dollars += dollars_per_step(step)
+        row = {"step": step, "dollars": dollars, "loss": loss(step), "tokens_per_s": 1000.0}
+        if step % window == 0:
+            row.update(window_end=True, mfu=mfu(step) if callable(mfu) else mfu)
+            if skipped is not None:
+                row["skipped_steps"] = skipped(step)
+            if recompilations is not None:
+                row["recompilations"] = recompilations(step)
+        if step % 100 == 0:
+            row["val_loss"] = val(step) if val else 3.0 - step / 1000
+        rows.append(row)
+    return rows
+
+
+def fired(rows, *, gpu=True, **config) -> list:
+    monitor = AlertMonitor(AlertsConfig(**config), gpu=gpu)
+    for i in range(0, len(rows), 10):  # fed in deliveries, as on the driver
+        monitor.observe(rows[i:i + 10])
+    return monitor.fired
+
+
+def test_a_healthy_run_raises_nothing():
+    assert fired(series(recompilations=lambda s: 2, skipped=lambda s: 0)) == []
+
+
+def test_cost_per_1k_steps_rising_fires_once_per_episode():
+    doubled = series(dollars_per_step=lambda step: 0.01 if step <= 200 else 0.02)
+    (alert,) = fired(doubled, cost_window_steps=100, cost_rise_percent=25)
+    assert alert.kind == "cost_rise"
+    # At step s the last 100 steps cost 0.01·(300 − s) + 0.02·(s − 200)... > 1.25 × $1 first at step 226.
+    assert alert.step == 226
+    assert "$10 → $12.6" in alert.message and "steps 27–126 vs 127–226" in alert.message
+    assert fired(doubled, cost_rise_percent=0) == []
+    assert fired(series(dollars_per_step=lambda step: 0.01 * (1 + 0.001 * step))) == []  # +10% per 100 steps
+
+
+def test_validation_loss_not_improving_for_n_steps():
+    stuck = series(count=800, val=lambda step: 2.5 if step == 200 else 2.6)
+    (alert,) = fired(stuck, val_patience_steps=300)
+    assert alert.kind == "val_plateau" and alert.step == 500
+    assert "not improved for 300 steps (best 2.5000 at step 200, now 2.6000)" in alert.message
+    assert fired(stuck, val_patience_steps=0) == []
+
+
+def test_mfu_below_the_floor_on_gpus():
+    sagging = series(mfu=lambda step: 0.05 if step == 10 or step > 200 else 0.4)
+    (alert,) = fired(sagging, mfu_floor=0.2)  # the first window (compile, warm-up) is not held to it
+    assert alert.kind == "mfu_floor" and alert.step == 210 and "MFU 5.0% is below the floor of 20%" in alert.message
+    assert fired(sagging, mfu_floor=0.2, gpu=False) == []  # CPU peaks are nominal
+    assert fired(sagging, mfu_floor=0.0) == []
+    # It re-arms once MFU recovers.
+    dips = series(mfu=lambda step: 0.05 if step in (100, 300) else 0.4)
+    assert [a.step for a in fired(dips, mfu_floor=0.2)] == [100, 300]
+
+
+def test_steps_skipped_for_inf_or_nan():
+    skipping = series(skipped=lambda step: 0 if step < 150 else 2)
+    (alert,) = fired(skipping)
+    assert alert.kind == "skipped_steps" and alert.step == 150 and "2 step(s) skipped" in alert.message
+    nan = fired(series(loss=lambda step: math.nan if step == 7 else 3.0))
+    assert [(a.kind, a.step) for a in nan] == [("skipped_steps", 7)]
+    assert fired(skipping, skipped_steps=False) == []
+
+
+def test_recompilations_after_the_first_window():
+    recompiling = series(recompilations=lambda step: 1 if step < 300 else 3)  # 1 during the first window: expected
+    (alert,) = fired(recompiling)
+    assert alert.kind == "recompilations" and alert.step == 300
+    assert "recompiled 2 time(s) by step 300 (3 in all)" in alert.message
+    assert fired(recompiling, recompilations=False) == []
+
+
+@pytest.mark.parametrize("key, value", [("cost_rise_percent", -1.0), ("mfu_floor", 1.5), ("cost_window_steps", 0),
+                                        ("val_patience_steps", -5)])
+def test_impossible_thresholds_are_refused(key, value):
+    from orchestrator.errors import ConfigError
+    with pytest.raises(ConfigError, match=rf"\[bill.alerts\] {key}"):
+        AlertsConfig(**{key: value})
