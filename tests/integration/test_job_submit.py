@@ -85,7 +85,9 @@ def head():
                f"--dashboard-agent-listen-port={agent_http}", f"--dashboard-agent-grpc-port={agent_grpc}",
                f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={runtime_env}",
                "--num-cpus=4", f"--temp-dir={root / 'ray'}", "--disable-usage-stats"]
-    env = head_environment(root, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file))
+    # No drain wait on SIGTERM (a Serve feature; it would hold teardown for its whole timeout).
+    env = head_environment(root, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file),
+                           RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")
     with open(root / "head.log", "w") as log:
         # Its own session, so teardown signals exactly this head and what it started.
         process = subprocess.Popen(command, env=env, cwd=root, stdout=log, stderr=subprocess.STDOUT,
@@ -114,15 +116,19 @@ def wait_for_jobs_api(address: str, token: str, process: subprocess.Popen, log: 
 
 
 def stop_head(process: subprocess.Popen, root: Path) -> None:
-    """SIGTERM to our head's process group: `ray start --block` then stops the GCS, raylet, dashboard
-    and workers it started. Not `ray stop`, which stops every Ray process on the machine."""
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+    """SIGTERM to our `ray start --block`, which stops the GCS, raylet, dashboard and workers it
+    started; then SIGKILL to whatever is left of its process group and of the processes naming our
+    temp dir. Not `ray stop`, which stops every Ray process on the machine, other people's too."""
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
     for pid in processes_mentioning(str(root)):  # stragglers that left the group; ours name our temp dir
         try:
             os.kill(pid, signal.SIGKILL)
