@@ -32,6 +32,8 @@ REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
 MANIFESTS = DEPLOY / "kuberay"
 CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml"}
+# libyaml's safe loader reads the 2.3 MB of CRDs ~15x faster than the pure-Python one.
+SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def crd_directory() -> Path:
@@ -80,7 +82,7 @@ def crd_schemas() -> dict[str, CrdSchema]:
     """kind -> the storage version's schema, made strict about unknown fields."""
     schemas = {}
     for kind, file in CRD_FILES.items():
-        crd = yaml.safe_load((crd_directory() / file).read_text())
+        crd = yaml.load((crd_directory() / file).read_text(), Loader=SAFE_LOADER)
         assert crd["spec"]["names"]["kind"] == kind, f"{file} defines {crd['spec']['names']['kind']}, not {kind}"
         version = next(v for v in crd["spec"]["versions"] if v.get("storage"))
         schemas[kind] = CrdSchema(f"{crd['spec']['group']}/{version['name']}",
