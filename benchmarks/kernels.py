@@ -10,6 +10,9 @@ Per bucket size:
   decompress  decompress_accumulate(dense, payload); bytes = payload entries and scales read + 8 per
               entry (its dense fp32 element read and written). At k = 1 % entries are ~100 elements
               apart, so each costs DRAM a 32-byte sector both ways: "sector GB/s" counts that
+  sum         decompress_sum of 8 payloads (an all-gather over 8 ranks) into the bucket, against the
+              row-by-row path (zero an fp32 sum, decompress_accumulate each row, divide, copy); bytes =
+              valid payload bytes read + the fp32 bucket written once
   topk        topk_by_magnitude(x, k) against the baseline torch.topk(|x|, k, sorted=False) with |x|
               computed beforehand: device time (both in CUDA graphs; ours without the final wait
               for the count) and eager time (each call waited for, Python included); "kept" is
@@ -34,10 +37,12 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-from kernels import compress, decompress_accumulate, topk_by_magnitude, triton_kernels  # noqa: E402
+from kernels import compress, decompress_accumulate, decompress_sum, topk_by_magnitude, triton_kernels  # noqa: E402
 from kernels.payload import PayloadLayout, allocate  # noqa: E402
 from kernels.plan import SelectionPlan  # noqa: E402
 
+RANKS = 8
+"""Payloads summed by decompress_sum per call, as after an all-gather over 8 ranks."""
 ROTATE_BYTES = 1 << 30
 """Buffers cycled through per size, so each call finds its inputs in DRAM, not the 60 MB L2."""
 
@@ -109,6 +114,21 @@ def bench_size(size_mb: float, k_ratio: float) -> dict:
     decompress_gbs = (payload_read + 8 * sent) / decompress_s / 1e9
     sector_gbs = (payload_read + 64 * sent) / decompress_s / 1e9
 
+    # An all-gather's worth of payloads (different buckets) averaged into the bucket: decompress_sum
+    # in one pass against what the hook did before (zero an fp32 sum, add each row, divide, copy).
+    rows = torch.stack([compress(buckets[i % sets], residuals[i % sets], k_ratio).payload for i in range(RANKS)])
+    like = payloads[0]
+    valid_bytes = sum(like.with_payload(row).sent() * 5 + 4 * like.layout.num_blocks + 16 for row in rows)
+    sum_s = graph_seconds([lambda d=d: decompress_sum(d, rows, like, RANKS) for d in copies])
+    total = torch.empty_like(copies[0])
+    rowwise_s = graph_seconds([lambda d=d: _sum_row_by_row(d, total, rows, like) for d in copies])
+    check = torch.empty_like(copies[0])
+    _sum_row_by_row(check, total, rows, like)
+    decompress_sum(copies[0], rows, like, RANKS)
+    sum_matches = bool(torch.equal(check, copies[0]))  # bit for bit, including the correctly rounded division
+    sum_gbs = (valid_bytes + 4 * numel) / sum_s / 1e9
+    del rows, total, check
+
     k = max(1, round(k_ratio * numel))
     magnitudes = [b.abs() for b in buckets]  # outside the baseline's timing: torch.topk alone, its best case
     topk_device_s = graph_seconds([lambda b=b: _topk_without_waiting(b, k) for b in buckets])
@@ -124,9 +144,17 @@ def bench_size(size_mb: float, k_ratio: float) -> dict:
     return dict(size_mb=size_mb, numel=numel, sets=sets, copy_gbs=copy_gbs, compress_gbs=compress_gbs,
                 compress_us=compress_s * 1e6, eager_us=eager_s * 1e6, decompress_gbs=decompress_gbs,
                 sector_gbs=sector_gbs, decompress_us=decompress_s * 1e6, sent_over_k=sent / k,
+                sum_gbs=sum_gbs, sum_us=sum_s * 1e6, rowwise_us=rowwise_s * 1e6, sum_matches=sum_matches,
                 topk_device_ms=topk_device_s * 1e3, torch_device_ms=torch_device_s * 1e3,
                 topk_eager_ms=topk_eager_s * 1e3, torch_eager_ms=torch_eager_s * 1e3, kept_over_k=len(index) / k,
                 exact=exact_match)
+
+
+def _sum_row_by_row(out: torch.Tensor, total: torch.Tensor, rows: torch.Tensor, like) -> None:
+    total.zero_()
+    for row in rows:
+        decompress_accumulate(total, like.with_payload(row))
+    out.copy_(total.div_(len(rows)))  # as the hook did; for 8 ranks exactly the correctly rounded quotient
 
 
 def _topk_without_waiting(x: torch.Tensor, k: int) -> None:
@@ -151,8 +179,9 @@ def main() -> None:
         print(rows[-1], flush=True)
     print("\n| bucket | copy GB/s | compress GB/s (of copy) | compress us: graph / eager | "
           "decompress GB/s (of copy) | decompress sector GB/s (of copy) | sent/k | "
-          "topk ms, graph: ours / torch.topk (speed-up) | topk ms, eager: ours / torch.topk (speed-up) | kept/k | exact |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "topk ms, graph: ours / torch.topk (speed-up) | topk ms, eager: ours / torch.topk (speed-up) | kept/k | exact | "
+          f"sum of {RANKS} GB/s (of copy) | sum of {RANKS} us: decompress_sum / row by row | same bits |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         copy = r["copy_gbs"]
         print(f"| {r['size_mb']:g} MB | {copy:.0f} | {r['compress_gbs']:.0f} ({r['compress_gbs'] / copy:.0%}) | "
@@ -161,7 +190,8 @@ def main() -> None:
               f"{r['sent_over_k']:.3f} | {r['topk_device_ms']:.3f} / {r['torch_device_ms']:.3f} "
               f"({r['torch_device_ms'] / r['topk_device_ms']:.1f}x) | {r['topk_eager_ms']:.3f} / "
               f"{r['torch_eager_ms']:.3f} ({r['torch_eager_ms'] / r['topk_eager_ms']:.1f}x) | "
-              f"{r['kept_over_k']:.3f} | {r['exact']} |")
+              f"{r['kept_over_k']:.3f} | {r['exact']} | {r['sum_gbs']:.0f} ({r['sum_gbs'] / copy:.0%}) | "
+              f"{r['sum_us']:.1f} / {r['rowwise_us']:.1f} | {r['sum_matches']} |")
 
 
 if __name__ == "__main__":

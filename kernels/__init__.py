@@ -2,11 +2,12 @@
 
 Gradient compression for comm hooks (see kernels.compression for the guarantees):
 compress() selects the largest magnitudes of bucket + residual and quantises them to int8,
-decompress_accumulate() adds a payload into a dense fp32 bucket, topk_by_magnitude() is the
+decompress_accumulate() adds a payload into a dense fp32 bucket, decompress_sum() averages a
+whole all-gather of payloads into one in a single pass, topk_by_magnitude() is the
 selection alone. Importing this package needs neither triton nor CUDA.
 """
 
-from kernels.compression import DEFAULT_BLOCK, compress, decompress_accumulate, topk_by_magnitude
+from kernels.compression import DEFAULT_BLOCK, compress, decompress_accumulate, decompress_sum, topk_by_magnitude
 from kernels.errors import NonFiniteGradientError
 from kernels.payload import CompressedBucket, PayloadLayout
 
@@ -17,5 +18,6 @@ __all__ = [
     "PayloadLayout",
     "compress",
     "decompress_accumulate",
+    "decompress_sum",
     "topk_by_magnitude",
 ]

@@ -97,6 +97,34 @@ def decompress_accumulate(dense_out: torch.Tensor, compressed: CompressedBucket)
         _backend(dense_out).decompress_accumulate(dense_out.view(-1), compressed)
 
 
+def decompress_sum(dense_out: torch.Tensor, payloads: torch.Tensor, like: CompressedBucket, divisor: float = 1.0) -> None:
+    """dense_out = (sum of every row's dequantised payload) / divisor: a whole all-gather at once.
+
+    `payloads` is the (ranks, nbytes) uint8 result of all-gathering payloads made like `like`
+    (same bucket size, k_ratio and block). Each element of dense_out is written once, with the
+    rows added in order in fp32 and the sum divided (correctly rounded) by `divisor`; unlike
+    zeroing a buffer, decompress_accumulate per row and dividing, no pass over the bucket but
+    the final write touches memory, whatever the number of ranks.
+    """
+    layout = like.layout
+    if layout.block is None:
+        raise ValueError("decompress_sum needs payloads from compress(); top-k selections carry raw values")
+    if (payloads.dtype != torch.uint8 or payloads.dim() != 2 or not payloads.is_contiguous()
+            or payloads.shape[1] != layout.nbytes or payloads.device != dense_out.device):
+        raise ValueError(f"payloads must be a contiguous (ranks, {layout.nbytes}) uint8 tensor on {dense_out.device}, "
+                         f"got {payloads.dtype} {tuple(payloads.shape)} on {payloads.device}; pass the all-gathered "
+                         "buffer viewed as (world_size, -1)")
+    if dense_out.dtype != torch.float32 or not dense_out.is_contiguous() or dense_out.numel() != layout.numel:
+        raise ValueError(f"dense_out must be a contiguous float32 tensor of {layout.numel} elements, got "
+                         f"{dense_out.dtype} {tuple(dense_out.shape)}; sum into an fp32 buffer and cast afterwards")
+    if not divisor > 0:
+        raise ValueError(f"divisor must be positive, got {divisor!r}; pass the world size to average")
+    if layout.capacity:
+        _backend(dense_out).decompress_sum(dense_out.view(-1), payloads, layout, divisor)
+    else:
+        dense_out.zero_()
+
+
 def topk_by_magnitude(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(int32 indices, values) of about k elements of x with the largest |x|, indices ascending.
 

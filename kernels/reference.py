@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.payload import QUANT_MAX, CompressedBucket
+from kernels.payload import QUANT_MAX, CompressedBucket, PayloadLayout
 from kernels.plan import BINS, EXPONENT_SHIFT, KEY_SHIFT, NONFINITE_EXPONENT, WORKSPACE_SAMPLES, SelectionPlan
 
 NONFINITE_BITS = NONFINITE_EXPONENT << EXPONENT_SHIFT
@@ -121,3 +121,12 @@ def decompress_accumulate(dense_out: torch.Tensor, compressed: CompressedBucket)
     valid = (index >= 0) & (index < compressed.numel)
     index, codes = index[valid], codes[valid]
     dense_out.index_add_(0, index, codes.float() * compressed.scales[index // compressed.layout.block])
+
+
+def decompress_sum(dense_out: torch.Tensor, payloads: torch.Tensor, layout: PayloadLayout, divisor: float) -> None:
+    """dense_out = (sum over rows of each row's dequantised payload, added in row order) / divisor."""
+    total = torch.zeros(dense_out.numel(), dtype=torch.float32, device=dense_out.device)
+    for row in payloads:
+        decompress_accumulate(total, CompressedBucket(row, layout))
+    # Divide by a tensor, not the number: on CUDA, torch multiplies by the reciprocal instead.
+    dense_out.copy_(total / torch.full_like(total, divisor))

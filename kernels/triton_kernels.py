@@ -23,6 +23,9 @@ on a single counter serialised an earlier one still. The scratch array costs mem
 per element, allocated per call) but almost no traffic: only the ~k entries are written.
 decompress_accumulate() adds each entry into its dense element: one read-modify-write of a
 32-byte sector per entry, since at k = 1 % entries are about 100 elements apart.
+decompress_sum() averages several ranks' payloads into a bucket in one pass per block: the
+block's entries are found by a binary search per block boundary (_block_starts_kernel), then
+each block is built in cache and written once (_decompress_sum_kernel).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.payload import QUANT_MAX, CompressedBucket
+from kernels.payload import HEADER_BYTES, QUANT_MAX, CompressedBucket, PayloadLayout
 from kernels.plan import BINS, EXPONENT_SHIFT, KEY_SHIFT, NONFINITE_EXPONENT, WORKSPACE_SAMPLES, SelectionPlan
 
 _KEY_SHIFT = tl.constexpr(KEY_SHIFT)
@@ -55,6 +58,10 @@ ELEMENTS_PER_THREAD = 16
 alone: blocks of 1024 with 16 elements a thread (2 warps, ~80 registers, 12 programs per
 multiprocessor) streamed at 85 % of copy bandwidth; 32 a thread, 68 %; blocks of 4096 with
 8 or 4 warps, 62 % and 51 %; with 16 warps (one program per multiprocessor), about a third."""
+SEARCH_LANES = 256
+"""Block boundaries searched per program when locating each block's entries in a payload."""
+SUM_CHUNK = 32
+"""Entries a summing program adds per step (at k = 1 % a block has about 10 per rank)."""
 GATHER_ROWS = 32
 GATHER_WIDTH = 16
 """A gathering program moves the entries of 32 tiles, 16 per tile at a time (4 lanes a thread)."""
@@ -201,6 +208,73 @@ def _decompress_kernel(header_ptr, indices_ptr, values_ptr, scales_ptr, out_ptr,
     # the sum is deterministic; payloads from several ranks are applied one launch each.
     current = tl.load(out_ptr + index, mask=valid, other=0.0)
     tl.store(out_ptr + index, current + code * scale, mask=valid)
+
+
+@triton.jit
+def _block_starts_kernel(payloads_ptr, row_bytes, starts_ptr, capacity, blocks, INDICES_OFFSET: tl.constexpr,
+                         BLOCK: tl.constexpr, LANES: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+    # starts[rank, b] = the first entry of rank's payload whose index is >= b * BLOCK, for b in
+    # 0..blocks: one binary search per lane over the payload's sorted indices, many lanes in
+    # flight so the dependent loads overlap (a search per tile inside the summing kernel stalled).
+    rank = tl.program_id(1)
+    b = tl.program_id(0) * LANES + tl.arange(0, LANES)
+    row = payloads_ptr + row_bytes.to(tl.int64) * rank
+    sent = tl.minimum(tl.load(row.to(tl.pointer_type(tl.int32))), capacity)
+    indices = (row + INDICES_OFFSET).to(tl.pointer_type(tl.int32))
+    target = b * BLOCK
+    lo = tl.zeros([LANES], dtype=tl.int32)
+    hi = lo + sent
+    for _ in range(SEARCH_STEPS):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        below = active & (tl.load(indices + mid, mask=active, other=0) < target)
+        lo = tl.where(below, mid + 1, lo)
+        hi = tl.where(active & ~below, mid, hi)
+    tl.store(starts_ptr + rank * (blocks + 1) + b, lo, mask=b <= blocks)
+
+
+@triton.jit
+def _decompress_sum_kernel(payloads_ptr, row_bytes, starts_ptr, out_ptr, numel, ranks, blocks, divisor,
+                           INDICES_OFFSET: tl.constexpr, VALUES_OFFSET: tl.constexpr, SCALES_OFFSET: tl.constexpr,
+                           BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    # One program per scale block: the block is zeroed, each rank's entries for it are added in
+    # rank order (read-modify-write of a 4 KB tile this program just wrote, so the scattered
+    # accesses hit cache, not DRAM), then divided and written once. DRAM sees the payload
+    # entries read and the bucket written, about 4 bytes per element whatever the density.
+    tile = tl.program_id(0)
+    offsets = tile * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < numel
+    tl.store(out_ptr + offsets, tl.zeros([BLOCK], dtype=tl.float32), mask=inside)
+    tl.debug_barrier()
+    for rank in range(ranks):
+        row = payloads_ptr + row_bytes.to(tl.int64) * rank
+        first = tl.load(starts_ptr + rank * (blocks + 1) + tile)
+        last = tl.load(starts_ptr + rank * (blocks + 1) + tile + 1)
+        scale = tl.load((row + SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + tile)
+        for start in range(first, last, CHUNK):
+            entry = start + tl.arange(0, CHUNK)
+            live = entry < last
+            index = tl.load((row + INDICES_OFFSET).to(tl.pointer_type(tl.int32)) + entry, mask=live, other=0)
+            code = tl.load((row + VALUES_OFFSET).to(tl.pointer_type(tl.int8)) + entry, mask=live, other=0)
+            # Indices of one payload are distinct, so lanes never collide within a rank.
+            current = tl.load(out_ptr + index, mask=live, other=0.0)
+            tl.store(out_ptr + index, current + code.to(tl.float32) * scale, mask=live)
+        tl.debug_barrier()
+    total = tl.load(out_ptr + offsets, mask=inside, other=0.0)
+    tl.store(out_ptr + offsets, tl.div_rn(total, divisor), mask=inside)
+
+
+def decompress_sum(dense_out: torch.Tensor, payloads: torch.Tensor, layout: PayloadLayout, divisor: float) -> None:
+    ranks, blocks = payloads.shape[0], layout.num_blocks
+    starts = torch.empty((ranks, blocks + 1), dtype=torch.int32, device=dense_out.device)
+    with _on_device(dense_out):
+        _block_starts_kernel[(triton.cdiv(blocks + 1, SEARCH_LANES), ranks)](
+            payloads, payloads.shape[1], starts, layout.capacity, blocks, INDICES_OFFSET=HEADER_BYTES,
+            BLOCK=layout.block, LANES=SEARCH_LANES, SEARCH_STEPS=max(1, layout.capacity.bit_length()), num_warps=4)
+        _decompress_sum_kernel[(blocks,)](
+            payloads, payloads.shape[1], starts, dense_out, layout.numel, ranks, blocks, float(divisor),
+            INDICES_OFFSET=HEADER_BYTES, VALUES_OFFSET=layout.values_offset, SCALES_OFFSET=layout.scales_offset,
+            BLOCK=layout.block, CHUNK=SUM_CHUNK, num_warps=max(1, min(8, layout.block // 256)), enable_fp_fusion=False)
 
 
 def select(source: torch.Tensor, residual: torch.Tensor | None, plan: SelectionPlan, out: CompressedBucket,

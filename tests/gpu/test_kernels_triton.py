@@ -63,6 +63,18 @@ def test_decompress_matches_the_twin_bit_for_bit():
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("numel,block,k_ratio,ranks", [(5_000_000, 1024, 0.01, 8), (1_000_003, 128, 0.2, 3),
+                                                    (50_001, 4096, 0.001, 2)])
+def test_decompress_sum_matches_the_twin_bit_for_bit(numel, block, k_ratio, ranks):
+    rows = [compress(gradient(numel, seed=r), torch.zeros(numel, device="cuda"), k_ratio, block) for r in range(ranks)]
+    payloads = torch.stack([c.payload for c in rows])
+    got = torch.full((numel,), float("nan"), device="cuda")
+    want = got.clone()
+    triton_kernels.decompress_sum(got, payloads, rows[0].layout, float(ranks))
+    reference.decompress_sum(want, payloads, rows[0].layout, float(ranks))
+    assert torch.equal(got, want)
+
+
 def test_public_functions_pick_triton_for_cuda_tensors():
     assert _backend(torch.zeros(1, device="cuda")) is triton_kernels
     assert _backend(torch.zeros(1)) is reference

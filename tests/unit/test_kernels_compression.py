@@ -9,7 +9,7 @@ import pickle
 import pytest
 import torch
 
-from kernels import NonFiniteGradientError, compress, decompress_accumulate, topk_by_magnitude
+from kernels import NonFiniteGradientError, compress, decompress_accumulate, decompress_sum, topk_by_magnitude
 from kernels.plan import CAPACITY_SLACK_PERCENT
 
 
@@ -75,6 +75,20 @@ def test_count_is_within_tolerance_and_the_largest_are_kept(shape, k_ratio):
     # Not approximately the largest: exactly the largest len(index) magnitudes.
     exact = torch.topk(x.abs(), len(index)).indices
     assert set(index.tolist()) == set(exact.tolist())
+
+
+def test_decompress_sum_writes_the_average_of_every_payload():
+    n, ranks = 30_011, 3
+    payloads, total = [], torch.zeros(n)
+    for r in range(ranks):
+        c = compress(layered_gradient(n, seed=20 + r), torch.zeros(n), 0.05, 512)
+        payloads.append(c.payload)
+        decompress_accumulate(total, c)
+    out = torch.full((n,), float("nan"))  # every element must be written, not only those sent
+    decompress_sum(out, torch.stack(payloads), c, ranks)
+    assert torch.equal(out, total / torch.full_like(total, ranks))
+    with pytest.raises(ValueError, match="world_size"):
+        decompress_sum(out, torch.stack(payloads)[:, :-16], c, ranks)
 
 
 def test_small_bucket_is_sampled_whole_and_hits_k_closely():

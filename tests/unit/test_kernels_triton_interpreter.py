@@ -65,6 +65,13 @@ for numel, dtype, block, k_ratio, with_residual in [(20_011, torch.float32, 512,
         triton_kernels.decompress_accumulate(dense_got, got)
         reference.decompress_accumulate(dense_want, want)
         row["decompress"] = torch.equal(dense_got, dense_want)
+        # Three ranks' payloads (this one, one from the negated bucket, this one again) summed at once.
+        other, _ = run(reference, -source, torch.zeros(numel), plan, layout)
+        payloads = torch.stack([want.payload, other.payload, want.payload])
+        sum_got, sum_want = torch.full((numel,), float("nan")), torch.full((numel,), float("nan"))
+        triton_kernels.decompress_sum(sum_got, payloads, layout, 3.0)
+        reference.decompress_sum(sum_want, payloads, layout, 3.0)
+        row["decompress_sum"] = torch.equal(sum_got, sum_want)
     results.append(row)
 print(json.dumps(results))
 """

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
-from kernels.compression import compress, decompress_accumulate
+from kernels.compression import compress, decompress_accumulate, decompress_sum
 from kernels.errors import NonFiniteGradientError
 from workers.comm.groups import IslandGroups
 from workers.comm.stats import CommStats
@@ -155,6 +155,9 @@ def topk_hook(state: TopkHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         # at the next check(); counted on the device, the hook never waits for it.
         seen = torch.stack([row.header[1] for row in rows]).sum()
         state.nonfinite = seen if state.nonfinite is None else state.nonfinite + seen
+        if buffer.dtype == torch.float32:  # one pass writes the average straight into DDP's bucket
+            decompress_sum(buffer, gathered.view(state.world_size, -1), mine, state.world_size)
+            return buffer
         total = torch.zeros(buffer.numel(), dtype=torch.float32, device=buffer.device)
         for row in rows:
             decompress_accumulate(total, row)
