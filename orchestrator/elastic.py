@@ -34,6 +34,9 @@ from orchestrator.topology.sysfs import format_cpu_list, parse_cpu_list
 
 COORDINATOR_NAME = "archipelago-plan-coordinator-{}"
 """Ray actor name, by run name: one coordinator per run."""
+WORKER_DEATHS = ("ActorDiedError", "WorkerHealthCheckFailedError", "ActorUnavailableError", "NodeDiedError",
+                 "RayActorError", "OutOfMemoryError")
+"""How Ray reports a worker process or node that is gone (FailureRecorder prefixes the type's name)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +168,9 @@ class ElasticState:
         if self._lost is not None or not errors:
             return []
         by_rank = {r.world_rank: r for r in self.reports}
-        ranks = tuple(sorted(errors))
+        # A dead worker takes its peers' collectives down with it; name the dead, not the collateral.
+        dead = [rank for rank, error in errors.items() if error.startswith(WORKER_DEATHS)]
+        ranks = tuple(sorted(dead or errors))
         nodes = tuple(_node_name(by_rank[r]) if r in by_rank else "unknown node" for r in ranks)
         self._lost = Failure(self.attempt, self._clock(), ranks, nodes, errors[ranks[0]].strip().splitlines()[0][:300])
         self.failures.append(self._lost)
@@ -313,14 +318,20 @@ def _discover() -> ClusterTopology:
     return topology.discover_cluster()
 
 
-def start_coordinator(config: JobConfig, plan: Plan, topology: ClusterTopology, plan_path: str, sink, memory=None):
-    """Starts the run's PlanCoordinator on this (the driver's) node; returns its handle."""
+def on_this_node():
+    """A scheduling strategy that keeps an actor on this (the driver's) node: it must outlive any worker node."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+    return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+
+
+def start_coordinator(config: JobConfig, plan: Plan, topology: ClusterTopology, plan_path: str, sink, memory=None):
+    """Starts the run's PlanCoordinator on the driver's node; returns its handle."""
+    import ray
+
     actor = ray.remote(num_cpus=0, max_restarts=0)(PlanCoordinator)
-    return actor.options(name=COORDINATOR_NAME.format(config.name), scheduling_strategy=here).remote(
+    return actor.options(name=COORDINATOR_NAME.format(config.name), scheduling_strategy=on_this_node()).remote(
         config, plan, topology, str(plan_path), sink, memory)
 
 

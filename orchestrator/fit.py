@@ -74,7 +74,7 @@ class Orchestrator:
         with self._ray():
             cluster = topology.discover_cluster()
             plan = self._plan(cluster)
-            sink = MetricsSink.remote()
+            sink = MetricsSink.options(scheduling_strategy=elastic.on_this_node()).remote()  # outlives worker nodes
             coordinator = elastic.start_coordinator(self.config, plan, cluster, str(self.run.plan_path), sink)
             try:
                 job = WorkerJob(config=self.config, data_dir=str(data_dir), tokenizer=tokenizer, plan=plan,
@@ -97,13 +97,15 @@ class Orchestrator:
     def _plan(self, cluster: topology.ClusterTopology) -> Plan:
         """Plans the job on the cluster Ray gives us; the plan is saved beside the metrics.
 
-        An elastic CPU job is planned on the worker slots Ray can grant now (each node's Ray CPUs), as
-        many as [cluster] num_workers at most and [elastic] min_workers at least; it grows later."""
+        CPU jobs are planned on the worker slots Ray can schedule (each node's Ray CPUs, not its cores:
+        several Ray nodes may share a machine); an elastic one on as many as are there now, between
+        [elastic] min_workers and [cluster] num_workers: it grows later."""
         config = self.config
-        if config.elastic.min_workers and not config.cluster.use_gpu:
+        if not config.cluster.use_gpu:
             cluster, slots = elastic.ray_cpu_slots(cluster, config.cluster.cpus_per_worker)
-            config = elastic.config_for_world(config, max(config.elastic.min_workers,
-                                                          min(slots, config.cluster.num_workers)))
+            if config.elastic.min_workers:
+                config = elastic.config_for_world(config, max(config.elastic.min_workers,
+                                                              min(slots, config.cluster.num_workers)))
         plan = placement.make_plan(cluster, config)
         plan.save(self.run.plan_path)
         predicted = plan.predicted

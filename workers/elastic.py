@@ -28,9 +28,11 @@ from orchestrator.placement.plan import Plan
 from storage.ledger import LEDGER_FILE, SampleLedger
 
 
-def join_group(coordinator, ctx, *, use_gpu: bool, started_at: float) -> Plan:
-    """Tells the coordinator who this group is (gathered to rank 0) and returns the plan it made for it.
-    An error from the coordinator (no plan fits, a fatal error earlier) is raised on every rank alike."""
+def join_group(coordinator, ctx, *, use_gpu: bool, started_at: float) -> tuple[Plan, int]:
+    """Tells the coordinator who this group is (gathered to rank 0); returns the plan it made for it and
+    this worker's index among the group's workers on its Ray node (what it claims its plan entry by).
+    Ray Train's own local rank counts workers per IP address, which several Ray nodes of one machine
+    share. An error from the coordinator (no plan fits, a fatal error earlier) is raised on every rank."""
     report = WorkerReport(world_rank=ctx.get_world_rank(), local_rank=ctx.get_local_rank(),
                           ray_node_id=ray.get_runtime_context().get_node_id(),
                           address=ray.util.get_node_ip_address(), pid=os.getpid(),
@@ -50,7 +52,13 @@ def join_group(coordinator, ctx, *, use_gpu: bool, started_at: float) -> Plan:
         dist.broadcast_object_list(answer, src=0)
     if isinstance(answer[0], BaseException):
         raise answer[0]
-    return answer[0]
+    plan: Plan = answer[0]
+    entries = [w for w in plan.workers if w.ray_node_id == report.ray_node_id]
+    mine = [i for i, w in enumerate(entries) if w.device_uuid and w.device_uuid in report.device_uuids]
+    if len(mine) == 1:  # a GPU worker takes the entry of the GPU Ray gave it (Ray reserves GPUs by count)
+        return plan, mine[0]
+    on_node = sorted(r.world_rank for r in reports if r.ray_node_id == report.ray_node_id)
+    return plan, on_node.index(report.world_rank)
 
 
 def _visible_gpus() -> tuple[str, ...]:

@@ -130,9 +130,9 @@ def train(job: WorkerJob, ctx, started_at: float) -> dict:
     cfg = job.config
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     marks = {}  # when this group reached each stage of its start (unix s): the recovery's timeline
-    plan = join_group(job.coordinator, ctx, use_gpu=cfg.cluster.use_gpu, started_at=started_at)
+    plan, node_rank = join_group(job.coordinator, ctx, use_gpu=cfg.cluster.use_gpu, started_at=started_at)
     marks["planned"] = time.time()
-    plan, device = claim_plan_entry(plan, ctx)
+    plan, device = claim_plan_entry(plan, ctx, node_rank)
 
     engine = Engine(cfg, plan, rank, device)
     checkpoints = checkpoint.RunCheckpoints(run_storage(), cfg, rank)
@@ -213,13 +213,13 @@ def open_ledger(cfg: JobConfig, checkpoints: checkpoint.RunCheckpoints, rank: in
     return keeper
 
 
-def claim_plan_entry(plan: Plan, ctx) -> tuple[Plan, torch.device]:
+def claim_plan_entry(plan: Plan, ctx, node_rank: int) -> tuple[Plan, torch.device]:
     """Binds this worker to its plan entry's device and cores, and renumbers the plan to Ray's ranks.
 
-    Ray Train numbers workers itself; each claims the entry of its node and local rank, and the
-    claims, gathered in world-rank order, renumber the plan so plan rank == world rank."""
+    Ray Train numbers workers itself; each claims the entry of its node and its index there
+    (`node_rank`), and the claims, gathered in world-rank order, renumber the plan so plan rank == world rank."""
     entry = binding.claim(plan, ray_node_id=ray.get_runtime_context().get_node_id(), node_id=socket.gethostname(),
-                          local_rank=ctx.get_local_rank())
+                          local_rank=node_rank)
     device = torch.device(binding.bind(entry))
     if device.type == "cpu":
         torch.set_num_threads(entry.cpus)

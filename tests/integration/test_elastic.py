@@ -1,0 +1,301 @@
+"""Elastic and fault-tolerant fit() on a real multi-node Ray cluster (ray.cluster_utils.Cluster on loopback).
+
+One cluster serves the module: a head and one worker node, 1 CPU each (two gloo CPU workers); a
+third node comes and goes in the resize test. A watcher thread follows each run through its
+PlanCoordinator (`status`: the group's worker pids, the last step, the events) and kills workers
+(SIGKILL), drains a node with a preemption notice, removes it and adds one at the moments the test
+names. Every run keeps the sample ledger, so exactly-once is checked on the ids the workers
+really trained on, over whole epochs of a small dataset.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+from ray.cluster_utils import Cluster
+
+from orchestrator import Orchestrator
+from orchestrator.elastic import COORDINATOR_NAME, WORKER_DEATHS
+from orchestrator.errors import FailureBudgetError
+from storage.ledger import LEDGER_FILE, SampleLedger
+from storage.prepare import prepare_dataset
+from storage.shards import TokenDataset
+from tests.conftest import CORPUS_SOURCE, tiny_job
+from workers import checkpoint
+from workers.models.gpt import GPT
+
+pytestmark = pytest.mark.integration
+SMALL_FILES = ["parser.py", "errors.py", "base64mime.py", "iterators.py", "encoders.py", "__init__.py"]
+SEQ_LEN = 64
+LOSS_TOLERANCE = 1e-4
+"""Relative: the same samples in the same order on the same two workers give the same losses up to
+float32 reduction order; a lost or repeated batch moves them by far more."""
+
+
+@pytest.fixture(scope="module")
+def small_dataset(tmp_path_factory) -> tuple[Path, int]:
+    """A dataset of a few hundred samples, so a run of a few dozen steps covers whole epochs."""
+    corpus = tmp_path_factory.mktemp("small-corpus")
+    for name in SMALL_FILES:
+        shutil.copy(CORPUS_SOURCE / name, corpus / name)
+    out = tmp_path_factory.mktemp("small-data") / "bytes"
+    prepare_dataset(str(corpus), out, val_percent=20.0, shard_tokens=16 * 1024)
+    return out, TokenDataset(out, "train", SEQ_LEN).num_samples
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def job(small_dataset, runs_dir, name: str, steps: int, **sections):
+    data_dir, _ = small_dataset
+    return tiny_job(data_dir, runs_dir, name=name, model={"seq_len": SEQ_LEN},
+                    train={"steps": steps, "eval_every": 1000, "log_every": 1},
+                    elastic={"sample_ledger": True, **sections.pop("elastic", {})}, **sections)
+
+
+def epoch_steps(small_dataset) -> int:
+    """Steps that cover the first epoch and a few more (global batch 8)."""
+    return math.ceil(small_dataset[1] / 8) + 6
+
+
+def run_with(orchestrator: Orchestrator, act):
+    """Runs fit() on a thread while this (main) thread follows the run through its coordinator's status
+    and calls `act(status)` until it returns True (Cluster.add_node needs the main thread)."""
+    outcome: dict = {}
+
+    def fit() -> None:
+        try:
+            outcome["result"] = orchestrator.fit()
+        except Exception as e:  # noqa: BLE001 - raised below, on the test's thread
+            outcome["error"] = e
+    thread = threading.Thread(target=fit, daemon=True)
+    thread.start()
+    coordinator, done = None, False
+    while thread.is_alive():
+        time.sleep(0.02)
+        if done:
+            continue
+        try:
+            coordinator = coordinator or ray.get_actor(COORDINATOR_NAME.format(orchestrator.config.name))
+            status = ray.get(coordinator.status.remote())
+        except (ValueError, ray.exceptions.RayActorError):  # not started yet, or over
+            continue
+        done = act(status)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
+def kill(status: dict, rank: int) -> None:
+    os.kill(status["workers"][rank]["pid"], signal.SIGKILL)
+
+
+def final_ledger(result) -> SampleLedger:
+    return SampleLedger.from_bytes(checkpoint.read_extra(result.checkpoint, LEDGER_FILE))
+
+
+def events(result, kind: str) -> list[dict]:
+    return [r for r in result.metrics if r.get("event") == kind]
+
+
+def losses(rows) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}  # a redone step: its last (committed) value
+
+
+def mid_write_killer(run_dir: Path, after_step: int):
+    """Kills rank 0 — the checkpoint's coordinator, which writes archipelago.json, the ledger and, last,
+    .metadata — while it writes a checkpoint after `after_step`: stopped (SIGSTOP) the moment the step
+    directory appears, killed if .metadata is not there yet, let go to try the next one otherwise."""
+    caught: dict = {}
+
+    def watch_writes(status: dict) -> bool:
+        if status["last_step"] <= after_step:
+            return False
+        pid = status["workers"][0]["pid"]
+        for step_dir in sorted(run_dir.glob("step_*")):
+            step = int(step_dir.name.split("_")[1])
+            if step <= after_step or step in caught.get("missed", set()) or (step_dir / ".metadata").exists():
+                continue
+            os.kill(pid, signal.SIGSTOP)
+            if (step_dir / ".metadata").exists():  # finished before it stopped: try the next checkpoint
+                caught.setdefault("missed", set()).add(step)
+                os.kill(pid, signal.SIGCONT)
+                continue
+            caught["step"] = step
+            os.kill(pid, signal.SIGKILL)
+            return True
+        return False
+    return watch_writes, caught
+
+
+@pytest.fixture(scope="module")
+def straight(cluster, small_dataset, tmp_path_factory):
+    runs = tmp_path_factory.mktemp("runs")
+    return Orchestrator(job(small_dataset, runs, "straight", epoch_steps(small_dataset))).fit()
+
+
+@pytest.fixture(scope="module")
+def faults(cluster, small_dataset, tmp_path_factory):
+    """The same run with rank 1 killed at step 6, then rank 0 killed in the middle of a checkpoint write."""
+    runs = tmp_path_factory.mktemp("runs")
+    config = job(small_dataset, runs, "faults", epoch_steps(small_dataset))
+    killer, caught = mid_write_killer(runs / "faults", after_step=12)
+    killed = {}
+
+    def act(status: dict) -> bool:
+        if not killed and status["attempt"] == 1 and status["last_step"] >= 6:
+            killed["at_step"] = status["last_step"]
+            kill(status, rank=1)
+            return False
+        return bool(killed) and status["attempt"] == 2 and killer(status)
+    started = time.monotonic()
+    result = run_with(Orchestrator(config), act)
+    return result, killed, caught, time.monotonic() - started
+
+
+def test_a_killed_worker_costs_only_uncommitted_steps_and_no_sample(faults, straight, small_dataset):
+    result, killed, _, seconds = faults
+    lost, first = events(result, "worker_lost")[0], events(result, "restart")[0]
+    assert lost["ranks"] == [1] and lost["error"].startswith(WORKER_DEATHS) and lost["attempt"] == 1
+    assert first["step"] == 4 and first["world_size"] == first["previous_world_size"] == 2  # checkpoints every 4
+    assert first["steps_redone"] >= killed["at_step"] - 4
+    for key in ("detect_s", "startup_s", "restore_s", "recompile_s", "recovery_s"):
+        assert 0 <= first[key] < 120, key
+    ledger = final_ledger(result)
+    assert ledger.steps == list(range(1, epoch_steps(small_dataset) + 1))
+    ledger.check_exactly_once(small_dataset[1])
+    assert sorted(ledger.stream()[:small_dataset[1]]) == list(range(small_dataset[1]))
+    assert checkpoint.read_info(result.checkpoint).consumed_samples == epoch_steps(small_dataset) * 8
+    expected, got = losses(straight.metrics), losses(result.metrics)
+    assert sorted(got) == sorted(expected)
+    for step in expected:  # every step, the final one included, trained on the same samples from the same state
+        assert got[step] == pytest.approx(expected[step], rel=LOSS_TOLERANCE), step
+    print(f"faults run: {seconds:.0f} s; first recovery {first}")
+
+
+def test_a_kill_during_a_checkpoint_write_resumes_from_the_previous_committed_step(faults, small_dataset):
+    result, _, caught, _ = faults
+    assert caught.get("step"), "the watcher never caught a checkpoint being written"
+    second = events(result, "restart")[1]
+    every = 4
+    assert second["step"] == caught["step"] - every  # the half-written step was not loaded
+    assert events(result, "worker_lost")[1]["ranks"] == [0]
+    after = result.metrics[result.metrics.index(second):]
+    assert {"event": "checkpoint", "step": caught["step"]} in after  # written again, whole, after the restart
+    ledger = final_ledger(result)
+    ledger.check_exactly_once(small_dataset[1])
+    assert caught["step"] in ledger.steps
+
+
+def test_redone_steps_repeat_the_lost_ones_exactly(faults):
+    """The steps trained after the kill and lost with it were trained again from the restored state
+    on the same samples: the same losses (metrics keep both rows)."""
+    result = faults[0]
+    seen: dict[int, list[float]] = {}
+    for row in result.metrics:
+        if "loss" in row:
+            seen.setdefault(row["step"], []).append(row["loss"])
+    redone = {step: values for step, values in seen.items() if len(values) > 1}
+    assert len(redone) >= 3
+    for step, values in redone.items():
+        assert values == pytest.approx([values[0]] * len(values), rel=LOSS_TOLERANCE), step
+
+
+def test_an_exhausted_failure_budget_names_the_failures_and_keeps_the_checkpoint(cluster, small_dataset,
+                                                                               tmp_path_factory):
+    runs = tmp_path_factory.mktemp("runs")
+    config = job(small_dataset, runs, "budget", 40, elastic={"max_failures": 0})
+    killed = {}
+
+    def act(status: dict) -> bool:
+        if status["last_step"] >= 6:
+            killed["node"] = status["workers"][1]["address"]
+            kill(status, rank=1)
+            return True
+        return False
+    with pytest.raises(FailureBudgetError) as info:
+        run_with(Orchestrator(config), act)
+    message = str(info.value)
+    assert message.startswith("[elastic] max_failures: training stopped after 1 worker failure(s), more than "
+                              "[elastic] max_failures = 0 allows: group 1: rank 1 on " + killed["node"])
+    assert any(death in message for death in WORKER_DEATHS) and "step 4" in message and "--resume" in message
+    latest = runs / "budget" / "step_00000004"
+    info_file = checkpoint.read_info(latest)
+    assert info_file.step == 4 and info_file.consumed_samples == 32
+    model = GPT(config.model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    checkpoint.load(latest, model, optimizer)  # loadable, whole
+    ledger = SampleLedger.from_bytes(checkpoint.read_extra(latest, LEDGER_FILE))
+    assert ledger.steps == [1, 2, 3, 4]
+    ledger.check_exactly_once(small_dataset[1])
+
+
+def test_a_preempted_node_shrinks_the_job_and_a_new_node_grows_it(cluster, small_dataset, tmp_path_factory):
+    runs = tmp_path_factory.mktemp("runs")
+    steps = 8 * epoch_steps(small_dataset)  # long enough for a node to join while one worker trains
+    config = job(small_dataset, runs, "resize", steps,
+                 elastic={"min_workers": 1, "resize_check_s": 1.0, "preemption_grace_s": 5.0})
+    (node,) = [n for n in cluster.worker_nodes]
+    seen: dict = {}
+
+    def act(status: dict) -> bool:
+        names = [e["event"] for e in status["events"]]
+        if "drained" not in seen and status["last_step"] >= 6:
+            ray_node = next(w["ray_node_id"] for w in status["workers"] if w["ray_node_id"] == node.node_id)
+            drain(cluster, ray_node)
+            seen["drained"] = True
+        elif "drained" in seen and "removed" not in seen and "preemption" in names:
+            cluster.remove_node(node)
+            seen["removed"] = status["last_step"]
+        elif "removed" in seen and "added" not in seen and status["world_size"] == 1:
+            cluster.add_node(num_cpus=1)
+            seen["added"] = status["last_step"]
+        return status["world_size"] == 2 and status["attempt"] >= 3
+    result = run_with(Orchestrator(config), act)
+
+    preemption = events(result, "preemption")[0]
+    restarts = events(result, "restart")
+    assert [(r["previous_world_size"], r["world_size"]) for r in restarts] == [(2, 1), (1, 2)]
+    assert restarts[0]["step"] == preemption["step"]  # the checkpoint taken on notice: no committed step lost
+    assert restarts[0]["step"] % 4 != 0 or preemption["step"] % 4 == 0
+    replans = events(result, "replan")
+    assert [(r["world_size"], r["micro_batch_sizes"], r["grad_accum_steps"]) for r in replans] == \
+           [(1, [2], 4), (2, [2, 2], 2)]
+    assert [e["world_size"] for e in events(result, "resize")] == [1, 2]
+    plan = json.loads((runs / "resize" / "plan.json").read_text())
+    assert len(plan["workers"]) == 2 and plan["global_batch_size"] == 8
+    assert result.plan.world_size == 2 and result.report.final_step == steps
+    assert checkpoint.read_info(result.checkpoint).consumed_samples == steps * 8  # global batch unchanged
+    ledger = final_ledger(result)
+    assert ledger.steps == list(range(1, steps + 1)) and {len(ids) for ids in ledger.ids} == {8}
+    ledger.check_exactly_once(small_dataset[1])
+
+
+def drain(cluster: Cluster, ray_node_id: str) -> None:
+    """What a cloud's spot reclaim does through the autoscaler: drain the node with a deadline (preemption)."""
+    from ray.core.generated import autoscaler_pb2
+
+    gcs = ray._raylet.GcsClient(address=cluster.address)
+    accepted, why = gcs.drain_node(ray_node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+                                   "spot reclaim (test)", int(time.time() * 1000) + 60_000)
+    assert accepted, why
