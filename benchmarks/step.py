@@ -2,22 +2,38 @@
 
     python3 benchmarks/step.py                                  # GPT-2 124M (B=32, T=1024) and 1.3B (B=8, T=2048)
     python3 benchmarks/step.py --models gpt2-124m --steps 20 --json step.json
+    python3 benchmarks/step.py --models gpt-1.3b --curve-steps 200      # engine bf16 and fp8, loss curves compared
+    python3 benchmarks/step.py --variants "chunked loss" "cudnn attention+plain loss" --profile --json step.json
+    python3 benchmarks/step.py --models gpt2-124m --ddp-modes           # compile + DDP on a 1-rank NCCL group
 
 Every configuration trains the same model (workers.models.gpt.GPT: pre-norm, tied embeddings, vocab
-50304) in bf16 autocast with fused AdamW on random tokens. The baselines drive it from a plain PyTorch
-loop (eager, then torch.compile) with the plain full-logits loss; the engine is workers.engine.Engine
-with its defaults (chunked loss) and torch.compile. Each prints tokens/s, MFU against the GPU's dense
-bf16 peak from the device catalog and peak memory; the engine's ratios are against both.
+50304) in bf16 autocast with fused AdamW on the same real text: the bytes of the Python standard
+library's source files as token ids, a fresh window every step. The baselines drive the model from a
+plain PyTorch loop (eager, then torch.compile) with the plain full-logits loss; the engine is
+workers.engine.Engine with its defaults and torch.compile; "engine fp8" adds precision = "fp8"
+(torchao, where installed; the default for the 1.3B model). A variant ("+"-joined names from VARIANTS)
+is the engine with those settings changed. Each row prints tokens/s, MFU against the GPU's dense bf16
+peak from the device catalog and peak memory, and the engine's ratios against both baselines.
+
+Step time: every step's start is marked with a CUDA event and the host runs ahead as in training (no
+wait between steps); the median of the per-step intervals after the warm-up steps is reported.
+--profile adds a torch.profiler summary per row: device time per step by kernel group (matmul,
+attention, loss, elementwise/fused, optimizer, float8 scaling, memcpy/memset), idle time on the
+device, host time per step, the top kernels, and the matmul and attention rates that imply.
 Needs a CUDA GPU and no Ray.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import os
 import statistics
 import sys
+import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,13 +45,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from orchestrator.config import JobConfig, ModelConfig  # noqa: E402
 from orchestrator.placement.plan import Plan  # noqa: E402
 from orchestrator.topology import catalog  # noqa: E402
+from workers.comm.stats import CommStats  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 from workers.models.gpt import GPT  # noqa: E402
+from workers.optim import lr_at  # noqa: E402
 
 MODELS = {  # vocab, seq_len, width, layers, heads, micro-batch
     "gpt2-124m": (50304, 1024, 768, 12, 12, 32),
     "gpt-1.3b": (50304, 2048, 2048, 24, 16, 8),
 }
+
+VARIANTS = {  # name: (JobConfig sections to override, SDPA backends in priority order or None)
+    "chunked loss": ({"train": {"chunked_loss": True}}, None),
+    "plain loss": ({"train": {"chunked_loss": False}}, None),
+    "cudnn attention": ({}, "cudnn"),
+    "flash attention": ({}, "flash"),
+    "reduce-overhead": ({"compile": {"mode": "reduce-overhead"}}, None),
+    "fp8": ({"train": {"precision": "fp8"}}, None),
+    "fp8 rowwise": ({"train": {"precision": "fp8", "float8_recipe": "rowwise"}}, None),
+}
+
+LR = 3e-4
+DEVICE = "cuda"
 
 
 def model_config(name: str) -> ModelConfig:
@@ -50,6 +81,26 @@ def peak_bf16_flops() -> float:
     return model.peak_tflops["bf16"] * 1e12
 
 
+class TextBatches:
+    """Windows of real text as token ids: the standard library's .py files, read in a fixed order."""
+
+    def __init__(self, batch: int, seq_len: int, steps: int):
+        need = batch * (seq_len + 1) * steps
+        chunks, have = [], 0
+        for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+            chunks.append(path.read_bytes())
+            have += len(chunks[-1])
+            if have >= need:
+                break
+        data = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
+        if data.numel() < need:
+            data = data.repeat(-(-need // data.numel()))
+        self.tokens = data[:need].to(DEVICE, torch.int64).view(steps, batch, seq_len + 1)
+
+    def __getitem__(self, step: int) -> torch.Tensor:
+        return self.tokens[step % self.tokens.shape[0]]
+
+
 def reset_compiler() -> None:
     """Forget compiled graphs and Dynamo's counters, so each configuration reports its own compile."""
     torch._dynamo.reset()
@@ -57,64 +108,321 @@ def reset_compiler() -> None:
     dynamo_utils.counters.clear()
 
 
-def time_steps(step, batch, warmup: int, steps: int) -> tuple[float, float]:
-    """(median seconds per step over `steps` after `warmup`, warmup seconds incl. compile)."""
+def time_steps(step, data: TextBatches, warmup: int, steps: int) -> dict:
+    """Per-step device intervals after `warmup` steps (which include compilation), host running ahead."""
     started = time.perf_counter()
-    for _ in range(warmup):
-        step(batch)
+    for i in range(warmup):
+        step(data[i], i)
     torch.cuda.synchronize()
     warm = time.perf_counter() - started
     torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(steps):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        step(batch)
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end) / 1e3)
-    return statistics.median(times), warm
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+    losses, host = [], []
+    for i in range(steps):
+        marks[i].record()
+        begin = time.perf_counter()
+        losses.append(step(data[warmup + i], warmup + i))
+        host.append(time.perf_counter() - begin)
+    marks[-1].record()
+    torch.cuda.synchronize()
+    intervals = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
+    return {"seconds": statistics.median(intervals), "warm": warm, "host_seconds": statistics.median(host),
+            "losses": [float(x) for x in losses if x is not None]}
 
 
-def plain(name: str, compiled: bool, batch: torch.Tensor, warmup: int, steps: int) -> dict:
+def plain(name: str, compiled: bool, data: TextBatches, args, repeat: bool = False) -> tuple[dict, object]:
     """The baseline: the same GPT in a loop a user writes in plain PyTorch (full fp32 logits for the loss)."""
     torch.manual_seed(0)
-    model = GPT(model_config(name)).cuda()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    model = GPT(model_config(name)).to(DEVICE)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=DEVICE == "cuda")
     forward = torch.compile(model) if compiled else model
 
-    def step(tokens):
-        with torch.autocast("cuda", torch.bfloat16):
+    def step(tokens, _):
+        with torch.autocast(DEVICE, torch.bfloat16):
             loss = forward(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
 
-    seconds, warm = time_steps(step, batch, warmup, steps)
-    return result(f"plain {'compile' if compiled else 'eager'}", name, model, seconds, warm, batch)
+    timing = time_steps(step, data, args.warmup, args.steps)
+    label = f"plain {'compile' if compiled else 'eager'}{' (repeat)' if repeat else ''}"
+    return result(label, name, model, timing, data), step
 
 
-def engine(name: str, batch: torch.Tensor, warmup: int, steps: int) -> dict:
-    B, seq_len = batch.shape[0], batch.shape[1] - 1
-    config = JobConfig.from_dict({
-        "model": dataclasses.asdict(model_config(name)),
-        "train": {"global_batch_size": B, "micro_batch_size": B, "precision": "bf16", "lr": 1e-4, "min_lr": 1e-5},
-        "compile": {"enable": True}, "cluster": {"use_gpu": True}})
+def engine_config(name: str, B: int, overrides: dict, steps: int) -> JobConfig:
+    sections = {"model": dataclasses.asdict(model_config(name)),
+                "train": {"global_batch_size": B, "micro_batch_size": B, "precision": "bf16", "lr": LR,
+                          "min_lr": LR / 10, "warmup_steps": 20, "steps": steps},
+                "compile": {"enable": True}, "cluster": {"use_gpu": True}}
+    for section, values in overrides.items():
+        sections[section] = {**sections.get(section, {}), **values}
+    return JobConfig.from_dict(sections)
+
+
+def variant_settings(label: str) -> tuple[dict, str | None]:
+    overrides, backend = {}, None
+    for part in label.split("+"):
+        part_overrides, part_backend = VARIANTS[part]
+        for section, values in part_overrides.items():
+            overrides[section] = {**overrides.get(section, {}), **values}
+        backend = part_backend or backend
+    return overrides, backend
+
+
+def attention_backends(backend: str | None):
+    """Puts an SDPA backend first for everything traced inside (compiled graphs keep the choice)."""
+    if backend is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    first = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
+    order = [first] + [b for b in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                                   SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH) if b != first]
+    return sdpa_kernel(order, set_priority=True)
+
+
+def engine(name: str, label: str, data: TextBatches, args, steps: int) -> tuple[dict, object]:
+    """The engine row; if it fails to compile as one graph, once more with fullgraph off (said in the row)."""
+    try:
+        return _engine(name, label, data, args, steps, {})
+    except Exception as e:
+        print(f"{name} engine {label}: {type(e).__name__}: {str(e).splitlines()[0][:300]}; again with fullgraph off",
+              flush=True)
+        reset_compiler()
+        row, step = _engine(name, label, data, args, steps, {"compile": {"fullgraph": False}})
+        row["fullgraph"] = False
+        return row, step
+
+
+def _engine(name: str, label: str, data: TextBatches, args, steps: int, extra: dict) -> tuple[dict, object]:
+    B, seq_len = data.tokens.shape[1], data.tokens.shape[2] - 1
+    overrides, backend = variant_settings(label) if label else ({}, None)
+    for section, values in extra.items():
+        overrides[section] = {**overrides.get(section, {}), **values}
+    config = engine_config(name, B, overrides, args.warmup + steps)
     plan = Plan.uniform(job_name=name, world_size=1, micro_batch_size=B, grad_accum_steps=1, seq_len=seq_len)
-    eng = Engine(config, plan, 0, torch.device("cuda", 0))
-    seconds, warm = time_steps(lambda tokens: eng([tokens], 1e-4), batch, warmup, steps)
+    eng = Engine(config, plan, 0, torch.device(DEVICE, 0))
+
+    def step(tokens, i):
+        return eng([tokens], lr_at(i, config.train))[0]
+
+    with attention_backends(backend):
+        timing = time_steps(step, data, args.warmup, steps)
     stats = eng.window_metrics().get("compile", {})
-    row = result("archipelago engine", name, eng.model, seconds, warm, batch)
-    row.update(graph_breaks=stats.get("graph_breaks"), recompilations=stats.get("recompilations"))
-    return row
+    row = result(f"engine {label}".strip(), name, eng.model, timing, data)
+    row.update(graph_breaks=stats.get("graph_breaks"), recompilations=stats.get("recompilations"),
+               float8_layers=eng.float8_layers or None)
+    return row, lambda tokens, i: _with(attention_backends(backend), step, tokens, i)
 
 
-def result(what: str, name: str, model: GPT, seconds: float, warm: float, batch: torch.Tensor) -> dict:
-    tok_s = batch[:, 1:].numel() / seconds
+def _with(context, fn, *args):
+    with context:
+        return fn(*args)
+
+
+def ddp_engine(name: str, mode: str, data: TextBatches, args) -> tuple[dict, object]:
+    """The engine's DDP wrapping on a 1-rank NCCL group (one GPU): what each compile mode costs alone."""
+    from workers.parallel import _wrap_ddp
+    B, seq_len = data.tokens.shape[1], data.tokens.shape[2] - 1
+    config = engine_config(name, B, {"compile": {"ddp_mode": mode}}, args.warmup + args.steps)
+    plan = Plan.uniform(job_name=name, world_size=1, micro_batch_size=B, grad_accum_steps=1, seq_len=seq_len)
+    torch.manual_seed(0)
+    model = GPT(config.model).to(DEVICE)
+    wrapped = _wrap_ddp(model, config, plan, torch.device(DEVICE, 0), 1, CommStats())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=DEVICE == "cuda")
+
+    def step(tokens, _):
+        with torch.autocast(DEVICE, torch.bfloat16):
+            loss = wrapped.forward(tokens[:, :-1], tokens[:, 1:], chunked_loss=config.train.chunked_loss)
+        with wrapped.backward_context():
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    timing = time_steps(step, data, args.warmup, args.steps)
+    row = result(f"ddp(1 rank) {mode}", name, model, timing, data)
+    breaks = dynamo_utils.counters["graph_break"]
+    row.update(graph_breaks=sum(breaks.values()),
+               compiled_autograd_compiles=dynamo_utils.counters["compiled_autograd"].get("compiles", 0))
+    return row, step
+
+
+def result(what: str, name: str, model: GPT, timing: dict, data: TextBatches) -> dict:
+    tokens = data.tokens.shape[1] * (data.tokens.shape[2] - 1)
+    tok_s = tokens / timing["seconds"]
     return {"config": what, "model": name, "params_M": round(model.num_params() / 1e6, 1),
-            "step_ms": round(seconds * 1e3, 2), "tokens_per_s": round(tok_s),
-            "mfu": round(tok_s * model.flops_per_token() / peak_bf16_flops(), 4), "warmup_s": round(warm, 1),
-            "peak_mem_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+            "step_ms": round(timing["seconds"] * 1e3, 2), "host_ms": round(timing["host_seconds"] * 1e3, 2),
+            "tokens_per_s": round(tok_s), "mfu": round(tok_s * model.flops_per_token() / peak_bf16_flops(), 4),
+            "warmup_s": round(timing["warm"], 1), "peak_mem_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+            "losses": [round(x, 4) for x in timing["losses"]]}
+
+
+GROUPS = (  # first match wins; names as CUDA, cuBLAS, cuDNN, flash-attention and Inductor give them
+    ("attention", ("flash", "fmha", "attention", "sdpa", "fort_native")),
+    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "wgmma", "sm90_", "sm80_", "ampere", "splitk", "triton_tem")),
+    ("optimizer", ("adam", "multi_tensor", "foreach", "_amp_")),
+    ("loss", ("softmax", "nll", "cross_entropy", "logsumexp")),
+    ("float8 scaling", ("amax", "float8", "fp8", "e4m3", "reciprocal")),
+    ("memcpy/memset", ("memcpy", "memset")),
+    ("elementwise/fused (Inductor)", ("triton_",)),
+)
+
+
+def kernel_group(name: str) -> str:
+    lowered = name.lower()
+    for group, needles in GROUPS:
+        if any(n in lowered for n in needles):
+            return group
+    return "elementwise/reduce (eager)"
+
+
+def profile_row(step, data: TextBatches, model: GPT, start: int, steps: int = 2) -> dict:
+    """Device time per step by kernel group, idle time between kernels, and the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    step(data[start], start)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            step(data[start + 1 + i], start + 1 + i)
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    if not kernels:
+        return {"error": "the profiler recorded no device kernels"}
+    kernels.sort(key=lambda e: e["ts"])
+    busy, end = 0.0, kernels[0]["ts"]
+    for e in kernels:  # the union of kernel intervals: overlapping streams count once
+        lo, hi = max(e["ts"], end), e["ts"] + e["dur"]
+        if hi > lo:
+            busy += hi - lo
+        end = max(end, hi)
+    span = end - kernels[0]["ts"]
+    groups: dict[str, float] = {}
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        groups[kernel_group(e["name"])] = groups.get(kernel_group(e["name"]), 0.0) + e["dur"]
+        by_name.setdefault(e["name"], []).append(e["dur"])
+    ms = lambda us: round(us / 1e3 / steps, 3)  # noqa: E731  per step
+    tokens = data.tokens.shape[1] * (data.tokens.shape[2] - 1)
+    cfg = model.cfg
+    matmul_flops = 6 * (model.num_params() - cfg.seq_len * cfg.n_embd) * tokens
+    attention_flops = 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len * tokens  # PaLM's count (causal work is half)
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:15]
+    summary = {
+        "span_ms": ms(span), "busy_ms": ms(busy), "idle_ms": ms(span - busy),
+        "groups_ms": {g: ms(t) for g, t in sorted(groups.items(), key=lambda kv: -kv[1])},
+        "kernels_per_step": round(len(kernels) / steps),
+        "top": [{"name": n[:110], "group": kernel_group(n), "ms": ms(sum(d)), "calls": round(len(d) / steps)}
+                for n, d in top],
+    }
+    if groups.get("matmul"):
+        summary["matmul_TFLOPs"] = round(matmul_flops / (groups["matmul"] / 1e6 / steps) / 1e12)
+    if groups.get("attention"):
+        summary["attention_TFLOPs_palm"] = round(attention_flops / (groups["attention"] / 1e6 / steps) / 1e12)
+    return summary
+
+
+def print_profile(row: dict) -> None:
+    p = row.get("profile")
+    if not p or "error" in p:
+        return
+    groups = ", ".join(f"{g} {t:.1f}" for g, t in p["groups_ms"].items())
+    print(f"  profile {row['model']} / {row['config']}: span {p['span_ms']:.1f} ms, busy {p['busy_ms']:.1f}, "
+          f"idle {p['idle_ms']:.1f}, host {row['host_ms']:.1f} ms/step; {groups}; matmul "
+          f"{p.get('matmul_TFLOPs')} TFLOP/s, attention {p.get('attention_TFLOPs_palm')} (PaLM count)", flush=True)
+    for k in p["top"][:8]:
+        print(f"    {k['ms']:8.3f} ms x{k['calls']:<4} {k['group']:<28} {k['name'][:90]}", flush=True)
+
+
+def compare_curves(rows: list[dict]) -> dict | None:
+    """Smoothed (10-step mean) loss of the fp8 engine against the bf16 engine over the same steps."""
+    bf16 = next((r for r in rows if r.get("config") == "engine" and r.get("losses")), None)
+    fp8 = next((r for r in rows if r.get("config") == "engine fp8" and r.get("losses")), None)
+    if not (bf16 and fp8):
+        return None
+    a, b = bf16["losses"], fp8["losses"]
+    n = min(len(a), len(b)) // 10 * 10
+    if n == 0:
+        return None
+    means = [(sum(a[i:i + 10]) / 10, sum(b[i:i + 10]) / 10) for i in range(0, n, 10)]
+    diffs = [abs(y - x) / x for x, y in means]
+    return {"model": bf16["model"], "steps": n, "bf16_windows": [round(x, 4) for x, _ in means],
+            "fp8_windows": [round(y, 4) for _, y in means], "max_rel_diff": round(max(diffs), 4),
+            "final_rel_diff": round(diffs[-1], 4), "fp8_over_bf16_tokens_per_s":
+            round(fp8["tokens_per_s"] / bf16["tokens_per_s"], 3)}
+
+
+def torchao_available() -> bool:
+    try:
+        import torchao.float8  # noqa: F401
+    except Exception as e:  # ImportError, or a torchao built for another torch
+        print(f"float8 rows skipped: torchao.float8 does not import ({type(e).__name__}: {e})", flush=True)
+        return False
+    return True
+
+
+def run_model(name: str, args, out: list[dict]) -> None:
+    *_, B = MODELS[name]
+    seq_len = MODELS[name][1]
+    engine_steps = max(args.steps, args.curve_steps)
+    data = TextBatches(B, seq_len, args.warmup + engine_steps + 4)
+    labels = args.variants if args.variants is not None else (["fp8"] if name == "gpt-1.3b" else [])
+    if not torchao_available():
+        labels = [v for v in labels if "fp8" not in v]
+    runs = [] if args.skip_plain else [("plain eager", lambda: plain(name, False, data, args)),
+                                       ("plain compile", lambda: plain(name, True, data, args))]
+    runs += [(f"engine {v}".strip(), lambda v=v: engine(name, v, data, args, engine_steps))
+             for v in ([""] if not args.skip_engine else []) + labels]
+    runs += [(f"ddp {m}", lambda m=m: ddp_engine(name, m, data, args))
+             for m in (("ddp_optimizer", "compiled_autograd") if args.ddp_modes else ())]
+    # Clocks drift as the GPU warms over a run: the baseline again at the end brackets the engine rows.
+    runs += [] if args.skip_plain else [("plain compile (repeat)", lambda: plain(name, True, data, args, repeat=True))]
+    group = []
+    for what, run in runs:
+        try:
+            row, step = run()
+            if args.profile:
+                row["profile"] = profile_row(step, data, _counted(name), args.warmup + engine_steps - 4)
+        except Exception as e:  # one failing configuration must not hide the others' numbers
+            row = {"model": name, "config": what, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:400]}",
+                   "tokens_per_s": float("nan"), "mfu": float("nan")}
+        step = None
+        group.append(row)
+        out.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("profile", "losses")}), flush=True)
+        print_profile(row)
+        reset_compiler()
+        torch.cuda.empty_cache()
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=1))
+    by = {r["config"]: r for r in group if "error" not in r}
+    for label, ours in by.items():
+        if not label.startswith("engine") and not label.startswith("ddp"):
+            continue
+        ratios = ", ".join(f"/ {base} = {ours['tokens_per_s'] / by[base]['tokens_per_s']:.2f}x"
+                           for base in ("plain eager", "plain compile", "plain compile (repeat)") if base in by)
+        print(f"{name}: {label}: {ours['tokens_per_s']:,} tok/s, MFU {ours['mfu']:.1%} {ratios}", flush=True)
+    curve = compare_curves(group)
+    if curve:
+        out.append({"model": name, "config": "fp8 vs bf16 loss curve", **curve})
+        print(json.dumps(out[-1]), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+_COUNTED: dict[str, GPT] = {}
+
+
+def _counted(name: str) -> GPT:
+    """A CPU copy of the model, for parameter counts in the profile's rates."""
+    if name not in _COUNTED:
+        with torch.device("meta"):
+            _COUNTED[name] = GPT(model_config(name))
+    return _COUNTED[name]
 
 
 def main() -> None:
@@ -122,31 +430,26 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--curve-steps", type=int, default=0,
+                        help="run the engine rows this many steps and compare their loss curves (fp8 vs bf16)")
+    parser.add_argument("--variants", nargs="*", default=None,
+                        help=f"engine variants, '+'-joined from: {', '.join(VARIANTS)} (default: fp8 for 1.3B)")
+    parser.add_argument("--skip-plain", action="store_true", help="no plain eager / plain compile rows")
+    parser.add_argument("--skip-engine", action="store_true", help="no default engine row")
+    parser.add_argument("--ddp-modes", action="store_true", help="also DDP (1 rank, NCCL) with each compile mode")
+    parser.add_argument("--profile", action="store_true", help="add a torch.profiler summary to every row")
     parser.add_argument("--json", help="write the rows here too")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
-    rows = []
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+          flush=True)
+    if args.ddp_modes and not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        torch.distributed.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    rows: list[dict] = []
     for name in args.models:
-        vocab, seq_len, *_, B = MODELS[name]
-        batch = torch.randint(0, vocab, (B, seq_len + 1), device="cuda")
-        group = []
-        for run in (lambda: plain(name, False, batch, args.warmup, args.steps),
-                    lambda: plain(name, True, batch, args.warmup, args.steps),
-                    lambda: engine(name, batch, args.warmup, args.steps)):
-            try:
-                row = run()
-            except Exception as e:  # one failing configuration must not hide the others' numbers
-                row = {"model": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
-                       "tokens_per_s": float("nan"), "mfu": float("nan")}
-            group.append(row)
-            print(json.dumps(row), flush=True)
-            reset_compiler()
-            torch.cuda.empty_cache()
-        eager, compiled, ours = group
-        print(f"{name}: engine / plain eager = {ours['tokens_per_s'] / eager['tokens_per_s']:.2f}x, "
-              f"engine / plain compile = {ours['tokens_per_s'] / compiled['tokens_per_s']:.2f}x, "
-              f"MFU {ours['mfu']:.1%} (plain compile {compiled['mfu']:.1%})", flush=True)
-        rows += group
+        run_model(name, args, rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -141,8 +141,9 @@ class TrainConfig:
     linear layers in float8 through torchao (GPUs with compute capability ≥ 8.9)."""
     float8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
     """torchao float8 scaling recipe, used when precision = "fp8"."""
-    chunked_loss: bool = True
-    """Compute the loss in chunks so the full (tokens × vocab) fp32 logits never exist."""
+    chunked_loss: bool = False
+    """Compute the loss in chunks so the full (tokens × vocab) fp32 logits never exist: saves memory
+    (about 1 GiB at GPT-2 124M, B=32) but cost 5 % of the step there on an H200 (benchmarks/RESULTS.md)."""
 
     def __post_init__(self) -> None:
         _positive("train", steps=self.steps, global_batch_size=self.global_batch_size,
@@ -167,9 +168,10 @@ class CompileConfig:
     fullgraph: bool = True
     """Demand one graph where the wrapping allows it (one worker, or FSDP2's per-block compile);
     DDP's optimizer splits the graph at bucket boundaries by design."""
-    ddp_mode: Literal["ddp_optimizer", "compiled_autograd"] = "ddp_optimizer"
+    ddp_mode: Literal["auto", "ddp_optimizer", "compiled_autograd"] = "auto"
     """How compile meets DDP: Dynamo's DDPOptimizer (graph split per bucket, comm hooks work) or
-    compiled autograd (one backward graph, comm captured in it; no comm hooks)."""
+    compiled autograd (one backward graph, comm captured in it; no comm hooks). auto takes compiled
+    autograd with comm_hook = "allreduce" (faster in benchmarks/RESULTS.md) and DDPOptimizer otherwise."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -11,7 +11,9 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+import torch._inductor.config as inductor_config
 import torch.distributed as dist
+from torch._dynamo.utils import maybe_enable_compiled_autograd
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -33,6 +35,16 @@ class WrappedModel:
     fsdp: bool
     hook_state: HookState | None
     """The DDP comm hook's state (it counts bytes and holds deferred checks); None without a hook."""
+    compiled_autograd: bool = False
+    """Backward runs under compiled autograd, which traces DDP's all-reduces into the backward graph."""
+
+    def backward_context(self):
+        """Context for loss.backward(). Compiled autograd is entered only around the backward call:
+        torch._dynamo.config.compiled_autograd alone covers backward calls made inside a compiled
+        function, and the engine calls backward outside the compiled module."""
+        if self.compiled_autograd:
+            return maybe_enable_compiled_autograd(True)
+        return contextlib.nullcontext()
 
     def sync_gradients(self, enabled: bool):
         """Context for one micro-batch: gradients are reduced only on the last micro-batch."""
@@ -57,13 +69,18 @@ def wrap(model: GPT, config: JobConfig, plan: Plan, precision: Precision, device
 def _wrap_ddp(model: GPT, config: JobConfig, plan: Plan, device: torch.device, world: int,
               comm_stats: CommStats) -> WrappedModel:
     par = config.parallel
-    compiled_autograd = config.compile.enable and config.compile.ddp_mode == "compiled_autograd"
+    compiled_autograd = config.compile.enable and (
+        config.compile.ddp_mode == "compiled_autograd"
+        or (config.compile.ddp_mode == "auto" and par.comm_hook == "allreduce"))
     # DDP reads optimize_ddp once, in its constructor; both flags are process-wide, so every wrap
     # sets them either way (a later engine in the same process must not inherit them).
     # With compiled autograd, DDP's C++ reducer is replaced by the Python one, whose all-reduces
     # become part of the compiled backward graph (and can be reordered against compute by Inductor).
     torch._dynamo.config.optimize_ddp = "python_reducer" if compiled_autograd else "ddp_optimizer"
     torch._dynamo.config.compiled_autograd = compiled_autograd
+    # With the all-reduces in the backward graph, Inductor can move each one to start as soon as its
+    # gradients exist and sink its wait to their first use (unmeasured on several GPUs so far).
+    inductor_config.reorder_for_compute_comm_overlap = compiled_autograd
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                   bucket_cap_mb=plan.ddp_bucket_cap_mb or par.bucket_mb, gradient_as_bucket_view=True)
     state = None
@@ -77,7 +94,8 @@ def _wrap_ddp(model: GPT, config: JobConfig, plan: Plan, device: torch.device, w
     # DDP times compute, communication and their overlap on sampled iterations; a sampled iteration
     # waits for the previous one's timing events, so sample once per metrics window, not every step.
     ddp._set_ddp_runtime_logging_sample_rate(config.train.log_every * plan.grad_accum_steps)
-    return WrappedModel(maybe_compile(ddp, config.compile, fullgraph=compiled_autograd), ddp, False, state)
+    return WrappedModel(maybe_compile(ddp, config.compile, fullgraph=compiled_autograd), ddp, False, state,
+                        compiled_autograd=compiled_autograd)
 
 
 def _wrap_fsdp(model: GPT, config: JobConfig, precision: Precision) -> WrappedModel:

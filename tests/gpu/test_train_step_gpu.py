@@ -1,5 +1,6 @@
-"""The worker engine on a CUDA device, without Ray: bf16 autocast, fused AdamW, chunked loss, real data."""
+"""The worker engine on a CUDA device, without Ray: bf16 autocast, fused AdamW, real data."""
 
+import copy
 import math
 
 import pytest
@@ -10,7 +11,7 @@ from storage.sampler import BatchLayout, DeterministicSampler
 from storage.shards import TokenDataset
 from tests.engine_support import uniform_plan
 from workers.engine import Engine
-from workers.optim import lr_at
+from workers.optim import build_optimizer, lr_at
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -52,3 +53,23 @@ def test_engine_learns_on_the_gpu(dataset_dir, precision):
 def test_bf16_is_the_default_on_a_gpu():
     engine = Engine(config(), uniform_plan(1, 16, 2, seq_len=64), 0, torch.device("cuda", 0))
     assert engine.precision.name == "bf16"
+
+
+def test_clipping_inside_fused_adamw_matches_clip_grad_norm():
+    """The engine folds the clip into fused AdamW's grad_scale; the step must be clip_grad_norm_ + step."""
+    cfg = config(grad_clip=0.05)  # small enough that the clip acts
+    engine = Engine(cfg, uniform_plan(1, 16, 2, seq_len=64), 0, torch.device("cuda", 0))
+    assert engine.clip_in_optimizer
+    reference = copy.deepcopy(engine.model)
+    optimizer = build_optimizer(reference, cfg.train, engine.device)
+    batch = torch.randint(0, 257, (16, 65), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    with torch.autocast("cuda", torch.bfloat16):
+        engine.model(batch[:, :-1], batch[:, 1:]).backward()
+    for ours, theirs in zip(engine.model.parameters(), reference.parameters()):
+        theirs.grad = ours.grad.clone()
+    norm = engine._clip_and_step()
+    want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+    optimizer.step()
+    assert norm.item() > 0.05 and torch.allclose(norm, want, rtol=1e-6)
+    for ours, theirs in zip(engine.model.parameters(), reference.parameters()):
+        assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-7)

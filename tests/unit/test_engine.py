@@ -123,10 +123,16 @@ def test_ddp_reports_communication(runs):
 
 
 def test_topk_with_error_feedback_tracks_uncompressed_training(runs):
-    """On real text, sending 20% of the entries (as int8 + index: 28% of the bytes) loses < 5% of loss.
+    """On real text, sending 20% of the entries (int32 index + int8 code, k + 10% slots: 28% of the
+    bytes) ends within 5% of uncompressed training.
 
-    At 1% of the entries the same run ends about 25% higher after 150 steps: AdamW normalises each
-    coordinate, so a rarely sent coordinate moves less than error feedback's bookkeeping assumes."""
+    Not yet the issue's target (within 5% at <= 5% of the bytes). Measured on this run (final 10-step
+    mean over plain all-reduce's 2.49): 1% of entries (1.5% of bytes) 3.19; 3% (4.2%) 2.97;
+    6% (8.4%) 2.92; 8% (11%) 2.76; 10% (13.9%) 2.58. A sparsity ramp from 25% to 2% over 30 steps,
+    3 dense warm-up steps, top-k per parameter (one bucket each) and an AdamW that spreads a late
+    gradient over the steps it waited all stayed at 2.9-3.1 near 3% of entries: below about 10% of
+    entries the run stalls on a plateau that plain training leaves by step 60. Reaching 10% of
+    entries inside 5% of the bytes needs < 1.8 bytes per entry (e.g. a bitmap and 4-bit codes)."""
     topk, plain = runs["text_topk"], runs["text_allreduce"]
     final = lambda losses: sum(losses[-10:]) / 10  # noqa: E731
     assert final(topk["losses"]) <= 1.05 * final(plain["losses"])
