@@ -131,7 +131,7 @@ class BillMeter:
         else:
             self.tokens += self.rates.tokens_per_step
         tokens_per_s = row.get("tokens_per_s", 0.0)
-        out = {"step": row["step"], "elapsed_s": round(elapsed_s, 3), "step_s": step_s, "loss": row["loss"],
+        out = {"step": row["step"], "elapsed_s": elapsed_s, "step_s": step_s, "loss": row["loss"],
                "tokens": self.tokens, "tokens_per_s": tokens_per_s, "world_size": self.world_size,
                "mfu": mfu(self.flops_per_token, tokens_per_s, self.peak_tflops()),
                "dollars": self.dollars, "dollars_per_step": self.rates.dollars_per_hour * self.scale * step_s / 3600,

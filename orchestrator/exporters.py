@@ -6,12 +6,16 @@
 
 Prometheus metrics go through Ray's metrics API (ray.util.metrics), so they appear on every
 node's metrics export port beside Ray's own, prefixed "ray_": ray_archipelago_dollars{run="…"}.
+Ray's agent drops a gauge series not set again within two export intervals (20 s by default), and
+a log window can take longer than that, so the last values are set again every few seconds until
+the run ends.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import threading
 from pathlib import Path
 
 from orchestrator.alerts import Alert
@@ -79,7 +83,7 @@ class TensorBoardExport:
 
 
 class PrometheusExport:
-    def __init__(self, run: str):
+    def __init__(self, run: str, *, refresh_s: float = 5.0):
         from ray.util.metrics import Counter, Gauge
 
         self.tags = {"run": run}
@@ -87,12 +91,29 @@ class PrometheusExport:
         self.alerts = Counter("archipelago_alerts", description="Alerts fired, by kind", tag_keys=("run", "kind"))
         self.values: dict[str, float] = {}
         """The last value set per gauge: what a scrape shows once Ray's agent has exported it."""
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._refresher = threading.Thread(target=self._refresh, args=(refresh_s,), daemon=True,
+                                           name="archipelago-prometheus")
+        self._refresher.start()
 
     def write(self, bill_rows: list[dict], alerts: list[Alert]) -> None:
-        for row in bill_rows:
-            for key, gauge in self.gauges.items():
-                if _finite(row.get(key)):
-                    gauge.set(float(row[key]), tags=self.tags)
-                    self.values[key] = float(row[key])
+        with self._lock:
+            for row in bill_rows:
+                self.values.update({key: float(row[key]) for key in self.gauges if _finite(row.get(key))})
+            self._set_all()
         for alert in alerts:
             self.alerts.inc(1.0, tags={**self.tags, "kind": alert.kind})
+
+    def _set_all(self) -> None:
+        for key, value in self.values.items():
+            self.gauges[key].set(value, tags=self.tags)
+
+    def _refresh(self, every_s: float) -> None:
+        while not self._closed.wait(every_s):
+            with self._lock:
+                self._set_all()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._refresher.join()

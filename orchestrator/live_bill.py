@@ -56,5 +56,6 @@ class LiveBill:
         return bill_rows, alerts
 
     def close(self) -> None:
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        for sink in (self.tensorboard, self.prometheus):
+            if sink is not None:
+                sink.close()
