@@ -7,6 +7,7 @@
     archipelago verify data/stdlib-bytes                 # every shard's checksum; names any bad shard
     archipelago report runs/cpu-tiny                     # runs/cpu-tiny/report.html and its PNG plots
     archipelago report runs/a runs/b                     # two runs side by side (runs/compare-a-b/)
+    archipelago prices --config job.toml                 # devices, peaks and prices in one unit ($ per bf16 TFLOP/s·h)
 
 User errors print one line and exit 2; --debug shows the traceback.
 """
@@ -115,6 +116,33 @@ def _report(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _prices(args: argparse.Namespace, console: Console) -> int:
+    from rich.table import Table
+
+    from orchestrator.config import JobConfig
+    from orchestrator.cost import PriceTable
+    from orchestrator.topology import catalog
+
+    prices = PriceTable.for_job(JobConfig.from_toml(args.config)) if args.config else PriceTable()
+    table = Table(title="devices and prices (dense peaks, bf16 as fp16 on V100; $ per device-hour)")
+    for column in ("device", "vendor", "memory GiB", "bf16 TFLOP/s", "fp8 TFLOP/s", "$/h on demand", "$/h spot",
+                   "$ per bf16 TFLOP/s·h on demand", "spot"):
+        table.add_column(column, justify="left" if column in ("device", "vendor") else "right")
+    money = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    rows = []
+    for model in catalog.MODELS:
+        unit = prices.dollars_per_bf16_tflops_hour(model.key, spot=True)
+        rows.append((unit if unit is not None else float("inf"), [
+            model.key, model.vendor, f"{model.memory_gib:,.0f}", f"{catalog.device_peak_tflops(model.key, 'bf16'):,.0f}",
+            money(model.peak_tflops.get("fp8"), ",.0f"), money(prices.dollars_per_hour(model.key, spot=False), ".2f"),
+            money(prices.dollars_per_hour(model.key, spot=True), ".2f"),
+            money(prices.dollars_per_bf16_tflops_hour(model.key, spot=False), ".5f"), money(unit, ".5f")]))
+    for _, row in sorted(rows, key=lambda r: r[0]):  # cheapest compute first
+        table.add_row(*row)
+    console.print(table)
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="archipelago", description="Elastic training on heterogeneous GPU clusters.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and worker logs")
@@ -156,6 +184,11 @@ def _parser() -> argparse.ArgumentParser:
                                       "for two runs, compare-A-B beside the first)")
     report.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     report.set_defaults(command=_report)
+
+    prices = commands.add_parser("prices", help="the device catalog with prices, in one unit across vendors")
+    prices.add_argument("--config", help="job config whose [bill] prices_file and [placement] prices apply")
+    prices.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    prices.set_defaults(command=_prices)
 
     add_topology_commands(commands)
     add_placement_commands(commands)

@@ -47,8 +47,8 @@ class GpuModel:
     vendor: str = "nvidia"
 
     @property
-    def memory_gb(self) -> float:
-        return self.memory_mib * 2**20 / 1e9
+    def memory_gib(self) -> float:
+        return self.memory_mib / 1024
 
 
 _HOPPER_SXM = {"fp64": 67.0, "fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9,

@@ -1,0 +1,37 @@
+"""`archipelago prices` and the one-line errors of `archipelago report`."""
+
+import sys
+
+from orchestrator.cli import main
+
+
+def run(capsys, *argv) -> tuple[int, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def test_prices_lists_devices_cheapest_compute_first(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out = run(capsys, "prices")
+    rows = [line for line in out.splitlines() if line.startswith("│")]
+    assert code == 0 and rows[0].split("│")[1].strip() == "MI300X"  # $1.30 spot ÷ 1,307 TFLOP/s = $0.00099
+    assert "0.00099" in rows[0] and "0.00302" in next(r for r in rows if "H100-SXM5-80GB" in r)
+    prices = tmp_path / "prices.toml"
+    prices.write_text('"A10G" = { spot = 0.01 }\n')
+    job = tmp_path / "job.toml"
+    job.write_text(f'[bill]\nprices_file = "{prices}"\n')
+    code, out = run(capsys, "prices", "--config", str(job))
+    first = [line for line in out.splitlines() if line.startswith("│")][0]
+    assert code == 0 and "A10G" in first and "0.00014" in first  # $0.01 ÷ 70 TFLOP/s
+
+
+def test_report_takes_one_or_two_runs(capsys, tmp_path):
+    code, out = run(capsys, "report", str(tmp_path), str(tmp_path), str(tmp_path))
+    assert code == 2 and "3 run directories given — give one run, or two to compare" in out
+
+
+def test_report_without_matplotlib_says_what_to_install(capsys, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    code, out = run(capsys, "report", str(tmp_path))
+    assert code == 2 and "matplotlib, which is not installed — pip install 'archipelago[viz]'" in out
