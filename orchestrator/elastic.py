@@ -67,10 +67,12 @@ class Failure:
     """Address (and short Ray node id) of each failed rank's node."""
     error: str
     """The first failed rank's error, first line."""
+    preempted: bool = False
+    """The group had a preemption notice: Ray charges this to max_preemption_failures."""
 
     def describe(self) -> str:
         where = ", ".join(f"rank {r} on {n}" for r, n in zip(self.ranks, self.nodes))
-        return f"group {self.attempt}: {where}: {self.error}"
+        return f"group {self.attempt}{' (preempted)' if self.preempted else ''}: {where}: {self.error}"
 
 
 def granted_topology(nodes: list[NodeTopology], reports: list[WorkerReport], *, cpus_per_worker: int,
@@ -111,10 +113,11 @@ def _cpu_share(node: NodeTopology, workers: int, cores: int, *, unpinned: bool) 
 
 def ray_cpu_slots(topology: ClusterTopology, cpus_per_worker: int) -> tuple[ClusterTopology, int]:
     """The map cut down to the CPU worker slots Ray can schedule (each node's Ray "CPU" resource, not
-    the machine's cores: several Ray nodes may share a machine), and how many slots that is."""
+    the machine's cores: several Ray nodes may share a machine, and an embedded cluster may advertise
+    more CPUs than cores to run the workers asked for), and how many slots that is."""
     reports = [WorkerReport(world_rank=0, local_rank=0, ray_node_id=node.ray_node_id, address=node.address)
                for node in topology.nodes
-               for _ in range(int(min(node.ray_resources.get("CPU", node.cpu_count), node.cpu_count) // cpus_per_worker))]
+               for _ in range(int(node.ray_resources.get("CPU", node.cpu_count) // cpus_per_worker))]
     return granted_topology(topology.nodes, reports, cpus_per_worker=cpus_per_worker, use_gpu=False), len(reports)
 
 
@@ -154,6 +157,8 @@ class ElasticState:
         self.fatal: ArchipelagoError | None = None
         """An error a worker raised for the user (bad data, a bad checkpoint): later groups stop at once."""
         self.last_step, self.last_step_at = 0, clock()
+        self.noticed_in = 0
+        """The group that last had a preemption notice."""
         self._lost: Failure | None = None
         """The failure that ended the current group, until the next group starts."""
         self._recovery: dict | None = None
@@ -172,11 +177,12 @@ class ElasticState:
         dead = [rank for rank, error in errors.items() if error.startswith(WORKER_DEATHS)]
         ranks = tuple(sorted(dead or errors))
         nodes = tuple(_node_name(by_rank[r]) if r in by_rank else "unknown node" for r in ranks)
-        self._lost = Failure(self.attempt, self._clock(), ranks, nodes, errors[ranks[0]].strip().splitlines()[0][:300])
+        self._lost = Failure(self.attempt, self._clock(), ranks, nodes, errors[ranks[0]].strip().splitlines()[0][:300],
+                             preempted=self.noticed_in == self.attempt)
         self.failures.append(self._lost)
         return [{"event": "worker_lost", "time": self._lost.time, "attempt": self.attempt, "step": self.last_step,
                  "ranks": list(ranks), "nodes": list(nodes), "error": self._lost.error,
-                 "failures": len(self.failures)}]
+                 "preempted": self._lost.preempted, "failures": len(self.failures)}]
 
     def group_started(self, reports: list[WorkerReport]) -> tuple[Plan, list[dict]]:
         """A new group's workers (every rank's report): the plan they run, and the event rows."""
@@ -217,7 +223,7 @@ class ElasticState:
         return [{"event": "restart", "time": marks["first_step_done"], "attempt": self.attempt,
                  "step": restored_step, "world_size": recovery["world_size"],
                  "previous_world_size": recovery["previous_world_size"],
-                 "cause": "worker lost" if lost else "resize",
+                 "cause": ("preemption" if lost.preempted else "worker lost") if lost else "resize",
                  "steps_redone": max(0, recovery["last_step"] - restored_step),
                  "detect_s": lost.time - recovery["last_step_at"] if lost else None,
                  "startup_s": recovery["started_at"] - began,
@@ -287,6 +293,8 @@ class PlanCoordinator:
         self.state.fatal = error
 
     def record(self, rows: list[dict]) -> None:
+        if any(row["event"] == "preemption" for row in rows):
+            self.state.noticed_in = self.state.attempt
         if rows:
             self.events.extend(rows)
             self.sink.record.remote(rows)

@@ -227,8 +227,8 @@ class Orchestrator:
 
     def _budget_error(self, error: TrainingFailedError, coordinator) -> FailureBudgetError:
         """Ray Train gave up: which failures used the budget, and the checkpoint that is left."""
-        failures = ray.get(coordinator.failures.remote())
         preempted = isinstance(error, PreemptionError)
+        failures = [f for f in ray.get(coordinator.failures.remote()) if f.preempted == preempted]
         key = "max_preemption_failures" if preempted else "max_failures"
         limit = getattr(self.config.elastic, key)
         what = "preemption(s)" if preempted else "worker failure(s)"

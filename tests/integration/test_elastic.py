@@ -277,6 +277,7 @@ def test_a_preempted_node_shrinks_the_job_and_a_new_node_grows_it(cluster, small
     restarts = events(result, "restart")
     assert [(r["previous_world_size"], r["world_size"]) for r in restarts] == [(2, 1), (1, 2)]
     assert restarts[0]["step"] == preemption["step"]  # the checkpoint taken on notice: no committed step lost
+    assert events(result, "worker_lost")[0]["preempted"] and restarts[0]["cause"] == "preemption"
     assert restarts[0]["step"] % 4 != 0 or preemption["step"] % 4 == 0
     replans = events(result, "replan")
     assert [(r["world_size"], r["micro_batch_sizes"], r["grad_accum_steps"]) for r in replans] == \

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from storage.ledger import LedgerError, SampleLedger
+from storage.ledger import LEDGER_FILE, LedgerError, SampleLedger
 from storage.sampler import BatchLayout, DeterministicSampler
 
 
@@ -44,3 +44,21 @@ def test_a_repeated_sample_or_a_gap_is_caught():
         ledger.check_exactly_once(16)
     with pytest.raises(LedgerError, match="step 6 recorded after step 4"):
         ledger.record(6, np.arange(4))
+
+
+def test_the_keeper_records_what_the_loader_was_handed_even_when_it_reads_ahead():
+    from workers.elastic import LedgerKeeper
+
+    sampler, layout = DeterministicSampler(30, seed=2), BatchLayout.uniform(1, 2, 2)
+    keeper = LedgerKeeper(True, None, rank=0, replica=0, group=None)
+    steps = keeper.tap(sampler.steps(0, layout, 0))
+    ahead = [next(steps), next(steps)]  # the loader keeps two steps in flight
+    for step in range(1, 4):
+        keeper.trained(step)
+        ahead.append(next(steps))
+    ledger = SampleLedger.from_bytes(keeper.extra()[LEDGER_FILE])
+    assert ledger.steps == [1, 2, 3]
+    assert np.array_equal(ledger.stream(), sampler.samples_at(0, 12))
+    resumed = LedgerKeeper(True, ledger.to_bytes(), rank=0, replica=0, group=None)
+    assert resumed.ledger.last_step == 3
+    assert LedgerKeeper(False, None, rank=0, replica=0, group=None).extra() == {}
