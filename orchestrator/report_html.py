@@ -151,9 +151,12 @@ def _predicted_vs_measured(plt, runs):
                 label=f"{name} measured".strip())
         ax.axhline(run.report.predicted_step_seconds * 1000, color=colour, ls="--",
                    label=f"{name} predicted by the planner".strip())
-    ax.set_yscale("log")
+    times = [r["step_s"] for run in runs for r in run.bill] + [run.report.predicted_step_seconds for run in runs]
+    spread = max(times) / min(t for t in times if t > 0) if any(t > 0 for t in times) else 1.0
+    if spread > 10:  # a prediction off by an order of magnitude: both must stay visible
+        ax.set_yscale("log")
     ax.set_xlabel("step")
-    ax.set_ylabel("step time (ms, log scale)")
+    ax.set_ylabel("step time (ms" + (", log scale)" if spread > 10 else ")"))
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     return figure
@@ -212,9 +215,15 @@ def _html(runs: list[LoadedRun], plots: list[Path]) -> str:
         parts.append(_table(["", runs[0].report.name], [list(r) for r in runs[0].report.summary_rows()]))
     else:
         parts.append(_comparison(runs))
-    parts.append("<h2>Predicted and measured</h2>" + _table(
+    parts.append("<h2>Predicted and measured</h2><p>The planner's prediction (plan.json) beside what the run "
+                 "measured (medians over the log windows); the error is measured ÷ predicted − 1, the figure to "
+                 "calibrate the cost model with.</p>" + _table(
         ["run", "", "predicted", "measured", "error"], [row for run in runs for row in _prediction_rows(run)]))
-    parts.append("<h2>Cost to reach each target validation loss</h2>")
+    parts.append("<h2>Cost to reach each target validation loss</h2><p>Dollars and device-hours from the launch "
+                 "of the workers (steps redone after a restart included) to the point where the validation loss "
+                 "first reached the target, interpolated between the two evaluations around it. The first target "
+                 "not reached is projected from a power law fitted to the later evaluations (loss against "
+                 "dollars); it cannot see the loss floor, so it is optimistic near it.</p>")
     rows = [[run.report.name, f"{c['target']:g}", "projected" if c["projected"] else ("yes" if c["reached"] else "no"),
              *(_fmt(c[k], spec) for k, spec in (("step", ",.0f"), ("dollars", ".4g"), ("device_hours", ",.4g"),
                                                 ("tokens", ",.0f")))]
