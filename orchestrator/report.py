@@ -209,8 +209,9 @@ class RunReport:
         if self.bf16_tflops_hours:
             unit = ("" if self.dollars_per_bf16_tflops_hour is None
                     else f" at ${self.dollars_per_bf16_tflops_hour:.4g} each")
+            kind = "nominal CPU" if "nominal" in self.peak_basis else "bf16"
             rows.append(("compute bought", f"{self.device_hours:,.4g} device-hours = {self.bf16_tflops_hours:,.4g} "
-                                           f"bf16 TFLOP/s·h{unit}"))
+                                           f"{kind} TFLOP/s·h{unit}"))
         rows.extend(("target " + f"{c['target']:g}", _target_line(c)) for c in self.convergence)
         if self.events:
             counts = Counter(e["event"] for e in self.events)
