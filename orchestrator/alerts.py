@@ -70,6 +70,8 @@ class AlertMonitor:
         if self._first_step is None:
             self._first_step = step
         self._dollars_at[step] = row["dollars"]  # a redone step keeps the dollars of its latest run
+        if len(self._dollars_at) > 4 * window:  # a million-step run keeps two windows, not every step
+            self._dollars_at = {s: d for s, d in self._dollars_at.items() if s >= step - 2 * window}
         if not self.config.cost_rise_percent or step - 2 * window < self._first_step:
             return None
         then, mid = self._dollars_at.get(step - 2 * window), self._dollars_at.get(step - window)

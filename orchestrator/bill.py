@@ -103,21 +103,23 @@ class BillMeter:
         """Bill rows for the step rows among `rows`, which arrived together at `now` seconds after the
         meter started (None: no clock, e.g. rebuilding from metrics.jsonl; each step then takes its
         measured step time). Event rows update the meter and yield no bill row."""
-        steps = [r for r in rows if "loss" in r]
-        step_seconds = [self.rates.tokens_per_step / r["tokens_per_s"] if r.get("tokens_per_s") else 0.0
-                        for r in steps]
+        step_seconds = {i: self.rates.tokens_per_step / r["tokens_per_s"] if r.get("tokens_per_s") else 0.0
+                        for i, r in enumerate(rows) if "loss" in r}
+        later = sum(step_seconds.values())  # step time of the rows after the current one
         bill = []
-        for row in rows:
+        for i, row in enumerate(rows):  # in order: a restart's start row changes the rate of the steps after it
             if row.get("event") == "start":
                 self.world_size = row.get("world_size", self.world_size) or self.world_size
                 self.flops_per_token = row.get("flops_per_token", self.flops_per_token)
                 self.precision = row.get("precision", self.precision)
-        for i, (row, step_s) in enumerate(zip(steps, step_seconds)):
-            if now is None:
-                arrived = self.elapsed_s + step_s
-            else:  # rows of one delivery are backdated by the steps that came after them
-                arrived = max(self.elapsed_s, self._clock_offset + now - sum(step_seconds[i + 1:]))
-            bill.append(self._bill_row(row, step_s, arrived))
+            elif i in step_seconds:
+                step_s = step_seconds[i]
+                later -= step_s
+                if now is None:
+                    arrived = self.elapsed_s + step_s
+                else:  # rows of one delivery are backdated by the steps that came after them
+                    arrived = max(self.elapsed_s, self._clock_offset + now - later)
+                bill.append(self._bill_row(row, step_s, arrived))
         return bill
 
     def _bill_row(self, row: dict, step_s: float, elapsed_s: float) -> dict:

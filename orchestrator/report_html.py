@@ -169,13 +169,20 @@ def _events(plt, runs):
                 label="workers")
         top = max([r["world_size"] for r in run.bill] + [1]) + 1
         ax.set_ylim(0, top)
+        at_step: dict[int, list[str]] = {}
+        step = 0
         for event in run.report.events:
-            step = event.get("step", 0)
-            ax.axvline(step, color="#d62728" if event["event"] != "start" else "grey", ls=":", lw=1)
-            ax.annotate(event["event"], (step, top), fontsize=7, rotation=90, va="top", ha="right")
+            step = event.get("step", step)  # a replan names no step: it belongs with the event before it
+            names = at_step.setdefault(step, [])
+            if event["event"] not in names:
+                names.append(event["event"])
+        for step, names in at_step.items():
+            ax.axvline(step, color="grey" if names == ["start"] else "#d62728", ls=":", lw=1)
+            ax.annotate(", ".join(names), (step, top), fontsize=7, rotation=90, va="top", ha="right")
         ax.yaxis.set_major_locator(_ticks(top, integer=True))
         ax.xaxis.set_major_locator(_ticks(10, integer=True))
-        ax.set_title(f"{run.report.name}: workers and events", fontsize=9)
+        ax.set_title(f"{run.report.name}: workers on the committed steps, and events at the step they hit",
+                     fontsize=9)
         ax.set_xlabel("step")
         ax.set_ylabel("workers")
     figure.tight_layout()

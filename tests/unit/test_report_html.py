@@ -1,0 +1,66 @@
+"""report.html of an elastic run, from files alone (no Ray): a worker lost at step 6, the group shrunk
+to one worker and restarted from step 4. Without bill.jsonl the report bills the metrics again,
+each step taking its measured time."""
+
+import json
+
+import pytest
+
+from orchestrator.config import JobConfig
+from orchestrator.report import RunReport
+from orchestrator.report_html import PLOTS, render_report
+from tests.unit.test_bill import START, plan, steps
+
+
+def window(first: int, last: int, **extra) -> list[dict]:
+    rows = steps(first, last)
+    rows[-1].update(extra)
+    return rows
+
+
+ROWS = [START, *window(1, 2), *window(3, 4, val_loss=3.5), {"event": "checkpoint", "step": 4}, *window(5, 6),
+        {"event": "worker_lost", "time": 1.0e9, "attempt": 1, "step": 6, "ranks": [1], "error": "ActorDiedError"},
+        {"event": "resize", "time": 1.0e9, "attempt": 2, "world_size": 1, "previous_world_size": 2, "step": 6},
+        {"event": "replan", "time": 1.0e9, "attempt": 2, "world_size": 1, "micro_batch_sizes": [32]},
+        {**START, "step": 4, "world_size": 1},
+        {"event": "restart", "time": 1.0e9, "attempt": 2, "step": 4, "world_size": 1, "previous_world_size": 2,
+         "steps_redone": 2, "recovery_s": 31.5},
+        *window(5, 6), *window(7, 8, val_loss=3.0)]
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    run = tmp_path / "elastic"
+    run.mkdir()
+    the_plan = plan()
+    the_plan.save(run / "plan.json")
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    config = JobConfig.from_dict({"name": "elastic", "bill": {"targets": [3.2]}}).to_dict()
+    RunReport.from_rows(ROWS, plan=the_plan, name="elastic", status="completed", run_dir=str(run),
+                        started_at="2026-11-29T12:00:00+00:00", wall_seconds=100.0, checkpoint_path=None,
+                        checkpoint_step=None, metrics_path=str(run / "metrics.jsonl"), config=config).save(
+        run / "report.json")
+    return run
+
+
+def test_the_report_of_an_elastic_run_bills_the_redone_steps(run_dir):
+    report = RunReport.load(run_dir)
+    assert [e["event"] for e in report.events] == ["start", "worker_lost", "resize", "replan", "start", "restart"]
+    # 6 steps of 0.5 s on 2 workers ($5.98/h), then steps 5–8 again on 1 ($2.99/h): (3 × 5.98 + 2 × 2.99) / 3600.
+    assert report.run_dollars == pytest.approx(23.92 / 3600)
+    assert report.device_hours == pytest.approx((3 * 2 + 2 * 1) / 3600)
+    # Validation 3.5 at step 4 and 3.0 at step 8 (the redone path): 3.2 is 60% of the way, at step 6.4.
+    (target,) = report.convergence
+    assert target["reached"] and target["step"] == pytest.approx(6.4)
+    assert dict(report.summary_rows())["events"] == "2 × start, 1 × worker_lost, 1 × resize, 1 × replan, 1 × restart"
+
+
+def test_report_html_holds_the_numbers_the_events_and_every_plot(run_dir):
+    rendered = render_report([run_dir], run_dir)
+    page = rendered.html.read_text()
+    report = RunReport.load(run_dir)
+    assert f"${report.dollars:.4f}" in page and "0 → 8" in page
+    assert "<td>restart</td>" in page and "steps_redone 2" in page and "recovery_s 31.5" in page
+    assert "<td>step time (s)</td><td>0.4</td><td>0.5</td><td>+25%</td>" in page  # predicted, measured, error
+    assert [p.name for p in rendered.plots] == [f"{name}.png" for name in PLOTS]
+    assert page.count("data:image/png;base64,") == len(PLOTS)
