@@ -76,3 +76,17 @@ def test_tensorboard_events_hold_the_bill(tmp_path):
     assert scalars["loss/train"] == {1: 3.0, 2: 3.0}
     assert scalars["bill/dollars"][2] == pytest.approx(rows[-1]["dollars"], rel=1e-6)
     assert scalars["throughput/mfu"][2] == pytest.approx(0.024640, rel=1e-4)
+
+
+def test_a_resumed_run_carries_on_from_the_last_bill_line(tmp_path):
+    first = LiveBill.open(plan(), bill_config(tmp_path), tmp_path, resumed=False)
+    first.started -= 3600.0  # an hour on two H100s: $5.98
+    first.update([START, *steps(1, 2)])
+    first.close()
+    second = LiveBill.open(plan(), bill_config(tmp_path), tmp_path, resumed=True)
+    second.started -= 1800.0  # half an hour more after the resume: $2.99
+    rows, _ = second.update([{**START, "step": 2}, *steps(3, 4)])
+    assert rows[-1]["dollars"] == pytest.approx(5.98 + 2.99, rel=1e-4)
+    assert rows[-1]["elapsed_s"] == pytest.approx(5400.0, abs=1.0)
+    fresh = LiveBill.open(plan(), bill_config(tmp_path), tmp_path, resumed=False)
+    assert fresh.meter.dollars == 0.0  # a new run does not inherit (its directory is emptied first anyway)
