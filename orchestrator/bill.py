@@ -42,7 +42,6 @@ class Rates:
     tokens_per_step: int
     seq_len: int
     predicted_step_seconds: float
-    predicted_exposed_comm_seconds: float
 
     @classmethod
     def from_plan(cls, plan: Plan) -> Rates:
@@ -58,8 +57,7 @@ class Rates:
         predicted = plan.predicted
         return cls(dollars_per_hour=predicted.dollars_per_hour, peak_tflops=peaks, nominal_peak=nominal,
                    world_size=plan.world_size, tokens_per_step=plan.tokens_per_step, seq_len=plan.seq_len,
-                   predicted_step_seconds=predicted.step_seconds,
-                   predicted_exposed_comm_seconds=predicted.exposed_communication_seconds)
+                   predicted_step_seconds=predicted.step_seconds)
 
     def bf16_tflops(self) -> float:
         """The normalised capacity the run holds: dense bf16 TFLOP/s of all its devices."""

@@ -32,8 +32,6 @@ class LiveBill:
         self.tensorboard = tensorboard
         self.prometheus = prometheus
         self.started = time.monotonic()
-        self.last: dict | None = None
-        """The latest bill row (what the progress line shows)."""
 
     @classmethod
     def open(cls, plan: Plan, config: JobConfig, run_dir: Path, *, resumed: bool) -> LiveBill:
@@ -49,7 +47,6 @@ class LiveBill:
         alerts = self.monitor.observe(bill_rows)
         if bill_rows:
             self.jsonl.write(bill_rows)
-            self.last = bill_rows[-1]
         for sink in (self.tensorboard, self.prometheus):
             if sink is not None:
                 sink.write(bill_rows, alerts)
