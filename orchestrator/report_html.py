@@ -63,7 +63,9 @@ def render_report(run_dirs: list[Path], out_dir: Path) -> RenderedReport:
     for name in PLOTS:
         figure = _DRAW[name](plt, runs)
         path = out_dir / f"{name}.png"
-        figure.savefig(path, dpi=110, bbox_inches="tight")
+        partial = path.with_name(path.name + ".tmp")  # renamed when whole, like orchestrator/atomic.py's writes
+        figure.savefig(partial, format="png", dpi=110, bbox_inches="tight")
+        partial.replace(path)
         plt.close(figure)
         plots.append(path)
     page = write_text_atomically(out_dir / "report.html", _html(runs, plots))
