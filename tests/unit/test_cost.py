@@ -188,3 +188,16 @@ def test_a_missing_price_file_says_where_it_was_looked_for(tmp_path):
     with pytest.raises(ConfigError, match="cannot read it") as refused:
         PriceTable.for_job(job(tmp_path, str(tmp_path / "nope.toml")))
     assert "nope.toml" in str(refused.value)
+
+
+def test_a_mig_slice_is_priced_and_peaked_as_its_share_of_the_card():
+    from orchestrator.placement.devices import DevicePool
+    from orchestrator.topology import catalog, machines
+    pool = DevicePool.gpus(machines.cluster("1xH100-MIG7:1"), CollectiveCostModel(), dtype="bf16", use_mig=True)
+    slices = [device.type for domain in pool.domains for device in domain.devices]
+    assert len(slices) == 7 and {s.label for s in slices} == {"H100-SXM5-80GB 1g.10gb"}
+    # The planner's price of a slice: the card's $2.99 × 1/7 of its SMs = $0.427 an hour.
+    assert PriceTable().dollars_per_hour(slices[0].model, spot=False) * slices[0].price_units == pytest.approx(
+        2.99 / 7, rel=1e-3)
+    # The bill divides by the same share of the peak as the planner plans with: 989.4 / 7 = 141.34.
+    assert catalog.device_peak_tflops(slices[0].label, "bf16") == pytest.approx(slices[0].peak_tflops, abs=0.01)
