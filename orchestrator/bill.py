@@ -39,6 +39,8 @@ class Rates:
     nominal_peak: bool
     """True for CPU workers: their peak is ComputeModel's nominal GFLOP/s per core, not a data sheet."""
     world_size: int
+    gpu_equivalents: float
+    """Whole devices the plan holds: a MIG slice counts its share of the GPU, a CPU worker one."""
     tokens_per_step: int
     seq_len: int
     predicted_step_seconds: float
@@ -57,6 +59,7 @@ class Rates:
         predicted = plan.predicted
         return cls(dollars_per_hour=predicted.dollars_per_hour, peak_tflops=peaks, nominal_peak=nominal,
                    world_size=plan.world_size, tokens_per_step=plan.tokens_per_step, seq_len=plan.seq_len,
+                   gpu_equivalents=sum(catalog.device_share(w.device_model) for w in plan.workers),
                    predicted_step_seconds=predicted.step_seconds)
 
     def bf16_tflops(self) -> float:
@@ -124,7 +127,7 @@ class BillMeter:
         seconds = elapsed_s - self.elapsed_s
         self.elapsed_s = elapsed_s
         self.dollars += self.rates.dollars_per_hour * self.scale * seconds / 3600
-        self.device_hours += self.world_size * seconds / 3600
+        self.device_hours += self.rates.gpu_equivalents * self.scale * seconds / 3600
         self.bf16_tflops_hours += self.rates.bf16_tflops() * self.scale * seconds / 3600
         if "consumed_samples" in row:  # exact, and right again after a rewind
             self.tokens = row["consumed_samples"] * self.rates.seq_len

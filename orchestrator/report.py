@@ -87,7 +87,8 @@ class RunReport:
     """Dollars from the launch of the first worker group of the run (every invocation, steps redone
     included) to its last step: the scale of the curves and of `convergence`."""
     device_hours: float
-    """Device-hours over the same span (a CPU worker counts as one device)."""
+    """Device-hours over the same span: GPU-hours on GPUs (a MIG slice counts its share of the card),
+    worker-hours on CPUs."""
     bf16_tflops_hours: float
     """The same span in the normalised unit: dense bf16 TFLOP/s of peak held for an hour."""
     dollars_per_bf16_tflops_hour: float | None

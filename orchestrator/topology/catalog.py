@@ -196,6 +196,13 @@ def device_peak_tflops(device_model: str, dtype: str) -> float | None:
         return None
     peaks = model.peak_tflops
     peak = peaks.get(dtype) or (peaks.get("fp16") if dtype == "bf16" else None) or peaks.get("fp32", 0.0)
-    if profile and model.mig_slices:
-        peak *= mig_profile(profile).sm_share(model.mig_slices)
-    return peak
+    return peak * device_share(device_model)
+
+
+def device_share(device_model: str) -> float:
+    """How much of a whole GPU a plan's device is: its SM share for a MIG slice, 1 otherwise."""
+    key, _, profile = device_model.partition(" ")
+    model = _BY_KEY.get(key)
+    if not profile or model is None or not model.mig_slices:
+        return 1.0
+    return mig_profile(profile).sm_share(model.mig_slices)

@@ -134,3 +134,11 @@ def test_the_next_target_is_projected_from_a_power_law_in_dollars():
     # A rewind: the redone evaluation replaces the lost one.
     redone = [*evals((1.0, 4.0), (3.0, 3.5)), {**evals((4.0, 2.0))[0], "step": 200}]
     assert cost_to_reach(redone, [3.0])[0].dollars == pytest.approx(1.0 + 3.0 * 0.5)
+
+
+def test_a_mig_slice_counts_its_share_of_gpu_hours():
+    meter = BillMeter(Rates.from_plan(plan("H100-SXM5-80GB 1g.10gb", world=2, kind=DeviceKind.MIG,
+                                           dollars_per_hour=2 * 2.99 / 7)))
+    (_, row) = meter.observe([START, *steps(1, 2)], now=3600.0)
+    assert row["device_hours"] == pytest.approx(2 / 7)  # two 1/7 slices for an hour
+    assert row["dollars"] == pytest.approx(2 * 2.99 / 7)
