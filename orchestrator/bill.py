@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 
 from orchestrator.cost import ComputeModel
-from orchestrator.placement.plan import DeviceKind, Plan
+from orchestrator.placement.plan import Plan
 from orchestrator.topology import catalog
 
 PEAK_DTYPE = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8", "fp32": "fp32"}
@@ -173,6 +173,9 @@ def trajectory(bill_rows: list[dict]) -> list[dict]:
 
 
 # ---- convergence ---------------------------------------------------------------------------------
+_COUNTED = ("step", "dollars", "device_hours", "tokens")
+"""What a target's cost is given in."""
+
 @dataclass(frozen=True, slots=True)
 class TargetCost:
     target: float
@@ -206,11 +209,11 @@ def _interpolate(evals: list[dict], target: float) -> TargetCost | None:
     for i, row in enumerate(evals):
         if row["val_loss"] <= target:
             if i == 0:  # reached by the first evaluation: nothing earlier to interpolate from
-                values = {k: row[k] for k in ("step", "dollars", "device_hours", "tokens")}
+                values = {k: row[k] for k in _COUNTED}
             else:
                 before = evals[i - 1]
                 f = (before["val_loss"] - target) / (before["val_loss"] - row["val_loss"])
-                values = {k: before[k] + f * (row[k] - before[k]) for k in ("step", "dollars", "device_hours", "tokens")}
+                values = {k: before[k] + f * (row[k] - before[k]) for k in _COUNTED}
             return TargetCost(target=target, reached=True, **values)
     return None
 
@@ -220,7 +223,8 @@ def project(evals: list[dict], target: float) -> TargetCost | None:
     loss = a · dollars^b, fitted (least squares in log–log) to the later half of the evaluations (at
     least two). Optimistic near the loss floor, which a power law without one cannot see; None while
     the fitted loss is not falling."""
-    points = [(math.log(r["dollars"]), math.log(r["val_loss"]), r) for r in evals if r["dollars"] > 0 and r["val_loss"] > 0]
+    points = [(math.log(r["dollars"]), math.log(r["val_loss"]), r) for r in evals
+              if r["dollars"] > 0 and r["val_loss"] > 0]
     points = points[len(points) // 2:] if len(points) >= 4 else points
     if len(points) < 2:
         return None
@@ -235,6 +239,7 @@ def project(evals: list[dict], target: float) -> TargetCost | None:
     dollars = math.exp(mean_x + (math.log(target) - mean_y) / slope)
     first, last = points[0][2], points[-1][2]
     # Steps, tokens and device-hours go on growing with the dollars at the rate between the fitted evaluations.
-    per_dollar = {k: (last[k] - first[k]) / (last["dollars"] - first["dollars"]) for k in ("step", "device_hours", "tokens")}
+    spent = last["dollars"] - first["dollars"]
+    per_dollar = {k: (last[k] - first[k]) / spent for k in ("step", "device_hours", "tokens")}
     values = {k: last[k] + (dollars - last["dollars"]) * rate for k, rate in per_dollar.items()}
     return TargetCost(target=target, reached=False, dollars=dollars, projected=True, **values)

@@ -133,7 +133,8 @@ def _prices(args: argparse.Namespace, console: Console) -> int:
     for model in catalog.MODELS:
         unit = prices.dollars_per_bf16_tflops_hour(model.key, spot=True)
         rows.append((unit if unit is not None else float("inf"), [
-            model.key, model.vendor, f"{model.memory_gib:,.0f}", f"{catalog.device_peak_tflops(model.key, 'bf16'):,.0f}",
+            model.key, model.vendor, f"{model.memory_gib:,.0f}",
+            f"{catalog.device_peak_tflops(model.key, 'bf16'):,.0f}",
             money(model.peak_tflops.get("fp8"), ",.0f"), money(prices.dollars_per_hour(model.key, spot=False), ".2f"),
             money(prices.dollars_per_hour(model.key, spot=True), ".2f"),
             money(prices.dollars_per_bf16_tflops_hour(model.key, spot=False), ".5f"), money(unit, ".5f")]))

@@ -195,8 +195,9 @@ class RunReport:
                 ("tokens seen", f"{self.tokens_seen:,} ({self.tokens_this_run:,} this run)"),
                 ("throughput", f"{self.tokens_per_second:,.0f} tokens/s on {self.world_size} × {self.device} "
                                f"(planner predicted {self.predicted_tokens_per_second:,.0f})"),
-                ("step time", f"{self.step_seconds * 1000:,.1f} ms measured, {self.predicted_step_seconds * 1000:,.1f} ms "
-                              f"predicted ({_signed(self.prediction_error)} error)")]
+                ("step time", f"{self.step_seconds * 1000:,.1f} ms measured, "
+                              f"{self.predicted_step_seconds * 1000:,.1f} ms predicted "
+                              f"({_signed(self.prediction_error)} error)")]
         if self.mfu is not None:
             rows.append(("MFU", f"{self.mfu:.1%} of {self.peak_tflops:,.4g} TFLOP/s ({self.peak_basis})"))
         waits = [f"{name} {share:.0%}" for name, share in (("exposed communication", self.exposed_comm_share),

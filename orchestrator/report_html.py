@@ -278,7 +278,8 @@ _COMPARED = (("final step", "final_step", ",d"), ("final validation loss", "fina
              ("planner's step-time error", "prediction_error", "+.0%"), ("bill ($)", "dollars", ".4f"),
              ("$ per hour", "dollars_per_hour", ".2f"), ("$ per million tokens", "dollars_per_million_tokens", ".4f"),
              ("tokens per dollar", "tokens_per_dollar", ",.0f"), ("device-hours", "device_hours", ".4g"),
-             ("exposed communication share", "exposed_comm_share", ".0%"), ("data wait share", "data_wait_share", ".0%"),
+             ("exposed communication share", "exposed_comm_share", ".0%"),
+             ("data wait share", "data_wait_share", ".0%"),
              ("wall time (s)", "wall_seconds", ".1f"))
 
 

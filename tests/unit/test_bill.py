@@ -18,7 +18,8 @@ def plan(device_model: str = "H100-SXM5-80GB", *, dollars_per_hour: float = 5.98
                         seq_len=1024)
     workers = [replace(w, device_kind=kind, device_model=device_model,
                        device_uuid=None if kind == DeviceKind.CPU else f"GPU-{w.rank}") for w in base.workers]
-    predicted = Prediction(step_seconds=step_s, compute_seconds=step_s * 0.9, exposed_communication_seconds=step_s * 0.1,
+    predicted = Prediction(step_seconds=step_s, compute_seconds=step_s * 0.9,
+                           exposed_communication_seconds=step_s * 0.1,
                            communication_seconds=step_s * 0.3, tokens_per_second=32768 / step_s,
                            dollars_per_hour=dollars_per_hour, dollars_per_step=dollars_per_hour * step_s / 3600,
                            dollars_per_million_tokens=0.0, job_hours=0.0, job_dollars=0.0)

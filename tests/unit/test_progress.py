@@ -27,7 +27,8 @@ def test_an_event_the_display_does_not_know_is_shown_with_its_fields():
     display.update([{"event": "restart", "time": 1795962887.25, "attempt": 2, "step": 8, "world_size": 1,
                      "previous_world_size": 2, "recovery_s": 12.5}, {"event": "hiccup"}])
     out = printed(display)
-    assert "event: restart  time 1.8e+09  attempt 2  step 8  world_size 1  previous_world_size 2  recovery_s 12.5" in out
+    assert ("event: restart  time 1.8e+09  attempt 2  step 8  world_size 1  previous_world_size 2  "
+            "recovery_s 12.5") in out
     assert "event: hiccup" in out
 
 
