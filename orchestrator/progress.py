@@ -81,7 +81,7 @@ class ProgressDisplay:
     def _step(self, row: dict, bill: dict | None) -> None:
         loss, tps = f"{row['loss']:.4f}", f"{row['tokens_per_s']:,.0f}"
         mfu = "-" if bill is None or bill["mfu"] is None else f"{bill['mfu']:.1%}"
-        dollars = "$-" if bill is None else f"${bill['dollars']:.4f}"
+        dollars = "$-" if bill is None else _money(bill["dollars"])
         self._bar.update(self._task, completed=row["step"], loss=loss, tps=tps, mfu=mfu, dollars=dollars)
         if "val_loss" in row:
             self.console.print(f"step {row['step']}: validation loss {row['val_loss']:.4f}")
@@ -104,3 +104,8 @@ class ProgressDisplay:
 
 def _short(value) -> str:
     return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def _money(dollars: float) -> str:
+    """Cents where they matter: $0.0166, $12.34, $1,234."""
+    return f"${dollars:,.0f}" if dollars >= 100 else f"${dollars:.2f}" if dollars >= 1 else f"${dollars:.4f}"
