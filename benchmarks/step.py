@@ -55,17 +55,19 @@ MODELS = {  # vocab, seq_len, width, layers, heads, micro-batch
     "gpt-1.3b": (50304, 2048, 2048, 24, 16, 8),
 }
 
+LR = 3e-4
 VARIANTS = {  # name: (JobConfig sections to override, SDPA backends in priority order or None)
     "chunked loss": ({"train": {"chunked_loss": True}}, None),
     "plain loss": ({"train": {"chunked_loss": False}}, None),
     "cudnn attention": ({}, "cudnn"),
     "flash attention": ({}, "flash"),
     "reduce-overhead": ({"compile": {"mode": "reduce-overhead"}}, None),
+    "constant lr": ({"train": {"warmup_steps": 0, "min_lr": LR}}, None),  # the plain loop's schedule
+    "no clip": ({"train": {"grad_clip": 0.0}}, None),
     "fp8": ({"train": {"precision": "fp8"}}, None),
     "fp8 rowwise": ({"train": {"precision": "fp8", "float8_recipe": "rowwise"}}, None),
 }
 
-LR = 3e-4
 DEVICE = "cuda"
 
 
