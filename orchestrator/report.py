@@ -214,7 +214,8 @@ class RunReport:
             kind = "nominal CPU" if "nominal" in self.peak_basis else "bf16"
             rows.append(("compute bought", f"{self.device_hours:,.4g} device-hours = {self.bf16_tflops_hours:,.4g} "
                                            f"{kind} TFLOP/s·h{unit}"))
-        rows.extend(("target " + f"{c['target']:g}", _target_line(c)) for c in self.convergence)
+        projecting = any(c["projected"] for c in self.convergence)
+        rows.extend((f"target {c['target']:g}", _target_line(c, projecting)) for c in self.convergence)
         if self.events:
             counts = Counter(e["event"] for e in self.events)
             rows.append(("events", ", ".join(f"{n} × {name}" for name, n in counts.items())))
@@ -271,9 +272,10 @@ def _signed(share: float | None) -> str:
     return "-" if share is None else f"{share:+.0%}"
 
 
-def _target_line(cost: dict) -> str:
+def _target_line(cost: dict, projecting: bool) -> str:
     if cost["dollars"] is None:
-        return "not reached; no projection (the validation loss is not falling yet)"
+        return ("not reached (the next target's projection is above)" if projecting
+                else "not reached; no projection (fewer than two evaluations, or the validation loss is not falling)")
     verb = "projected to be reached" if cost["projected"] else "reached"
     return (f"{verb} at step {cost['step']:,.0f}: ${cost['dollars']:.4g}, {cost['device_hours']:,.4g} device-hours, "
             f"{cost['tokens']:,.0f} tokens")
