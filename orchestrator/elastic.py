@@ -263,10 +263,15 @@ class PlanCoordinator:
     """The Ray actor around ElasticState: one per fit, on the driver's node (it outlives any worker node),
     named after the run so tests and benchmarks can watch a run from outside (`status`)."""
 
-    def __init__(self, config: JobConfig, plan: Plan, topology: ClusterTopology, plan_path: str, sink, memory=None):
+    def __init__(self, config: JobConfig, plan: Plan, topology: ClusterTopology, plan_path: str, sink, memory):
+        from orchestrator.memory import measure_steps
+
         self.plan_path, self.sink, self.memory = plan_path, sink, memory
         self.state = ElasticState(config, plan, topology.nodes, plan_for=self._plan_for, discover=_discover)
         self.events: list[dict] = []
+        # Now, not during a recovery: the exact memory of every micro-batch a re-plan can hand out (the
+        # planner checks its choice with them), and the planner's imports (torch and all).
+        measure_steps(memory.spec, tuple(range(1, config.train.micro_batch_size + 1)))
 
     def group_started(self, reports: list[WorkerReport]) -> Plan:
         try:
@@ -313,10 +318,7 @@ class PlanCoordinator:
 
     def _plan_for(self, topology: ClusterTopology, config: JobConfig) -> Plan:
         from orchestrator import placement
-        from orchestrator.memory import profile
 
-        if self.memory is None:  # the slow part of planning (fake steps); the same for every world size
-            self.memory = profile(config, device_type="cuda" if config.cluster.use_gpu else "cpu")
         return placement.make_plan(topology, config, memory=self.memory)
 
 
@@ -334,8 +336,9 @@ def on_this_node():
     return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
 
 
-def start_coordinator(config: JobConfig, plan: Plan, topology: ClusterTopology, plan_path: str, sink, memory=None):
-    """Starts the run's PlanCoordinator on the driver's node; returns its handle."""
+def start_coordinator(config: JobConfig, plan: Plan, topology: ClusterTopology, plan_path: str, sink, memory):
+    """Starts the run's PlanCoordinator on the driver's node; returns its handle. `memory`: the job's
+    MemoryProfile (the slow part of planning, the same for every world size)."""
     import ray
 
     actor = ray.remote(num_cpus=0, max_restarts=0)(PlanCoordinator)

@@ -28,6 +28,7 @@ from rich.console import Console
 from orchestrator import elastic, placement, topology
 from orchestrator.config import JobConfig
 from orchestrator.errors import ArchipelagoError, ClusterError, ConfigError, DataError, FailureBudgetError
+from orchestrator.memory import MemoryProfile, profile
 from orchestrator.placement import binding
 from orchestrator.placement.plan import Plan
 from orchestrator.progress import MetricsSink, ProgressDisplay
@@ -73,9 +74,10 @@ class Orchestrator:
         resume_from, first_step = self._open_run(tokenizer)
         with self._ray():
             cluster = topology.discover_cluster()
-            plan = self._plan(cluster)
+            memory = profile(self.config, device_type="cuda" if self.config.cluster.use_gpu else "cpu")
+            plan = self._plan(cluster, memory)
             sink = MetricsSink.options(scheduling_strategy=elastic.on_this_node()).remote()  # outlives worker nodes
-            coordinator = elastic.start_coordinator(self.config, plan, cluster, str(self.run.plan_path), sink)
+            coordinator = elastic.start_coordinator(self.config, plan, cluster, str(self.run.plan_path), sink, memory)
             try:
                 job = WorkerJob(config=self.config, data_dir=str(data_dir), tokenizer=tokenizer, plan=plan,
                                 metrics_sink=sink, coordinator=coordinator,
@@ -94,7 +96,7 @@ class Orchestrator:
         report.save(self.run.report_path)
         return FitResult(rows, latest, plan, report)
 
-    def _plan(self, cluster: topology.ClusterTopology) -> Plan:
+    def _plan(self, cluster: topology.ClusterTopology, memory: MemoryProfile) -> Plan:
         """Plans the job on the cluster Ray gives us; the plan is saved beside the metrics.
 
         CPU jobs are planned on the worker slots Ray can schedule (each node's Ray CPUs, not its cores:
@@ -106,7 +108,7 @@ class Orchestrator:
             if config.elastic.min_workers:
                 config = elastic.config_for_world(config, max(config.elastic.min_workers,
                                                               min(slots, config.cluster.num_workers)))
-        plan = placement.make_plan(cluster, config)
+        plan = placement.make_plan(cluster, config, memory=memory)
         plan.save(self.run.plan_path)
         predicted = plan.predicted
         self.console.print(f"plan: {plan.world_size} × {plan.workers[0].device_model} workers, "

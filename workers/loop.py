@@ -56,7 +56,8 @@ class WorkerJob:
     """The prepared dataset: a local path or a pyarrow.fs URI, readable from every node."""
     tokenizer: str
     plan: Plan
-    """The driver's plan; each worker claims its entry by node and local rank."""
+    """The driver's first plan (Ray's scaling and the backend come from it); each group of workers runs
+    the plan the coordinator made for it (`join_group`), the same one when the workers match it."""
     metrics_sink: Any
     """Actor handle of the driver's MetricsSink."""
     coordinator: Any
