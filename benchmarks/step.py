@@ -68,7 +68,7 @@ VARIANTS = {  # name: (JobConfig sections to override, SDPA backends in priority
     "fp8 rowwise": ({"train": {"precision": "fp8", "float8_recipe": "rowwise"}}, None),
 }
 
-DEVICE = "cuda"
+DEVICE = "cuda"  # a CPU smoke run of this file (fake CUDA events) sets "cpu"
 
 
 def model_config(name: str) -> ModelConfig:
@@ -420,7 +420,7 @@ _COUNTED: dict[str, GPT] = {}
 
 
 def _counted(name: str) -> GPT:
-    """A CPU copy of the model, for parameter counts in the profile's rates."""
+    """The model on the meta device (no memory), for the parameter counts in the profile's rates."""
     if name not in _COUNTED:
         with torch.device("meta"):
             _COUNTED[name] = GPT(model_config(name))

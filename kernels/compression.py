@@ -5,9 +5,8 @@ How a sparse all-reduce uses it, per bucket and step:
     residual = torch.zeros(bucket.numel(), dtype=torch.float32, device=bucket.device)  # once
     mine = compress(bucket, residual, k_ratio=0.01)   # residual now holds all that was not sent
     rows = all_gather(mine.payload)                   # every rank's payload has the same size
-    total = torch.zeros(bucket.numel(), dtype=torch.float32, device=bucket.device)
-    for row in rows:
-        decompress_accumulate(total, mine.with_payload(row))
+    decompress_sum(bucket, rows.view(world_size, -1), mine, world_size)   # fp32 bucket: the average, written once
+    # or, row by row into an fp32 sum:  decompress_accumulate(total, mine.with_payload(row))
 
 CUDA tensors run the Triton kernels (kernels/triton_kernels.py), anything else the torch twins
 (kernels/reference.py); both give the same payload bytes. On CUDA a call takes 4 bytes of

@@ -15,6 +15,7 @@ from tests.engine_support import uniform_plan, run_ranks
 from workers.engine import Engine
 from workers.models.gpt import GPT
 from workers.models.loss import chunked_cross_entropy
+from workers.parallel import uses_compiled_autograd
 from workers.precision import LossScaler, Precision
 
 STEPS = 20
@@ -138,6 +139,15 @@ def test_topk_with_error_feedback_tracks_uncompressed_training(runs):
     assert final(topk["losses"]) <= 1.05 * final(plain["losses"])
     assert final(plain["losses"]) < plain["losses"][0] - 2.0
     assert topk["comm_bytes"] <= 0.3 * plain["comm_bytes"]
+
+
+def test_compiled_ddp_takes_compiled_autograd_unless_a_comm_hook_needs_ddp_optimizer():
+    def mode(**sections) -> bool:
+        return uses_compiled_autograd(JobConfig.from_dict({**job().to_dict(), **sections}))
+    assert mode(compile={"enable": True})  # the default, "auto", without a hook
+    assert not mode(compile={"enable": True}, parallel={"comm_hook": "topk"})
+    assert not mode(compile={"enable": True, "ddp_mode": "ddp_optimizer"})
+    assert not mode()  # no compile, nothing to choose
 
 
 def test_loss_scaler_skips_a_step_with_inf_and_keeps_the_weights():
