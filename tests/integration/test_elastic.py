@@ -37,6 +37,8 @@ from workers.models.gpt import GPT
 pytestmark = pytest.mark.integration
 SMALL_FILES = ["parser.py", "errors.py", "base64mime.py", "iterators.py", "encoders.py", "__init__.py"]
 SEQ_LEN = 64
+DRAIN_DEADLINE_S = 10
+"""The preemption notice's deadline: Ray Train restarts the group once it has passed (and the node is gone)."""
 LOSS_TOLERANCE = 1e-4
 """Relative: the same samples in the same order on the same two workers give the same losses up to
 float32 reduction order; a lost or repeated batch moves them by far more."""
@@ -250,9 +252,13 @@ def test_an_exhausted_failure_budget_names_the_failures_and_keeps_the_checkpoint
     ledger.check_exactly_once(small_dataset[1])
 
 
-def test_a_preempted_node_shrinks_the_job_and_a_new_node_grows_it(cluster, small_dataset, tmp_path_factory):
+def test_a_preempted_node_shrinks_the_job_and_a_new_node_grows_it(cluster, small_dataset, tmp_path_factory,
+                                                                 monkeypatch):
     runs = tmp_path_factory.mktemp("runs")
     steps = 8 * epoch_steps(small_dataset)  # long enough for a node to join while one worker trains
+    # After the node goes, Ray Train first tries the old size on its stale view of the cluster and gives
+    # up after this timeout (60 s by default) before it starts the smaller group.
+    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "10")
     config = job(small_dataset, runs, "resize", steps,
                  elastic={"min_workers": 1, "resize_check_s": 1.0, "preemption_grace_s": 5.0})
     (node,) = [n for n in cluster.worker_nodes]
@@ -298,5 +304,5 @@ def drain(cluster: Cluster, ray_node_id: str) -> None:
 
     gcs = ray._raylet.GcsClient(address=cluster.address)
     accepted, why = gcs.drain_node(ray_node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-                                   "spot reclaim (test)", int(time.time() * 1000) + 60_000)
+                                   "spot reclaim (test)", int(time.time() * 1000) + DRAIN_DEADLINE_S * 1000)
     assert accepted, why
