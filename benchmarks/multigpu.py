@@ -297,7 +297,9 @@ def _text_tokens() -> np.ndarray:
 
 
 def hook_run(rank: int, world: int, cpu: bool, model: dict, micro: int, hook: str, steps: int, out_path: str) -> None:
-    config = _job(model, micro, world, cpu, parallel={"comm_hook": hook, "comm_warmup_steps": 10})
+    # Every hook, plain all-reduce included, under DDPOptimizer: the same graph splits for all of them.
+    config = _job(model, micro, world, cpu, parallel={"comm_hook": hook, "comm_warmup_steps": 10},
+                  compile={"ddp_mode": "ddp_optimizer"})
     config.train.lr, config.train.min_lr = 6e-4, 6e-4
     plan = Plan.uniform(job_name="hooks", world_size=world, micro_batch_size=micro, grad_accum_steps=1,
                         seq_len=config.model.seq_len)
@@ -358,12 +360,12 @@ def hooks_section(args, world: int) -> list[dict]:
         row["step_vs_allreduce"] = round(row["step_s"] / base["step_s"], 3)
         row["loss_vs_allreduce"] = round(row["final_loss"] / base["final_loss"] - 1, 4)
         # The hook wins when the time its saved bytes take on the wire exceeds its own compute:
-        # saved_bytes / bandwidth > cost, i.e. below bandwidth = saved_bytes / cost. The bytes are one
-        # rank's share of a ring all-reduce (2(n-1)/n of the bucket) against what the hook sends.
+        # saved_bytes / bandwidth > cost, i.e. below bandwidth = saved_bytes / cost. The bytes are what
+        # this rank hands to collectives (CommStats); from a one-rank run they stand for two ranks, where
+        # a ring all-reduce and an all-gather both put exactly those bytes on each rank's link.
         cost = row["alone_step_s"] - base["alone_step_s"]
-        n = max(world, 2)
-        full = base["bytes_per_step"] if world > 1 else base["alone_bytes_per_step"] * 2 * (n - 1) / n
-        sent = row["bytes_per_step"] if world > 1 else row["alone_bytes_per_step"] * (2 * (n - 1) / n if row["hook"] == "bf16" else 1)
+        full = base["bytes_per_step"] if world > 1 else base["alone_bytes_per_step"]
+        sent = row["bytes_per_step"] if world > 1 else row["alone_bytes_per_step"]
         row["hook_compute_ms"] = round(cost * 1e3, 3)
         row["break_even_gb_per_s"] = round((full - sent) / cost / 1e9, 2) if cost > 0 else math.inf
     for row in rows:
