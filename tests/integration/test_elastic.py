@@ -10,6 +10,7 @@ really trained on, over whole epochs of a small dataset.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -276,8 +277,16 @@ def test_a_preempted_node_shrinks_the_job_and_a_new_node_grows_it(cluster, small
         elif "removed" in seen and "added" not in seen and status["world_size"] == 1:
             cluster.add_node(num_cpus=1)
             seen["added"] = status["last_step"]
+        if "added" in seen and status["world_size"] == 1:
+            throttle.hold(status["workers"][0]["pid"])
+        else:
+            throttle.release()
         return status["world_size"] == 2 and status["attempt"] >= 3
-    result = run_with(Orchestrator(config), act)
+    throttle = Throttle()
+    try:
+        result = run_with(Orchestrator(config), act)
+    finally:
+        throttle.release()
 
     preemption = events(result, "preemption")[0]
     restarts = events(result, "restart")
@@ -296,6 +305,30 @@ def test_a_preempted_node_shrinks_the_job_and_a_new_node_grows_it(cluster, small
     ledger = final_ledger(result)
     assert ledger.steps == list(range(1, steps + 1)) and {len(ids) for ids in ledger.ids} == {8}
     ledger.check_exactly_once(small_dataset[1])
+
+
+class Throttle:
+    """Slows one worker process to a fifth of its speed: stopped (SIGSTOP) for 200 ms of every 250 ms.
+
+    Ray Train notices a new node only after its resource view and resize monitor catch up (several
+    seconds); on an idle machine the lone worker finishes the run's remaining steps sooner (265 steps in
+    11 s in one CI run), and the job never grows. A slow worker keeps the run going until the resize; it
+    still answers Ray's polls within 200 ms, far inside the health-check timeout."""
+
+    def __init__(self):
+        self.pid: int | None = None
+
+    def hold(self, pid: int) -> None:
+        self.pid = pid
+        stopped = time.monotonic() % 0.25 < 0.2
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP if stopped else signal.SIGCONT)
+
+    def release(self) -> None:
+        if self.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGCONT)
+        self.pid = None
 
 
 def drain(cluster: Cluster, ray_node_id: str) -> None:
