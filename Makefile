@@ -22,7 +22,7 @@ demo: $(STAMP)
 
 # pytest exits 5 when it collects no tests; make treats any non-zero exit as a failure.
 test: $(STAMP)
-	$(PYTHON) -m pytest --timeout=900
+	$(PYTHON) -m pytest --timeout=900 --durations=15
 
 test-gpu:
 	PYTHONPATH=.:$$PYTHONPATH python3 -m pytest -m gpu tests/gpu -p no:cacheprovider -rs
