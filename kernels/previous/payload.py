@@ -1,0 +1,131 @@
+"""The compressed bucket: one contiguous byte tensor that goes on the wire as it is.
+
+A DDP comm hook all-gathers `payload` (every rank's is the same size for the same bucket and
+settings) and hands each gathered row back through `CompressedBucket.with_payload`.
+
+Layout (byte offsets; each array starts 16-byte aligned except the values):
+
+    header   int32[4]          selected, nonfinite, threshold (fp32 bits), 0
+    indices  int32[capacity]   element index of each sent entry, ascending
+    values   int8[capacity]    quantised codes (or raw values, for top-k)
+    scales   float32[blocks]   one per `block` elements of the bucket: dequantised = code * scale
+
+`selected` counts the elements chosen; the first min(selected, capacity) entries are valid and
+the rest of the payload is zero. `nonfinite` counts NaN/inf elements seen, so every receiver can
+refuse a poisoned bucket too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels.errors import NonFiniteGradientError
+from kernels.previous.plan import WORKSPACE_SAMPLES, SelectionPlan
+
+HEADER_BYTES = 16
+QUANT_MAX = 127
+"""Codes lie in [-127, 127]: symmetric, so a scale is max|value| / 127 and -128 is never used."""
+
+
+def _align16(offset: int) -> int:
+    return -(-offset // 16) * 16
+
+
+@dataclass(frozen=True, slots=True)
+class PayloadLayout:
+    numel: int
+    """Elements in the dense bucket the payload describes."""
+    capacity: int
+    """Entries the payload has room for."""
+    value_dtype: torch.dtype
+    """torch.int8 for quantised codes; the input's dtype for raw top-k values."""
+    block: int | None
+    """Bucket elements per scale, or None when values are raw (no scales)."""
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.numel // self.block) if self.block else 0
+
+    @property
+    def values_offset(self) -> int:
+        return HEADER_BYTES + 4 * self.capacity
+
+    @property
+    def scales_offset(self) -> int:
+        return _align16(self.values_offset + self.capacity * self.value_dtype.itemsize)
+
+    @property
+    def nbytes(self) -> int:
+        return _align16(self.scales_offset + 4 * self.num_blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class CompressedBucket:
+    payload: torch.Tensor
+    """uint8, 1-D, contiguous, exactly layout.nbytes long."""
+    layout: PayloadLayout
+    header: torch.Tensor = field(init=False, repr=False)
+    """int32[4] view: selected, nonfinite, threshold bits, 0."""
+    indices: torch.Tensor = field(init=False, repr=False)
+    """int32[capacity] view."""
+    values: torch.Tensor = field(init=False, repr=False)
+    """layout.value_dtype[capacity] view."""
+    scales: torch.Tensor = field(init=False, repr=False)
+    """float32[num_blocks] view."""
+
+    def __post_init__(self):
+        p, layout = self.payload, self.layout
+        if p.dtype != torch.uint8 or p.dim() != 1 or not p.is_contiguous() or p.numel() != layout.nbytes:
+            raise ValueError(f"a payload for {layout} must be a contiguous 1-D uint8 tensor of "
+                             f"{layout.nbytes} bytes, got {p.dtype} of shape {tuple(p.shape)}; "
+                             "gather payloads of compress() calls with the same bucket size, k_ratio and block")
+        # Views made once: a comm hook touches them every step, and each view costs host time.
+        values_end = layout.values_offset + layout.capacity * layout.value_dtype.itemsize
+        object.__setattr__(self, "header", p[:HEADER_BYTES].view(torch.int32))
+        object.__setattr__(self, "indices", p[HEADER_BYTES:layout.values_offset].view(torch.int32))
+        object.__setattr__(self, "values", p[layout.values_offset:values_end].view(layout.value_dtype))
+        scales_end = layout.scales_offset + 4 * layout.num_blocks
+        object.__setattr__(self, "scales", p[layout.scales_offset:scales_end].view(torch.float32))
+
+    @property
+    def numel(self) -> int:
+        return self.layout.numel
+
+    @property
+    def capacity(self) -> int:
+        return self.layout.capacity
+
+    @property
+    def threshold(self) -> torch.Tensor:
+        """The magnitude threshold used, as a one-element float32 tensor (on the device)."""
+        return self.header[2:3].view(torch.float32)
+
+    def counts(self) -> tuple[int, int]:
+        """(selected, nonfinite) read from the header; waits for the device."""
+        selected, nonfinite = self.header[:2].tolist()
+        return selected, nonfinite
+
+    def sent(self) -> int:
+        """Valid entries: those selected, up to capacity; waits for the device."""
+        return min(self.counts()[0], self.capacity)
+
+    def raise_if_nonfinite(self) -> None:
+        """Raise NonFiniteGradientError if the bucket that made this payload held NaN or inf."""
+        nonfinite = self.counts()[1]
+        if nonfinite:
+            raise NonFiniteGradientError(nonfinite, self.numel, with_residual=True)
+
+    def with_payload(self, payload: torch.Tensor) -> CompressedBucket:
+        """The same layout over another rank's payload, e.g. a row of an all-gather."""
+        return CompressedBucket(payload, self.layout)
+
+
+def allocate(layout: PayloadLayout, plan: SelectionPlan | None, device: torch.device) -> tuple[CompressedBucket, torch.Tensor]:
+    """A zeroed payload and the plan's int32 workspace (histograms zeroed, samples not), from one
+    allocation and one memset."""
+    workspace = plan.workspace_int32s if plan else 0
+    buffer = torch.empty(layout.nbytes + 4 * workspace, dtype=torch.uint8, device=device)
+    buffer[:layout.nbytes + 4 * min(workspace, WORKSPACE_SAMPLES)].zero_()
+    return CompressedBucket(buffer[:layout.nbytes], layout), buffer[layout.nbytes:].view(torch.int32)
