@@ -60,6 +60,13 @@ GPU_MODELS = {
 }
 CPU_MODELS = {"tiny": ({"n_layer": 2, "n_head": 4, "n_embd": 128, "seq_len": 64, "vocab_size": 257}, 4)}
 HOOKS = ("allreduce", "bf16", "powersgd", "topk")
+# key: (row label, job config sections); DDP's two ways of meeting compile are measured apart
+# (issue: default to the faster).
+ENGINE_CONFIGS = {
+    "ddp_optimizer": ("engine ddp, DDPOptimizer", {"compile": {"ddp_mode": "ddp_optimizer"}}),
+    "compiled_autograd": ("engine ddp, compiled autograd", {"compile": {"ddp_mode": "compiled_autograd"}}),
+    "fsdp": ("engine fsdp", {"parallel": {"strategy": "fsdp"}}),
+}
 SWEEP_MB = (1, 4, 16, 64, 256, 1024)
 
 
@@ -93,7 +100,12 @@ def run_ranks(world: int, cpu: bool, fn, *args) -> dict:
         mp.spawn(_entry, args=(world, _free_port(), cpu, fn, (*args, str(out)), errors), nprocs=world)
     except mp.ProcessRaisedException:
         rank, text = errors.get()
-        return {"error": f"rank {rank}: {text.strip().splitlines()[-1][:300]}"}
+        print(f"rank {rank} failed:\n{text}", file=sys.stderr, flush=True)
+        # The exception's own line: the first unindented one after the last frame (hint lines may follow).
+        lines = text.strip().splitlines()
+        last_frame = max((i for i, line in enumerate(lines) if line.startswith("  File ")), default=-1)
+        raised = next((line for line in lines[last_frame + 1:] if line and not line[0].isspace()), lines[-1])
+        return {"error": f"rank {rank}: {raised[:300]}"}
     result = json.loads(out.read_text())
     out.unlink()
     return result
@@ -171,9 +183,10 @@ def _batches(config: JobConfig, rank: int, cpu: bool, count: int) -> list[torch.
     return [torch.randint(0, config.model.vocab_size, shape, generator=g).to(_device(rank, cpu)) for _ in range(count)]
 
 
-def engine_run(rank: int, world: int, cpu: bool, model: dict, micro: int, strategy: str, warmup: int, steps: int,
+def engine_run(rank: int, world: int, cpu: bool, model: dict, micro: int, sections: dict, warmup: int, steps: int,
                out_path: str) -> None:
-    config = _job(model, micro, world, cpu, parallel={"strategy": strategy})
+    config = _job(model, micro, world, cpu, **sections)
+    strategy = config.parallel.strategy
     # One DDP timing sample, inside the timed steps: every sampled step waits on the last one's events.
     config.train.log_every = warmup + steps - 1
     plan = Plan.uniform(job_name="multigpu", world_size=world, micro_batch_size=micro, grad_accum_steps=1,
@@ -236,14 +249,15 @@ def train_section(args, world: int, peak: float | None) -> list[dict]:
         if args.models and name not in args.models:
             continue
         tokens = micro * model["seq_len"]
-        single = run_ranks(1, args.cpu, engine_run, model, micro, "ddp", args.warmup, args.steps)
+        single = run_ranks(1, args.cpu, engine_run, model, micro, {}, args.warmup, args.steps)
         group = {"single": _row("engine, 1 GPU", name, single, 1, tokens, peak)}
-        for strategy in ("ddp", "fsdp"):
-            result = run_ranks(world, args.cpu, engine_run, model, micro, strategy, args.warmup, args.steps)
-            group[strategy] = _row(f"engine {strategy}", name, result, world, tokens, peak)
+        for key in args.engine_configs:
+            label, sections = ENGINE_CONFIGS[key]
+            result = run_ranks(world, args.cpu, engine_run, model, micro, sections, args.warmup, args.steps)
+            group[key] = _row(label, name, result, world, tokens, peak)
         plain = run_ranks(world, args.cpu, plain_ddp_run, model, micro, args.warmup, args.steps)
         group["plain"] = _row("plain DDP + compile", name, plain, world, tokens, peak)
-        for key in ("ddp", "fsdp", "plain"):
+        for key in (*args.engine_configs, "plain"):
             row = group[key]
             if "error" in row or "error" in group["single"]:
                 continue
@@ -263,9 +277,10 @@ def train_section(args, world: int, peak: float | None) -> list[dict]:
 def plan_section(args, world: int, topology: ClusterTopology, calibration: dict | None, measured: list[dict]) -> list[dict]:
     rows = []
     for name, (model, micro) in (CPU_MODELS if args.cpu else GPU_MODELS).items():
-        ddp = next((r for r in measured if r["model"] == name and r["config"] == "engine ddp" and "step_ms" in r), None)
-        if ddp is None:
+        ddp_rows = [r for r in measured if r["model"] == name and r["config"].startswith("engine ddp") and "step_ms" in r]
+        if not ddp_rows:
             continue
+        ddp = min(ddp_rows, key=lambda r: r["step_ms"])  # the DDP mode a job would pick
         config = _job(model, micro, world, args.cpu, placement={"min_gpus": world, "max_gpus": world})
         for label, table in (("built-in link table", None), ("recalibrated from the sweep", calibration)):
             if label != "built-in link table" and table is None:
@@ -384,6 +399,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--hook-steps", type=int, default=200)
+    parser.add_argument("--engine-configs", nargs="+", choices=list(ENGINE_CONFIGS), default=list(ENGINE_CONFIGS),
+                        help="which engine wrappings the train section measures")
     parser.add_argument("--cpu", action="store_true", help="gloo on CPU processes with a tiny model")
     args = parser.parse_args()
     out = Path(args.out)
@@ -421,8 +438,8 @@ def main() -> None:
 def _link_class(topology: ClusterTopology) -> str:
     """The class of the slowest link between this machine's GPUs (the ring's bottleneck)."""
     from orchestrator.cost import LinkClass
-    links = [link for node in topology.nodes for link in node.gpu_links]
-    kinds = {getattr(link, "kind", None) for link in links}
+    links = [link for node in topology.nodes for link in node.links]
+    kinds = {getattr(link.kind, "value", link.kind) for link in links}
     if not links or kinds - {"nvlink", "nvswitch"}:
         return LinkClass.PCIE.value
     return LinkClass.NVSWITCH.value if "nvswitch" in kinds else LinkClass.NVLINK.value

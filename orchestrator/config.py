@@ -170,8 +170,8 @@ class CompileConfig:
     DDP's optimizer splits the graph at bucket boundaries by design."""
     ddp_mode: Literal["auto", "ddp_optimizer", "compiled_autograd"] = "auto"
     """How compile meets DDP: Dynamo's DDPOptimizer (graph split per bucket, comm hooks work) or
-    compiled autograd (one backward graph, comm captured in it; no comm hooks). auto takes compiled
-    autograd with comm_hook = "allreduce" (faster in benchmarks/RESULTS.md) and DDPOptimizer otherwise."""
+    compiled autograd (one backward graph, comm captured in it; no comm hooks). auto takes
+    DDPOptimizer: compiled autograd failed over two NCCL ranks in torch 2.11 (benchmarks/RESULTS.md)."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -67,11 +67,11 @@ def wrap(model: GPT, config: JobConfig, plan: Plan, precision: Precision, device
 
 
 def uses_compiled_autograd(config: JobConfig) -> bool:
-    """Whether compiled DDP runs under compiled autograd: asked for, or "auto" without a comm hook
-    (hooks need DDPOptimizer). On one H200 rank it was 1.8 % faster (benchmarks/RESULTS.md)."""
-    mode = config.compile.ddp_mode
-    return config.compile.enable and (mode == "compiled_autograd"
-                                      or (mode == "auto" and config.parallel.comm_hook == "allreduce"))
+    """Whether compiled DDP runs under compiled autograd: only when asked for. "auto" takes
+    DDPOptimizer: on two H200s it hides 98-99 % of the all-reduce and keeps pace with plain DDP +
+    compile, while compiled autograd over two NCCL ranks failed in torch 2.11 ("Attempt to trace
+    generator" in the compiled backward; benchmarks/RESULTS.md, multi-GPU section)."""
+    return config.compile.enable and config.compile.ddp_mode == "compiled_autograd"
 
 
 def _wrap_ddp(model: GPT, config: JobConfig, plan: Plan, device: torch.device, world: int,
@@ -107,9 +107,12 @@ def _wrap_ddp(model: GPT, config: JobConfig, plan: Plan, device: torch.device, w
 def _wrap_fsdp(model: GPT, config: JobConfig, precision: Precision) -> WrappedModel:
     # Parameters are gathered in the autocast dtype and gradients reduced in fp32.
     policy = MixedPrecisionPolicy(param_dtype=precision.autocast_dtype, reduce_dtype=torch.float32)
+    options = compile_options(config.compile, fullgraph=config.compile.fullgraph)
     for block in model.blocks:
         if config.compile.enable:
-            block.compile(**compile_options(config.compile, fullgraph=config.compile.fullgraph))
+            block.compile(**options)
         fully_shard(block, mp_policy=policy)
+    if config.compile.enable:
+        model.head = torch.compile(model.head, **options)
     fully_shard(model, mp_policy=policy)  # in place: the model itself is now the FSDP module
     return WrappedModel(model, None, True, None)

@@ -141,11 +141,11 @@ def test_topk_with_error_feedback_tracks_uncompressed_training(runs):
     assert topk["comm_bytes"] <= 0.3 * plain["comm_bytes"]
 
 
-def test_compiled_ddp_takes_compiled_autograd_unless_a_comm_hook_needs_ddp_optimizer():
+def test_compiled_ddp_takes_compiled_autograd_only_when_asked():
     def mode(**sections) -> bool:
         return uses_compiled_autograd(JobConfig.from_dict({**job().to_dict(), **sections}))
-    assert mode(compile={"enable": True})  # the default, "auto", without a hook
-    assert not mode(compile={"enable": True}, parallel={"comm_hook": "topk"})
+    assert not mode(compile={"enable": True})  # the default, "auto": DDPOptimizer
+    assert mode(compile={"enable": True, "ddp_mode": "compiled_autograd"})
     assert not mode(compile={"enable": True, "ddp_mode": "ddp_optimizer"})
     assert not mode()  # no compile, nothing to choose
 

@@ -119,6 +119,11 @@ class GPT(nn.Module):
         x = self.tok_emb(idx) + self.pos_emb(torch.arange(T, device=idx.device))
         for block in self.blocks:
             x = block(x)
+        return self.head(x, targets, chunked_loss)
+
+    def head(self, x: torch.Tensor, targets: torch.Tensor | None, chunked_loss: bool) -> torch.Tensor:
+        """Final norm, output projection and loss: a separate method so that FSDP2, which compiles
+        block by block, can compile it too (eager, its fp32 logits cost time and memory)."""
         x = self.ln_f(x)
         if targets is None:
             return self.lm_head(x)
