@@ -263,6 +263,11 @@ class PlacementConfig:
     """Dollars per device-hour in the chosen pricing column, by GPU model as the topology names it
     (e.g. "H100-SXM5-80GB" = 2.10), or per core-hour for "cpu"; overrides orchestrator/cost.py's table.
     A MIG slice costs its parent's price times its share of the SMs."""
+    calibration_file: str = ""
+    """A JSON table of measured collective costs by link class, {"nvswitch": {"alpha_us": 30.1,
+    "bus_gb_per_s": 323.1}}, as benchmarks/multigpu.py writes it (calibration.json) from an all-reduce
+    sweep; rows it gives replace orchestrator/cost.py's defaults. Relative paths are from the working
+    directory."""
 
     def __post_init__(self) -> None:
         _positive("placement", min_gpus=self.min_gpus, tensor_parallel_size=self.tensor_parallel_size)

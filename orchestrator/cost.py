@@ -130,6 +130,12 @@ class CollectiveCostModel:
             raise ConfigError(f"cannot read the calibration table ({e})", where=str(path), fix=fix) from None
         return cls(parse_calibration(data, where=str(path)))
 
+    @classmethod
+    def for_job(cls, config) -> CollectiveCostModel:
+        """The defaults, with the rows of `[placement] calibration_file` when the job names one."""
+        path = config.placement.calibration_file
+        return cls.load(path) if path else cls()
+
     def hop(self, link_class: LinkClass, nominal_gb_per_s: float = 0.0) -> Hop:
         row = self.calibration[link_class]
         gb_per_s = row.bus_gb_per_s if row.bus_gb_per_s > 0 else nominal_gb_per_s * row.efficiency

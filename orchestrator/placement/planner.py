@@ -67,7 +67,7 @@ class Planner:
         self.topology = topology
         self.config = config
         self.job = PlanningJob.from_config(config)
-        self.collectives = collectives or CollectiveCostModel()
+        self.collectives = collectives or CollectiveCostModel.for_job(config)  # defaults and a measured table
         self.compute = compute or (ComputeModel.compiled() if config.compile.enable else ComputeModel())
         prices = prices or PriceTable.for_job(config)  # defaults and [bill] prices_file
         self.prices = prices.with_overrides(config.placement.prices, spot=self.job.spot)

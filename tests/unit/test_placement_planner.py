@@ -7,7 +7,7 @@ import pytest
 from orchestrator import memory
 from orchestrator.config import JobConfig
 from orchestrator.cost import ComputeModel
-from orchestrator.errors import PlacementError
+from orchestrator.errors import ConfigError, PlacementError
 from orchestrator.placement import DataParallel, DeviceKind, Plan
 from orchestrator.placement.planner import Planner
 from orchestrator.topology import machines
@@ -208,3 +208,17 @@ def test_an_optimistic_memory_profile_is_caught_by_the_exact_check():
     plan = Planner(shrunk("1xH200:1", capacity), config, memory=optimistic).plan()
     assert plan.workers[0].micro_batch_size == 4 and plan.grad_accum_steps == 16
     assert plan.workers[0].predicted_peak_memory_bytes <= usable
+
+
+def test_a_measured_calibration_file_replaces_the_link_table(tmp_path):
+    # The two-H200 sweep (benchmarks/multigpu.py): NVSwitch at 323 GB/s bus bandwidth, not 0.85 × nominal.
+    table = tmp_path / "calibration.json"
+    table.write_text('{"nvswitch": {"alpha_us": 30.14, "bus_gb_per_s": 323.1}}')
+    default = planner("8xH200:1", job(placement={"min_gpus": 8})).plan()
+    measured = planner("8xH200:1", job(placement={"min_gpus": 8, "calibration_file": str(table)})).plan()
+    assert measured.world_size == default.world_size == 8
+    # Bandwidth time scales with 1 / bus bandwidth: 450 × 0.85 GB/s by default against 323.1 measured.
+    ratio = measured.predicted.communication_seconds / default.predicted.communication_seconds
+    assert ratio > 1.05
+    with pytest.raises(ConfigError, match="calibration"):
+        planner("8xH200:1", job(placement={"calibration_file": str(tmp_path / "missing.json")})).plan()
