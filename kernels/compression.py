@@ -9,11 +9,11 @@ How a sparse all-reduce uses it, per bucket and step:
     # or, row by row into an fp32 sum:  decompress_accumulate(total, mine.with_payload(row))
 
 CUDA tensors run the Triton kernels (kernels/triton_kernels.py), anything else the torch twins
-(kernels/reference.py); both give the same payload bytes. On CUDA a call takes 4 bytes of
-scratch per element from torch's allocator for its duration, and ~200 µs of host time when run
-eagerly (launches and allocation, measured on an H200 machine); a hook can capture
-compress(bucket, residual, k_ratio, check_finite=False) per bucket in a CUDA graph, since DDP's
-bucket and the residual are persistent tensors. What holds for every call:
+(kernels/reference.py); both give the same payload bytes. On CUDA, compress and top-k are a
+memset and one kernel launch, decompress_sum one launch; compress takes 4 bytes of scratch per
+element from torch's allocator for its duration. A hook can capture compress(bucket, residual,
+k_ratio, check_finite=False) per bucket in a CUDA graph, since DDP's bucket and the residual
+are persistent tensors. What holds for every call:
 
 - Error feedback loses nothing: with acc = bucket (as fp32) + residual_before, computed in fp32,
   residual_after + dequantised == acc exactly, element by element, where dequantised is what

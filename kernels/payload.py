@@ -5,10 +5,12 @@ settings) and hands each gathered row back through `CompressedBucket.with_payloa
 
 Layout (byte offsets; each array starts 16-byte aligned except the values):
 
-    header   int32[4]          selected, nonfinite, threshold (fp32 bits), 0
-    indices  int32[capacity]   element index of each sent entry, ascending
-    values   int8[capacity]    quantised codes (or raw values, for top-k)
-    scales   float32[blocks]   one per `block` elements of the bucket: dequantised = code * scale
+    header   int32[4]            selected, nonfinite, threshold (fp32 bits), 0
+    indices  int32[capacity]     element index of each sent entry, ascending
+    values   int8[capacity]      quantised codes (or raw values, for top-k)
+    scales   float32[blocks]     one per `block` elements of the bucket: dequantised = code * scale
+    starts   int32[segments]     with scales only: the first entry of each SEGMENT elements of the
+                                 bucket, so a receiver finds a segment's entries without a search
 
 `selected` counts the elements chosen; the first min(selected, capacity) entries are valid and
 the rest of the payload is zero. `nonfinite` counts NaN/inf elements seen, so every receiver can
@@ -22,11 +24,14 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.errors import NonFiniteGradientError
-from kernels.plan import WORKSPACE_SAMPLES, SelectionPlan
+from kernels.plan import SelectionPlan
 
 HEADER_BYTES = 16
 QUANT_MAX = 127
 """Codes lie in [-127, 127]: symmetric, so a scale is max|value| / 127 and -128 is never used."""
+SEGMENT = 1 << 14
+"""Bucket elements per segment start: 4 bytes per 16384 elements, 0.5 % of a payload at k = 1 %.
+A multiple of every block size, so segments are whole scale blocks."""
 
 
 def _align16(offset: int) -> int:
@@ -49,6 +54,10 @@ class PayloadLayout:
         return -(-self.numel // self.block) if self.block else 0
 
     @property
+    def num_segments(self) -> int:
+        return -(-self.numel // SEGMENT) if self.block else 0
+
+    @property
     def values_offset(self) -> int:
         return HEADER_BYTES + 4 * self.capacity
 
@@ -57,8 +66,12 @@ class PayloadLayout:
         return _align16(self.values_offset + self.capacity * self.value_dtype.itemsize)
 
     @property
-    def nbytes(self) -> int:
+    def starts_offset(self) -> int:
         return _align16(self.scales_offset + 4 * self.num_blocks)
+
+    @property
+    def nbytes(self) -> int:
+        return _align16(self.starts_offset + 4 * self.num_segments)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +87,8 @@ class CompressedBucket:
     """layout.value_dtype[capacity] view."""
     scales: torch.Tensor = field(init=False, repr=False)
     """float32[num_blocks] view."""
+    segment_starts: torch.Tensor = field(init=False, repr=False)
+    """int32[num_segments] view: entry where each SEGMENT of the bucket begins, at most capacity."""
 
     def __post_init__(self):
         p, layout = self.payload, self.layout
@@ -88,6 +103,8 @@ class CompressedBucket:
         object.__setattr__(self, "values", p[layout.values_offset:values_end].view(layout.value_dtype))
         scales_end = layout.scales_offset + 4 * layout.num_blocks
         object.__setattr__(self, "scales", p[layout.scales_offset:scales_end].view(torch.float32))
+        starts_end = layout.starts_offset + 4 * layout.num_segments
+        object.__setattr__(self, "segment_starts", p[layout.starts_offset:starts_end].view(torch.int32))
 
     @property
     def numel(self) -> int:
@@ -123,9 +140,7 @@ class CompressedBucket:
 
 
 def allocate(layout: PayloadLayout, plan: SelectionPlan | None, device: torch.device) -> tuple[CompressedBucket, torch.Tensor]:
-    """A zeroed payload and the plan's int32 workspace (histograms zeroed, samples not), from one
-    allocation and one memset."""
+    """A zeroed payload and the plan's zeroed int32 workspace, from one allocation and one memset."""
     workspace = plan.workspace_int32s if plan else 0
-    buffer = torch.empty(layout.nbytes + 4 * workspace, dtype=torch.uint8, device=device)
-    buffer[:layout.nbytes + 4 * min(workspace, WORKSPACE_SAMPLES)].zero_()
+    buffer = torch.zeros(layout.nbytes + 4 * workspace, dtype=torch.uint8, device=device)
     return CompressedBucket(buffer[:layout.nbytes], layout), buffer[layout.nbytes:].view(torch.int32)

@@ -8,10 +8,13 @@ round-half-even, and no fused multiply-add.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from kernels.payload import QUANT_MAX, CompressedBucket, PayloadLayout
-from kernels.plan import BINS, EXPONENT_SHIFT, KEY_SHIFT, NONFINITE_EXPONENT, WORKSPACE_SAMPLES, SelectionPlan
+from kernels.payload import QUANT_MAX, SEGMENT, CompressedBucket, PayloadLayout
+from kernels.plan import (EXPONENT_BINS, EXPONENT_SHIFT, FINE_BINS, FINE_SHIFT, NONFINITE_EXPONENT, SAMPLE_CHUNK,
+                          WORKSPACE_COUNTERS, WORKSPACE_FINE_COUNTS, SelectionPlan)
 
 NONFINITE_BITS = NONFINITE_EXPONENT << EXPONENT_SHIFT
 
@@ -21,45 +24,49 @@ def magnitude_bits(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int32) & 0x7FFFFFFF
 
 
-def workspace_parts(workspace: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(counts per exponent, counts per key bin, largest bits per key bin, sampled bits)."""
-    return workspace[:BINS], workspace[BINS:2 * BINS], workspace[2 * BINS:WORKSPACE_SAMPLES], workspace[WORKSPACE_SAMPLES:]
+def histograms(workspace: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(counts per exponent, counts per fine bin inside the threshold's exponent) in `workspace`."""
+    return workspace[:WORKSPACE_FINE_COUNTS], workspace[WORKSPACE_FINE_COUNTS:WORKSPACE_COUNTERS]
+
+
+def sample_positions(plan: SelectionPlan, device: torch.device) -> torch.Tensor:
+    """Element indices of the sample, run by run (see SelectionPlan.sample_chunks)."""
+    chunk = torch.arange(plan.sample_chunks, dtype=torch.int64, device=device)
+    start = chunk * plan.chunk_slots // plan.sample_chunks * SAMPLE_CHUNK
+    positions = (start[:, None] + torch.arange(SAMPLE_CHUNK, device=device)).view(-1)
+    return positions[positions < plan.numel]
 
 
 def _estimate_threshold(source: torch.Tensor, residual: torch.Tensor | None, plan: SelectionPlan,
-                       header: torch.Tensor, workspace: torch.Tensor) -> None:
-    """Sample source (+ residual), histogram the sample into `workspace` (zeroed histograms) and
-    write the threshold's fp32 bits to header[2]."""
-    exponents, key_bins, key_max, samples = workspace_parts(workspace)
-    positions = torch.arange(plan.sample_size, dtype=torch.int64, device=source.device) * plan.sample_stride % plan.numel
+                        header: torch.Tensor, workspace: torch.Tensor) -> None:
+    """Sample source (+ residual), histogram the sample into `workspace` (zeroed) and write the
+    threshold's fp32 bits to header[2]."""
+    exponents, fine = histograms(workspace)
+    positions = sample_positions(plan, source.device)
     sample = source[positions].float()
     if residual is not None:
         sample = sample + residual[positions]
-    samples.copy_(magnitude_bits(sample))
-    exponent = (samples >> EXPONENT_SHIFT).long()
-    exponents += torch.bincount(exponent[exponent < NONFINITE_EXPONENT], minlength=BINS).to(torch.int32)
-    top, need, _ = _bin_from_top(exponents.tolist(), plan.sample_need)
-    inside = samples[exponent == top]
-    key_bin = ((inside >> KEY_SHIFT) & (BINS - 1)).long()
-    key_bins += torch.bincount(key_bin, minlength=BINS).to(torch.int32)
-    key_max.scatter_reduce_(0, key_bin, inside, reduce="amax")
+    bits = magnitude_bits(sample)
+    exponent = bits >> EXPONENT_SHIFT
+    exponents += torch.bincount(exponent[exponent < NONFINITE_EXPONENT], minlength=EXPONENT_BINS).to(torch.int32)
+    top, _, _ = _bin_from_top(exponents.tolist(), plan.sample_need)
+    fine += torch.bincount((bits[exponent == top] >> FINE_SHIFT) & (FINE_BINS - 1), minlength=FINE_BINS).to(torch.int32)
     header[2] = threshold_bits(workspace, plan.sample_need)
 
 
 def threshold_bits(workspace: torch.Tensor, need: int) -> int:
-    """fp32 bits of a threshold that `need` of the histogrammed magnitudes reach.
+    """fp32 bits of a threshold that `need` of the histogrammed magnitudes reach: the lower edge
+    of the fine bin holding the need-th largest, so tied values are kept together; 0 when fewer
+    than `need` finite magnitudes were seen.
 
-    The exponent histogram finds the binade, the key-bin histogram inside it the 0.4 %-wide bin;
-    inside that bin the threshold is interpolated by rank between the bin's lower edge and the
-    largest magnitude seen in it, so tied values (all equal to that largest) are all kept.
+    The exponent histogram finds the binade, the fine histogram inside it the bin.
     """
-    exponents, key_bins, key_max, _ = workspace_parts(workspace)
+    exponents, fine = histograms(workspace)
     top, need, _ = _bin_from_top(exponents.tolist(), need)
-    key_bin, need, count = _bin_from_top(key_bins.tolist(), need)
-    if count == 0:
+    if top < 0:
         return 0
-    low = (top * BINS + key_bin) << KEY_SHIFT
-    return low + (int(key_max[key_bin]) - low) * (count - need) // count
+    fine_bin, _, _ = _bin_from_top(fine.tolist(), need)
+    return (top << EXPONENT_SHIFT) | (fine_bin << FINE_SHIFT)
 
 
 def _bin_from_top(counts: list[int], need: int) -> tuple[int, int, int]:
@@ -93,6 +100,8 @@ def select(source: torch.Tensor, residual: torch.Tensor | None, plan: SelectionP
     sent = index[:out.capacity]
     out.indices[:sent.numel()] = sent.to(torch.int32)
     out.values[:sent.numel()] = stored[sent].to(out.layout.value_dtype)
+    boundaries = torch.arange(out.layout.num_segments, device=index.device) * SEGMENT
+    out.segment_starts.copy_(torch.searchsorted(index, boundaries).clamp_(max=out.capacity))
     if residual is not None:
         residual.copy_(acc)
         residual[sent] = acc[sent] - sent_values[sent]
@@ -116,17 +125,34 @@ def _quantise(acc: torch.Tensor, chosen_magnitude: torch.Tensor, out: Compressed
 
 def decompress_accumulate(dense_out: torch.Tensor, compressed: CompressedBucket) -> None:
     """dense_out[index] += code * scale for every valid entry (indices out of range are skipped)."""
+    index, values = _dequantised(compressed)
+    dense_out.index_add_(0, index, values)
+
+
+def _dequantised(compressed: CompressedBucket) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices, code * scale) of the valid entries."""
     count = min(int(compressed.header[0]), compressed.capacity)
     index, codes = compressed.indices[:count].long(), compressed.values[:count]
     valid = (index >= 0) & (index < compressed.numel)
     index, codes = index[valid], codes[valid]
-    dense_out.index_add_(0, index, codes.float() * compressed.scales[index // compressed.layout.block])
+    return index, codes.float() * compressed.scales[index // compressed.layout.block]
 
 
 def decompress_sum(dense_out: torch.Tensor, payloads: torch.Tensor, layout: PayloadLayout, divisor: float) -> None:
-    """dense_out = (sum over rows of each row's dequantised payload, added in row order) / divisor."""
+    """dense_out = (sum over rows of each row's dequantised payload, added in row order) / divisor.
+
+    With a power-of-two divisor each value is scaled by 1 / divisor before it is added instead:
+    scaling by a power of two is exact, so the bits are those of dividing the sum (unless a value
+    falls below 2**-126, where fp32 is subnormal), and no division is left for a last pass.
+    """
     total = torch.zeros(dense_out.numel(), dtype=torch.float32, device=dense_out.device)
+    scale_first = power_of_two(divisor)
     for row in payloads:
-        decompress_accumulate(total, CompressedBucket(row, layout))
+        index, values = _dequantised(CompressedBucket(row, layout))
+        total.index_add_(0, index, values * (1.0 / divisor) if scale_first else values)
     # Divide by a tensor, not the number: on CUDA, torch multiplies by the reciprocal instead.
-    dense_out.copy_(total / torch.full_like(total, divisor))
+    dense_out.copy_(total if scale_first else total / torch.full_like(total, divisor))
+
+
+def power_of_two(x: float) -> bool:
+    return math.frexp(x)[0] == 0.5

@@ -4,28 +4,38 @@ Imported only when a CUDA tensor arrives (kernels.compression imports it lazily)
 without triton can import kernels. Every function matches its twin in kernels/reference.py bit
 for bit; the choices that make that so are noted where they are made.
 
-select() runs, for a bucket of n elements:
-  _sample_kernel     gathers the sample (at most 2**20 random elements of bucket and residual),
-                     stores its magnitude bits and histograms their exponents
-  _key_bins_kernel   histograms, within the exponent that holds the threshold, the next 8 bits
-                     (few atomics: one per program per bin, and one per sample in that exponent)
-  _threshold_kernel  turns the histograms into the threshold
-  _quantise_kernel   the one pass over the bucket: reads bucket and residual, writes residual
-                     (12 bytes per fp32 element), and compacts each tile's entries (index in the
-                     tile, code) into that tile's own slots of a scratch array, with a count
-  torch.cumsum       over the counts: where each tile's entries start in the payload
-  _gather_kernel     moves each tile's entries to the payload (about 8 bytes per entry), in
-                     ascending index order, so Triton and the twin give the same payload bytes
-An earlier single-pass design (programs compacting into the payload through staging and atomic
-slot claims) held ~16 registers per element, so few programs fit per multiprocessor and it
-stalled on load latency at ~35 % of copy bandwidth (measured); one slot-claiming atomic per tile
-on a single counter serialised an earlier one still. The scratch array costs memory (4 bytes
-per element, allocated per call) but almost no traffic: only the ~k entries are written.
+select() is one launch (after the memset that zeroes payload and workspace). Its programs fall
+into four phases by program id, each waiting only for phases before it:
+  count exponents  gather the sample (runs of 16 contiguous elements of bucket and residual) and
+                   histogram the magnitudes' exponents
+  count fine bins  histogram the next 12 bits of the sampled magnitudes inside the exponent that
+                   holds the threshold; the last to finish turns the histograms into the threshold
+  quantise         the one pass over the bucket, a tile per program: reads bucket and residual,
+                   writes residual (12 bytes per fp32 element), compacts the tile's entries (index
+                   in the tile, code) into the tile's own slots of a scratch array, and adds its
+                   count to its group's word (a group is 2**18 elements)
+  place            a program per group: once every group up to its own is counted, moves its
+                   tiles' entries to the payload in ascending index order (about 8 bytes per
+                   entry), so Triton and the twin give the same payload bytes
+A program that waits spins on a counter that programs of lower id advance. The GPU starts a
+grid's programs in increasing id order (CUB's single-pass scan relies on the same: "blocks are
+launched in increasing order"), so those have started and will finish: the wait ends. Triton's
+interpreter runs programs one after another in id order, so there every wait is already over.
+Each wait sits where the data is in flight: a quantise program loads its tile before it waits
+for the threshold, so the first wave's reads overlap the threshold's computation.
+The quantise pass holds few registers per element, so many programs fit on each
+multiprocessor and enough loads are in flight to stream: an earlier design that placed entries
+in the payload from the quantising programs held ~16 registers per element and stalled at ~35 %
+of copy bandwidth (measured), and one slot-claiming atomic per tile on a single counter
+serialised another. The scratch array costs memory (4 bytes per element, allocated per call)
+but almost no traffic: only the ~k entries are written.
+
 decompress_accumulate() adds each entry into its dense element: one read-modify-write of a
 32-byte sector per entry, since at k = 1 % entries are about 100 elements apart.
-decompress_sum() averages several ranks' payloads into a bucket in one pass per block: the
-block's entries are found by a binary search per block boundary (_block_starts_kernel), then
-each block is built in cache and written once (_decompress_sum_kernel).
+decompress_sum() writes a bucket from several ranks' payloads, a program per SEGMENT (16384
+elements): the segment is zeroed in cache, every rank's entries for it are loaded at once (the
+payload says where each segment's entries begin), added rank by rank, and the segment reaches
+DRAM once.
 """
 
 from __future__ import annotations
@@ -36,58 +46,75 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.payload import HEADER_BYTES, QUANT_MAX, CompressedBucket, PayloadLayout
-from kernels.plan import BINS, EXPONENT_SHIFT, KEY_SHIFT, NONFINITE_EXPONENT, WORKSPACE_SAMPLES, SelectionPlan
+from kernels.payload import HEADER_BYTES, QUANT_MAX, SEGMENT, CompressedBucket, PayloadLayout
+from kernels.plan import (EXPONENT_BINS, EXPONENT_SHIFT, FINE_BINS, FINE_SHIFT, GROUP_ELEMENTS, NONFINITE_EXPONENT,
+                          SAMPLE_CHUNK, WORKSPACE_COUNTERS, WORKSPACE_FINE_COUNTS, WORKSPACE_GROUP_WORDS, SelectionPlan)
+from kernels.reference import power_of_two
 
-_KEY_SHIFT = tl.constexpr(KEY_SHIFT)
 _EXPONENT_SHIFT = tl.constexpr(EXPONENT_SHIFT)
 _NONFINITE_EXPONENT = tl.constexpr(NONFINITE_EXPONENT)
-_BINS = tl.constexpr(BINS)
-_SAMPLES = tl.constexpr(WORKSPACE_SAMPLES)
+_EXPONENT_BINS = tl.constexpr(EXPONENT_BINS)
+_FINE_SHIFT = tl.constexpr(FINE_SHIFT)
+_FINE_BINS = tl.constexpr(FINE_BINS)
+_FINE_COUNTS = tl.constexpr(WORKSPACE_FINE_COUNTS)
+_SAMPLED = tl.constexpr(WORKSPACE_COUNTERS)
+"""Counter: exponent-counting programs done."""
+_FINE_COUNTED = tl.constexpr(WORKSPACE_COUNTERS + 32)
+"""Counter: fine-bin-counting programs done; the one that makes it complete computes the threshold."""
+_THRESHOLD = tl.constexpr(WORKSPACE_COUNTERS + 64)
+"""The threshold's bits + 1 once known (0 before): one word, so a reader needs nothing else."""
+_GROUP_WORDS = tl.constexpr(WORKSPACE_GROUP_WORDS)
+_GROUP_ELEMENTS = tl.constexpr(GROUP_ELEMENTS)
+_SAMPLE_CHUNK = tl.constexpr(SAMPLE_CHUNK)
+_SEGMENT = tl.constexpr(SEGMENT)
 _QUANT_MAX = tl.constexpr(float(QUANT_MAX))
 _ROUND_MAGIC = tl.constexpr(12582912.0)
 """1.5 * 2**23: (x + it) - it rounds x half-to-even for |x| < 2**22, as torch.round does."""
 
-SAMPLE_TILE = 256
-"""Samples per program: small, so the random gathers spread over every multiprocessor."""
-DECOMPRESS_TILE = 1024
 TOPK_TILE = 1024
 """Elements per quantising program when there are no scale blocks (top-k alone)."""
 ELEMENTS_PER_THREAD = 16
-"""Sets a quantising program's warps. Measured on an H200 at 400 MB, for the quantising kernel
+"""Sets the selection kernel's warps. Measured on an H200 at 400 MB, for the quantising pass
 alone: blocks of 1024 with 16 elements a thread (2 warps, ~80 registers, 12 programs per
 multiprocessor) streamed at 85 % of copy bandwidth; 32 a thread, 68 %; blocks of 4096 with
-8 or 4 warps, 62 % and 51 %; with 16 warps (one program per multiprocessor), about a third."""
-SEARCH_LANES = 256
-"""Block boundaries searched per program when locating each block's entries in a payload."""
-SUM_CHUNK = 32
-"""Entries a summing program adds per step (at k = 1 % a block has about 10 per rank)."""
-GATHER_ROWS = 32
-GATHER_WIDTH = 16
-"""A gathering program moves the entries of 32 tiles, 16 per tile at a time (4 lanes a thread)."""
+8 or 4 warps, 62 % and 51 %; with 16 warps (one program per multiprocessor), about a third.
+Every phase of the kernel keeps to about as many elements a thread, so none needs more
+registers than the quantise pass."""
+PLACE_ROWS = 32
+PLACE_WIDTH = 8
+"""A placing program moves the entries of 32 tiles, 8 per tile at a time."""
+_WORDS = tl.constexpr(256)
+"""Group words a placing program reads at a time while it sums the groups before its own."""
+SUM_RANKS = 8
+"""Ranks whose entries for a segment a summing program loads at once before adding them in order."""
+SUM_CHUNK = 256
+"""Entries per rank loaded at once: at k = 1 % a segment holds about 164 per rank; more are
+added from a loop."""
+SUM_PIECE = 2048
+SUM_WARPS = 8
 
 
 @triton.jit
-def _sample_kernel(source_ptr, residual_ptr, workspace_ptr, numel, sample_size, sample_stride,
-                   HAS_RESIDUAL: tl.constexpr, TILE: tl.constexpr):
-    j = tl.program_id(0) * TILE + tl.arange(0, TILE)
-    in_sample = j < sample_size
-    position = (j.to(tl.int64) * sample_stride) % numel
-    acc = tl.load(source_ptr + position, mask=in_sample, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        acc += tl.load(residual_ptr + position, mask=in_sample, other=0.0)
-    bits = acc.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    tl.store(workspace_ptr + _SAMPLES + j, bits, mask=in_sample)
-    exponent = bits >> _EXPONENT_SHIFT
-    # Histogram per program first: most samples share a few exponents, and an atomic per
-    # sample on those few counters would queue.
-    counts = tl.histogram(exponent, _BINS, mask=in_sample & (exponent < _NONFINITE_EXPONENT))
-    tl.atomic_add(workspace_ptr + tl.arange(0, _BINS), counts, mask=counts > 0, sem="relaxed")
+def _wait_until(counter_ptr, target):
+    """Spin until the counter reaches target; acquire, so what was written before it is seen."""
+    seen = tl.load(counter_ptr, volatile=True)
+    while seen < target:
+        seen = tl.load(counter_ptr, volatile=True)
+    tl.atomic_add(counter_ptr, 0, sem="acquire")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _signal(counter_ptr):
+    """Count this program as done, after every one of its threads' writes; returns the count before."""
+    tl.debug_barrier()
+    return tl.atomic_add(counter_ptr, 1, sem="acq_rel")
 
 
 @triton.jit
 def _bin_from_top(counts, need):
-    bins = tl.arange(0, _BINS)
+    # The twin's _bin_from_top over a tensor of counts, in integers so both agree exactly.
+    bins = tl.arange(0, counts.shape[0])
     at_or_above = tl.sum(counts, 0) - tl.cumsum(counts, 0) + counts
     b = tl.sum((at_or_above >= need).to(tl.int32), 0) - 1
     here = bins == b
@@ -96,46 +123,86 @@ def _bin_from_top(counts, need):
 
 
 @triton.jit
-def _key_bins_kernel(workspace_ptr, sample_size, need, TILE: tl.constexpr):
-    exponent, _, _ = _bin_from_top(tl.load(workspace_ptr + tl.arange(0, _BINS)), need)
-    j = tl.program_id(0) * TILE + tl.arange(0, TILE)
-    bits = tl.load(workspace_ptr + _SAMPLES + j, mask=j < sample_size, other=0)
-    here = (j < sample_size) & ((bits >> _EXPONENT_SHIFT) == exponent)
-    key_bin = (bits >> _KEY_SHIFT) & (_BINS - 1)
-    counts = tl.histogram(key_bin, _BINS, mask=here)
-    tl.atomic_add(workspace_ptr + _BINS + tl.arange(0, _BINS), counts, mask=counts > 0, sem="relaxed")
-    tl.atomic_max(workspace_ptr + 2 * _BINS + key_bin, bits, mask=here, sem="relaxed")
+def _exponent_from_top(workspace_ptr, need):
+    return _bin_from_top(tl.load(workspace_ptr + tl.arange(0, _EXPONENT_BINS), cache_modifier=".cg"), need)
 
 
 @triton.jit
 def _threshold_bits(workspace_ptr, need):
-    # The twin's threshold_bits, in integers so both agree exactly.
-    exponent, need, _ = _bin_from_top(tl.load(workspace_ptr + tl.arange(0, _BINS)), need)
-    key_bin, need, count = _bin_from_top(tl.load(workspace_ptr + _BINS + tl.arange(0, _BINS)), need)
-    low = (tl.maximum(exponent, 0) * _BINS + key_bin).to(tl.int64) << _KEY_SHIFT
-    high = tl.load(workspace_ptr + 2 * _BINS + key_bin, mask=count > 0, other=0).to(tl.int64)
-    bits = low + (high - low) * (count - need) // tl.maximum(count, 1)
-    return tl.where(count > 0, bits, 0).to(tl.int32)
+    # The twin's threshold_bits. The 4096 fine bins are read 256 at a time, so this phase needs
+    # no more registers than the others.
+    exponent, need, _ = _exponent_from_top(workspace_ptr, need)
+    pieces = tl.arange(0, _FINE_BINS // _EXPONENT_BINS)
+    totals = tl.zeros([_FINE_BINS // _EXPONENT_BINS], dtype=tl.int32)
+    for piece in range(_FINE_BINS // _EXPONENT_BINS):
+        counts = tl.load(workspace_ptr + _FINE_COUNTS + piece * _EXPONENT_BINS + tl.arange(0, _EXPONENT_BINS),
+                         cache_modifier=".cg")
+        totals = tl.where(pieces == piece, tl.sum(counts, 0), totals)
+    piece, need, _ = _bin_from_top(totals, need)
+    piece = tl.maximum(piece, 0)
+    fine, _, _ = _bin_from_top(tl.load(workspace_ptr + _FINE_COUNTS + piece * _EXPONENT_BINS
+                                       + tl.arange(0, _EXPONENT_BINS), cache_modifier=".cg"), need)
+    bits = (exponent << _EXPONENT_SHIFT) | ((piece * _EXPONENT_BINS + fine) << _FINE_SHIFT)
+    return tl.where(exponent >= 0, bits, 0)
 
 
 @triton.jit
-def _threshold_kernel(workspace_ptr, header_ptr, need):
-    tl.store(header_ptr + 2, _threshold_bits(workspace_ptr, need))
+def _sample_bits(source_ptr, residual_ptr, program, numel, sample_chunks, chunk_slots, HAS_RESIDUAL: tl.constexpr,
+                 CHUNKS: tl.constexpr):
+    """Magnitude bits of this program's CHUNKS sampled runs, flat; those past the sample read as
+    infinite, which no histogram counts."""
+    chunk = program * CHUNKS + tl.arange(0, CHUNKS)
+    start = (chunk.to(tl.int64) * chunk_slots // sample_chunks).to(tl.int32) * _SAMPLE_CHUNK
+    position = start[:, None] + tl.arange(0, _SAMPLE_CHUNK)[None, :]
+    valid = (chunk < sample_chunks)[:, None] & (position < numel)
+    acc = tl.load(source_ptr + position, mask=valid, other=float("inf")).to(tl.float32)
+    if HAS_RESIDUAL:
+        acc += tl.load(residual_ptr + position, mask=valid, other=0.0)
+    return tl.reshape(acc.to(tl.int32, bitcast=True) & 0x7FFFFFFF, [CHUNKS * _SAMPLE_CHUNK])
 
 
 @triton.jit
-def _quantise_kernel(source_ptr, residual_ptr, header_ptr, scales_ptr, entries_ptr, counts_ptr, numel,
-                     COMPRESS: tl.constexpr, TILE: tl.constexpr):
-    # Few registers per element, so many programs fit on each multiprocessor and keep enough
-    # loads in flight to stream at copy speed; placing entries in the payload is left to
-    # _gather_kernel, which needs every tile's count first.
-    tile = tl.program_id(0)
+def _count_exponents(source_ptr, residual_ptr, workspace_ptr, program, numel, sample_chunks, chunk_slots,
+                     HAS_RESIDUAL: tl.constexpr, CHUNKS: tl.constexpr):
+    bits = _sample_bits(source_ptr, residual_ptr, program, numel, sample_chunks, chunk_slots, HAS_RESIDUAL, CHUNKS)
+    exponent = bits >> _EXPONENT_SHIFT
+    # Histogram per program first: most samples share a few exponents, and an atomic per
+    # sample on those few counters would queue.
+    counts = tl.histogram(exponent, _EXPONENT_BINS, mask=exponent < _NONFINITE_EXPONENT)
+    tl.atomic_add(workspace_ptr + tl.arange(0, _EXPONENT_BINS), counts, mask=counts > 0, sem="relaxed")
+    _signal(workspace_ptr + _SAMPLED)
+
+
+@triton.jit
+def _count_fine_bins(source_ptr, residual_ptr, workspace_ptr, header_ptr, program, numel, sample_chunks, chunk_slots,
+                     sample_need, sample_programs, HAS_RESIDUAL: tl.constexpr, CHUNKS: tl.constexpr):
+    # The same runs again (from L2 now), loaded before the wait for every exponent to be counted.
+    bits = _sample_bits(source_ptr, residual_ptr, program, numel, sample_chunks, chunk_slots, HAS_RESIDUAL, CHUNKS)
+    _wait_until(workspace_ptr + _SAMPLED, sample_programs)
+    exponent, _, _ = _exponent_from_top(workspace_ptr, sample_need)
+    here = (bits >> _EXPONENT_SHIFT) == exponent  # never the infinite exponent: it is counted in no bin
+    # An atomic per sample in the threshold's binade: they spread over 4096 counters, and a
+    # per-program histogram that wide would need far more registers than the other phases.
+    fine = (bits >> _FINE_SHIFT) & (_FINE_BINS - 1)
+    tl.atomic_add(workspace_ptr + _FINE_COUNTS + fine, 1, mask=here, sem="relaxed")
+    if _signal(workspace_ptr + _FINE_COUNTED) == sample_programs - 1:
+        threshold = _threshold_bits(workspace_ptr, sample_need)
+        tl.store(header_ptr + 2, threshold)
+        tl.atomic_xchg(workspace_ptr + _THRESHOLD, threshold + 1, sem="release")
+
+
+@triton.jit
+def _quantise_tile(source_ptr, residual_ptr, workspace_ptr, header_ptr, scales_ptr, scratch_ptr, tile, numel, tiles,
+                   COMPRESS: tl.constexpr, TILE: tl.constexpr):
     offsets = tile * TILE + tl.arange(0, TILE)
     inside = offsets < numel
     acc = tl.load(source_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
     if COMPRESS:
         acc += tl.load(residual_ptr + offsets, mask=inside, other=0.0)
-    threshold = tl.load(header_ptr + 2).to(tl.float32, bitcast=True)
+    published = tl.load(workspace_ptr + _THRESHOLD, volatile=True)
+    while published == 0:
+        published = tl.load(workspace_ptr + _THRESHOLD, volatile=True)
+    threshold = (published - 1).to(tl.float32, bitcast=True)
     exponent = (acc.to(tl.int32, bitcast=True) >> _EXPONENT_SHIFT) & 0xFF
     nonfinite = tl.sum((exponent == _NONFINITE_EXPONENT).to(tl.int32), 0)
     if nonfinite > 0:
@@ -158,26 +225,58 @@ def _quantise_kernel(source_ptr, residual_ptr, header_ptr, scales_ptr, entries_p
         entry = tl.arange(0, TILE)
     # The tile's entries, compacted to the front of its own TILE slots: no other tile's count
     # is needed to place them, so no atomics and no second pass over the bucket.
-    tl.store(entries_ptr + tile * TILE + tl.cumsum(chosen.to(tl.int32), 0) - 1, entry, mask=chosen)
-    tl.store(counts_ptr + tile, tl.sum(chosen.to(tl.int32), 0))
+    count = tl.sum(chosen.to(tl.int32), 0)
+    tl.store(scratch_ptr + tile * TILE + tl.cumsum(chosen.to(tl.int32), 0) - 1, entry, mask=chosen)
+    tl.store(scratch_ptr + tiles * TILE + tile, count)
+    tl.debug_barrier()
+    # One word per group: entries in the low half, tiles done in the high half, so a placing
+    # program reads both at once. Fire-and-forget, and spread over a word per 2**18 elements.
+    word_ptr = (workspace_ptr + _GROUP_WORDS).to(tl.pointer_type(tl.int64)) + tile * TILE // _GROUP_ELEMENTS
+    tl.atomic_add(word_ptr, count.to(tl.int64) + (1 << 32), sem="release")
 
 
 @triton.jit
-def _gather_kernel(source_ptr, residual_ptr, header_ptr, scales_ptr, entries_ptr, counts_ptr, ends_ptr, indices_ptr,
-                   values_ptr, capacity, tiles, COMPRESS: tl.constexpr, TILE: tl.constexpr, ROWS: tl.constexpr,
-                   WIDTH: tl.constexpr):
-    # ROWS tiles per program. ends_ptr holds the running sum of the counts, so every entry's
-    # slot is known without atomics and the payload comes out in ascending index order.
-    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+def _entries_before(workspace_ptr, scratch_ptr, first_tile, tiles, TILE: tl.constexpr):
+    """Entries of every tile before first_tile, once every group up to first_tile's is counted."""
+    TILES_PER_GROUP: tl.constexpr = _GROUP_ELEMENTS // TILE
+    group = first_tile // TILES_PER_GROUP
+    words_ptr = (workspace_ptr + _GROUP_WORDS).to(tl.pointer_type(tl.int64))
+    total = 0
+    for first in range(0, group + 1, _WORDS):
+        g = first + tl.arange(0, _WORDS)
+        live = g <= group
+        expected = tl.minimum(tiles - g * TILES_PER_GROUP, TILES_PER_GROUP)
+        words = tl.load(words_ptr + g, mask=live, other=0, volatile=True)
+        while tl.sum((live & ((words >> 32) != expected)).to(tl.int32), 0) > 0:
+            words = tl.load(words_ptr + g, mask=live, other=0, volatile=True)
+        total += tl.sum(tl.where(g < group, words.to(tl.int32), 0), 0)
+    tl.atomic_add(words_ptr + group, 0, sem="acquire")
+    tl.debug_barrier()
+    # Then the tiles of its own group before first_tile.
+    for first in range(group * TILES_PER_GROUP, first_tile, _WORDS):
+        row = first + tl.arange(0, _WORDS)
+        total += tl.sum(tl.load(scratch_ptr + tiles * TILE + row, mask=row < first_tile, other=0,
+                                cache_modifier=".cg"), 0)
+    return total
+
+
+@triton.jit
+def _place_tiles(source_ptr, residual_ptr, workspace_ptr, header_ptr, scales_ptr, starts_ptr, indices_ptr,
+                 values_ptr, scratch_ptr, first_tile, tiles, capacity, COMPRESS: tl.constexpr, TILE: tl.constexpr,
+                 ROWS: tl.constexpr, WIDTH: tl.constexpr):
+    placed = _entries_before(workspace_ptr, scratch_ptr, first_tile, tiles, TILE)  # waits: read the counts after
+    row = first_tile + tl.arange(0, ROWS)
     row_inside = row < tiles
-    if tl.program_id(0) == 0:
-        tl.store(header_ptr, tl.load(ends_ptr + tiles - 1))
-    count = tl.load(counts_ptr + row, mask=row_inside, other=0)
-    first = tl.load(ends_ptr + row, mask=row_inside, other=0) - count
+    count = tl.load(scratch_ptr + tiles * TILE + row, mask=row_inside, other=0, cache_modifier=".cg")
+    first = placed + tl.cumsum(count, 0) - count
+    if COMPRESS:
+        # Where each segment's entries begin, for decompress_sum: segments are whole tiles.
+        starts_here = row_inside & ((row * TILE) % _SEGMENT == 0)
+        tl.store(starts_ptr + row * TILE // _SEGMENT, tl.minimum(first, capacity), mask=starts_here)
     for start in range(0, tl.max(count, 0), WIDTH):
         j = start + tl.arange(0, WIDTH)
         live = j[None, :] < count[:, None]
-        entry = tl.load(entries_ptr + row[:, None] * TILE + j[None, :], mask=live, other=0)
+        entry = tl.load(scratch_ptr + row[:, None] * TILE + j[None, :], mask=live, other=0, cache_modifier=".cg")
         index = row[:, None] * TILE + (entry & 0xFFFF)
         slot = first[:, None] + j[None, :]
         fits = live & (slot < capacity)
@@ -188,11 +287,59 @@ def _gather_kernel(source_ptr, residual_ptr, header_ptr, scales_ptr, entries_ptr
             # Past capacity: give the value back to the residual, which holds acc - code * scale;
             # adding code * scale back restores acc exactly.
             lost = live & (slot >= capacity)
-            scale = tl.load(scales_ptr + row, mask=row_inside, other=0.0)
-            kept = tl.load(residual_ptr + index, mask=lost, other=0.0)
+            scale = tl.load(scales_ptr + row, mask=row_inside, other=0.0, cache_modifier=".cg")
+            kept = tl.load(residual_ptr + index, mask=lost, other=0.0, cache_modifier=".cg")
             tl.store(residual_ptr + index, kept + code.to(tl.float32) * scale[:, None], mask=lost)
         else:
             tl.store(values_ptr + slot, tl.load(source_ptr + index, mask=fits, other=0.0), mask=fits)
+    if first_tile + ROWS >= tiles:
+        tl.store(header_ptr, tl.sum(tl.where(row == tiles - 1, first + count, 0), 0))
+
+
+@triton.jit
+def _select_kernel(source_ptr, residual_ptr, workspace_ptr, header_ptr, scales_ptr, starts_ptr, indices_ptr,
+                   values_ptr, scratch_ptr, numel, capacity, tiles, sample_chunks, chunk_slots, sample_need,
+                   sample_programs, COMPRESS: tl.constexpr, TILE: tl.constexpr, ROWS: tl.constexpr,
+                   WIDTH: tl.constexpr):
+    # Phases by program id: [exponents | fine bins | quantise, a tile each | place, ROWS tiles each].
+    program = tl.program_id(0)
+    quantise_first = 2 * sample_programs
+    place_first = quantise_first + tiles
+    chunks: tl.constexpr = TILE // _SAMPLE_CHUNK  # sample runs per program: a tile's worth of elements
+    if program < sample_programs:
+        _count_exponents(source_ptr, residual_ptr, workspace_ptr, program, numel, sample_chunks, chunk_slots,
+                         COMPRESS, chunks)
+    elif program < quantise_first:
+        _count_fine_bins(source_ptr, residual_ptr, workspace_ptr, header_ptr, program - sample_programs, numel,
+                         sample_chunks, chunk_slots, sample_need, sample_programs, COMPRESS, chunks)
+    elif program < place_first:
+        _quantise_tile(source_ptr, residual_ptr, workspace_ptr, header_ptr, scales_ptr, scratch_ptr,
+                       program - quantise_first, numel, tiles, COMPRESS, TILE)
+    else:
+        _place_tiles(source_ptr, residual_ptr, workspace_ptr, header_ptr, scales_ptr, starts_ptr, indices_ptr,
+                     values_ptr, scratch_ptr, (program - place_first) * ROWS, tiles, capacity, COMPRESS, TILE, ROWS,
+                     WIDTH)
+
+
+def select(source: torch.Tensor, residual: torch.Tensor | None, plan: SelectionPlan, out: CompressedBucket,
+           workspace: torch.Tensor) -> None:
+    compress = residual is not None
+    tile = out.layout.block if compress else TOPK_TILE
+    tiles = triton.cdiv(plan.numel, tile)
+    sample_programs = triton.cdiv(plan.sample_chunks, tile // SAMPLE_CHUNK)
+    # Scratch: a slot per element for the entries each tile compacts into its own slots (only
+    # about k of them are written), then a count per tile.
+    scratch = torch.empty(tiles * (tile + 1), dtype=torch.int32, device=source.device)
+    residual_or_source = residual if compress else source
+    scales, starts = (out.scales, out.segment_starts) if compress else (scratch, scratch)
+    with _on_device(source):
+        # No fused multiply-add: acc - code * scale must round code * scale first, exactly as
+        # the receiver's dequantisation does, or the residual would not be exact.
+        _select_kernel[(2 * sample_programs + tiles + triton.cdiv(tiles, PLACE_ROWS),)](
+            source, residual_or_source, workspace, out.header, scales, starts, out.indices, out.values, scratch,
+            plan.numel, out.capacity, tiles, plan.sample_chunks, plan.chunk_slots, plan.sample_need,
+            sample_programs, COMPRESS=compress, TILE=tile, ROWS=PLACE_ROWS, WIDTH=PLACE_WIDTH,
+            num_warps=max(1, min(16, tile // (32 * ELEMENTS_PER_THREAD))), enable_fp_fusion=False)
 
 
 @triton.jit
@@ -210,110 +357,104 @@ def _decompress_kernel(header_ptr, indices_ptr, values_ptr, scales_ptr, out_ptr,
     tl.store(out_ptr + index, current + code * scale, mask=valid)
 
 
+def decompress_accumulate(dense_out: torch.Tensor, compressed: CompressedBucket) -> None:
+    with _on_device(dense_out):
+        _decompress_kernel[(triton.cdiv(compressed.capacity, 1024),)](
+            compressed.header, compressed.indices, compressed.values, compressed.scales, dense_out,
+            compressed.numel, compressed.capacity, BLOCK=compressed.layout.block, TILE=1024,
+            num_warps=4, enable_fp_fusion=False)
+
+
 @triton.jit
-def _block_starts_kernel(payloads_ptr, row_bytes, starts_ptr, capacity, blocks, INDICES_OFFSET: tl.constexpr,
-                         BLOCK: tl.constexpr, LANES: tl.constexpr, SEARCH_STEPS: tl.constexpr):
-    # starts[rank, b] = the first entry of rank's payload whose index is >= b * BLOCK, for b in
-    # 0..blocks: one binary search per lane over the payload's sorted indices, many lanes in
-    # flight so the dependent loads overlap (a search per tile inside the summing kernel stalled).
-    rank = tl.program_id(1)
-    b = tl.program_id(0) * LANES + tl.arange(0, LANES)
+def _add_entries(payloads_ptr, row_bytes, out_ptr, rank, first, last, low, high, inverse,
+                 INDICES_OFFSET: tl.constexpr, VALUES_OFFSET: tl.constexpr, SCALES_OFFSET: tl.constexpr,
+                 BLOCK: tl.constexpr, SCALE_FIRST: tl.constexpr, CHUNK: tl.constexpr):
+    """out[index] += value for one rank's entries first..last, CHUNK at a time."""
     row = payloads_ptr + row_bytes.to(tl.int64) * rank
-    sent = tl.minimum(tl.load(row.to(tl.pointer_type(tl.int32))), capacity)
-    indices = (row + INDICES_OFFSET).to(tl.pointer_type(tl.int32))
-    target = b * BLOCK
-    lo = tl.zeros([LANES], dtype=tl.int32)
-    hi = lo + sent
-    for _ in range(SEARCH_STEPS):
-        active = lo < hi
-        mid = (lo + hi) // 2
-        below = active & (tl.load(indices + mid, mask=active, other=0) < target)
-        lo = tl.where(below, mid + 1, lo)
-        hi = tl.where(active & ~below, mid, hi)
-    tl.store(starts_ptr + rank * (blocks + 1) + b, lo, mask=b <= blocks)
+    for start in range(first, last, CHUNK):
+        entry = start + tl.arange(0, CHUNK)
+        live = entry < last
+        index = tl.load((row + INDICES_OFFSET).to(tl.pointer_type(tl.int32)) + entry, mask=live, other=low)
+        live = live & (index >= low) & (index < high)
+        code = tl.load((row + VALUES_OFFSET).to(tl.pointer_type(tl.int8)) + entry, mask=live, other=0)
+        value = code.to(tl.float32) * tl.load((row + SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + index // BLOCK,
+                                              mask=live, other=0.0)
+        if SCALE_FIRST:
+            value = value * inverse
+        current = tl.load(out_ptr + index, mask=live, other=0.0)
+        tl.store(out_ptr + index, current + value, mask=live)
 
 
 @triton.jit
-def _decompress_sum_kernel(payloads_ptr, row_bytes, starts_ptr, out_ptr, numel, ranks, blocks, divisor,
+def _decompress_sum_kernel(payloads_ptr, row_bytes, out_ptr, numel, ranks, segments, capacity, divisor, inverse,
                            INDICES_OFFSET: tl.constexpr, VALUES_OFFSET: tl.constexpr, SCALES_OFFSET: tl.constexpr,
-                           BLOCK: tl.constexpr, CHUNK: tl.constexpr):
-    # One program per scale block: the block is zeroed, each rank's entries for it are added in
-    # rank order (read-modify-write of a 4 KB tile this program just wrote, so the scattered
-    # accesses hit cache, not DRAM), then divided and written once. DRAM sees the payload
-    # entries read and the bucket written, about 4 bytes per element whatever the density.
-    tile = tl.program_id(0)
-    offsets = tile * BLOCK + tl.arange(0, BLOCK)
-    inside = offsets < numel
-    tl.store(out_ptr + offsets, tl.zeros([BLOCK], dtype=tl.float32), mask=inside)
-    tl.debug_barrier()
-    for rank in range(ranks):
+                           STARTS_OFFSET: tl.constexpr, BLOCK: tl.constexpr, SCALE_FIRST: tl.constexpr,
+                           RANKS: tl.constexpr, CHUNK: tl.constexpr, PIECE: tl.constexpr):
+    # One program per segment. The segment is zeroed, each rank's entries in it are added in rank
+    # order (read-modify-write of lines this program just wrote, so the scattered accesses hit
+    # cache, not DRAM) and, unless the values were scaled first, the sum is divided; DRAM sees
+    # the payload entries read and the bucket written once.
+    segment = tl.program_id(0)
+    low = segment * _SEGMENT
+    high = tl.minimum(low + _SEGMENT, numel)
+    for piece in range(low, high, PIECE):
+        offsets = piece + tl.arange(0, PIECE)
+        tl.store(out_ptr + offsets, tl.zeros([PIECE], dtype=tl.float32), mask=offsets < high)
+    lanes = tl.arange(0, RANKS)
+    for first_rank in range(0, ranks, RANKS):
+        # RANKS ranks' segment bounds and first CHUNK entries are loaded together, before any is
+        # added: two round trips to memory for all of them instead of several per rank.
+        rank = first_rank + lanes
         row = payloads_ptr + row_bytes.to(tl.int64) * rank
-        first = tl.load(starts_ptr + rank * (blocks + 1) + tile)
-        last = tl.load(starts_ptr + rank * (blocks + 1) + tile + 1)
-        scale = tl.load((row + SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + tile)
-        for start in range(first, last, CHUNK):
-            entry = start + tl.arange(0, CHUNK)
-            live = entry < last
-            index = tl.load((row + INDICES_OFFSET).to(tl.pointer_type(tl.int32)) + entry, mask=live, other=0)
-            code = tl.load((row + VALUES_OFFSET).to(tl.pointer_type(tl.int8)) + entry, mask=live, other=0)
-            # Indices of one payload are distinct, so lanes never collide within a rank.
-            current = tl.load(out_ptr + index, mask=live, other=0.0)
-            tl.store(out_ptr + index, current + code.to(tl.float32) * scale, mask=live)
-        tl.debug_barrier()
-    total = tl.load(out_ptr + offsets, mask=inside, other=0.0)
-    tl.store(out_ptr + offsets, tl.div_rn(total, divisor), mask=inside)
+        rank_live = rank < ranks
+        sent = tl.load(row.to(tl.pointer_type(tl.int32)), mask=rank_live, other=0)
+        sent = tl.maximum(tl.minimum(sent, capacity), 0)
+        starts = (row + STARTS_OFFSET).to(tl.pointer_type(tl.int32)) + segment
+        first = tl.load(starts, mask=rank_live, other=0)
+        # A segment ends where the next begins; the last one where the entries sent end.
+        not_last = segment + 1 + 0 * lanes < segments
+        last = tl.where(not_last, tl.load(starts + 1, mask=rank_live & not_last, other=0), sent)
+        first = tl.minimum(tl.maximum(first, 0), sent)
+        last = tl.minimum(tl.maximum(last, first), sent)
+        entry = first[:, None] + tl.arange(0, CHUNK)[None, :]
+        live = rank_live[:, None] & (entry < last[:, None])
+        index = tl.load((row + INDICES_OFFSET).to(tl.pointer_type(tl.int32))[:, None] + entry, mask=live, other=low)
+        live = live & (index >= low) & (index < high)
+        code = tl.load((row + VALUES_OFFSET).to(tl.pointer_type(tl.int8))[:, None] + entry, mask=live, other=0)
+        scale = tl.load((row + SCALES_OFFSET).to(tl.pointer_type(tl.float32))[:, None] + index // BLOCK, mask=live,
+                        other=0.0)
+        value = code.to(tl.float32) * scale
+        if SCALE_FIRST:
+            value = value * inverse
+        tl.debug_barrier()  # the zeros are in place
+        for lane in range(RANKS):
+            # This rank's row of the tile (the others masked off), then its entries past the first
+            # CHUNK; the barrier orders ranks that share an element.
+            here = live & (lanes == lane)[:, None]
+            current = tl.load(out_ptr + index, mask=here, other=0.0)
+            tl.store(out_ptr + index, current + value, mask=here)
+            rank_first = tl.sum(tl.where(lanes == lane, first, 0), 0) + CHUNK
+            rank_last = tl.sum(tl.where(lanes == lane, last, 0), 0)
+            _add_entries(payloads_ptr, row_bytes, out_ptr, first_rank + lane, rank_first, rank_last, low, high, inverse,
+                         INDICES_OFFSET, VALUES_OFFSET, SCALES_OFFSET, BLOCK, SCALE_FIRST, CHUNK)
+            tl.debug_barrier()
+    if not SCALE_FIRST:
+        for piece in range(low, high, PIECE):
+            offsets = piece + tl.arange(0, PIECE)
+            inside = offsets < high
+            total = tl.load(out_ptr + offsets, mask=inside, other=0.0)
+            tl.store(out_ptr + offsets, tl.div_rn(total, divisor), mask=inside)
 
 
 def decompress_sum(dense_out: torch.Tensor, payloads: torch.Tensor, layout: PayloadLayout, divisor: float) -> None:
-    ranks, blocks = payloads.shape[0], layout.num_blocks
-    starts = torch.empty((ranks, blocks + 1), dtype=torch.int32, device=dense_out.device)
+    segments = layout.num_segments
     with _on_device(dense_out):
-        _block_starts_kernel[(triton.cdiv(blocks + 1, SEARCH_LANES), ranks)](
-            payloads, payloads.shape[1], starts, layout.capacity, blocks, INDICES_OFFSET=HEADER_BYTES,
-            BLOCK=layout.block, LANES=SEARCH_LANES, SEARCH_STEPS=max(1, layout.capacity.bit_length()), num_warps=4)
-        _decompress_sum_kernel[(blocks,)](
-            payloads, payloads.shape[1], starts, dense_out, layout.numel, ranks, blocks, float(divisor),
-            INDICES_OFFSET=HEADER_BYTES, VALUES_OFFSET=layout.values_offset, SCALES_OFFSET=layout.scales_offset,
-            BLOCK=layout.block, CHUNK=SUM_CHUNK, num_warps=max(1, min(8, layout.block // 256)), enable_fp_fusion=False)
-
-
-def select(source: torch.Tensor, residual: torch.Tensor | None, plan: SelectionPlan, out: CompressedBucket,
-           workspace: torch.Tensor) -> None:
-    compress = residual is not None
-    tile = out.layout.block if compress else TOPK_TILE
-    tiles = triton.cdiv(plan.numel, tile)
-    # Scratch: a slot per element for the entries each tile compacts into its own slots (only
-    # about k of them are written), and a count per tile, whose running sum places each tile's
-    # entries in the payload.
-    entries = torch.empty(tiles * tile, dtype=torch.int32, device=source.device)
-    counts = torch.empty(tiles, dtype=torch.int32, device=source.device)
-    residual_or_source = residual if compress else source
-    scales = out.scales if compress else counts
-    samples = (triton.cdiv(plan.sample_size, SAMPLE_TILE),)
-    with _on_device(source):
-        _sample_kernel[samples](source, residual_or_source, workspace, plan.numel, plan.sample_size,
-                                plan.sample_stride, HAS_RESIDUAL=compress, TILE=SAMPLE_TILE, num_warps=2)
-        _key_bins_kernel[samples](workspace, plan.sample_size, plan.sample_need, TILE=SAMPLE_TILE, num_warps=2)
-        _threshold_kernel[(1,)](workspace, out.header, plan.sample_need, num_warps=1)
-        # No fused multiply-add: acc - code * scale must round code * scale first, exactly as
-        # the receiver's dequantisation does, or the residual would not be exact.
-        _quantise_kernel[(tiles,)](source, residual_or_source, out.header, scales, entries, counts, plan.numel,
-                                   COMPRESS=compress, TILE=tile,
-                                   num_warps=max(1, min(16, tile // (32 * ELEMENTS_PER_THREAD))),
-                                   enable_fp_fusion=False)
-        ends = torch.cumsum(counts, 0, dtype=torch.int32)
-        _gather_kernel[(triton.cdiv(tiles, GATHER_ROWS),)](
-            source, residual_or_source, out.header, scales, entries, counts, ends, out.indices, out.values,
-            out.capacity, tiles, COMPRESS=compress, TILE=tile, ROWS=GATHER_ROWS, WIDTH=GATHER_WIDTH, num_warps=4,
-            enable_fp_fusion=False)
-
-
-def decompress_accumulate(dense_out: torch.Tensor, compressed: CompressedBucket) -> None:
-    with _on_device(dense_out):
-        _decompress_kernel[(triton.cdiv(compressed.capacity, DECOMPRESS_TILE),)](
-            compressed.header, compressed.indices, compressed.values, compressed.scales, dense_out,
-            compressed.numel, compressed.capacity, BLOCK=compressed.layout.block, TILE=DECOMPRESS_TILE,
-            num_warps=4, enable_fp_fusion=False)
+        _decompress_sum_kernel[(segments,)](
+            payloads, payloads.shape[1], dense_out, layout.numel, payloads.shape[0], segments, layout.capacity,
+            float(divisor), 1.0 / divisor, INDICES_OFFSET=HEADER_BYTES, VALUES_OFFSET=layout.values_offset,
+            SCALES_OFFSET=layout.scales_offset, STARTS_OFFSET=layout.starts_offset, BLOCK=layout.block,
+            SCALE_FIRST=power_of_two(divisor), RANKS=SUM_RANKS, CHUNK=SUM_CHUNK, PIECE=SUM_PIECE,
+            num_warps=SUM_WARPS, enable_fp_fusion=False)
 
 
 def _on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:

@@ -2,10 +2,13 @@
 
 Catches logic errors in the kernels on a machine without a GPU, wherever triton is installed
 (the CPU-only venv has none, so there this skips). The interpreter runs programs one after
-another, in order, so payloads come out in the twin's order and compare whole; it cannot find
-races or check speed: tests/gpu does that. It runs in a child
-process because TRITON_INTERPRET must be set before the kernels are defined, and must not leak
-into compiled runs in this process.
+another, in id order, so every wait of the selection kernel's phases is over when it starts and
+payloads compare whole. A second run starts every program in a thread of its own, highest id
+first, so a program that waits runs before the programs it waits for: one that reads what
+another writes before waiting for it reads garbage, and one that forgets a wait sees nothing.
+Neither finds what only a GPU's memory ordering or speed shows: tests/gpu does that. Each runs
+in a child process because TRITON_INTERPRET must be set before the kernels are defined, and
+must not leak into compiled runs in this process.
 """
 
 import importlib.util
@@ -20,8 +23,8 @@ import pytest
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed; install it to check the kernels in its interpreter")
 
-CHILD = r"""
-import json, torch
+PRELUDE = r"""
+import inspect, json, sys, threading, time, types, torch
 import triton.runtime.interpreter as interpreter
 
 # Triton 3.6's interpreter turns a scalar into an int with int(array of shape (1,)), which numpy
@@ -41,48 +44,131 @@ def run(backend, source, residual, plan, layout):
     backend.select(source, residual, plan, out, workspace)
     return out, workspace
 
-results = []
-for numel, dtype, block, k_ratio, with_residual in [(20_011, torch.float32, 512, 0.01, True),
-                                                     (12_000, torch.bfloat16, 128, 0.2, True),
-                                                     (30_000, torch.float32, None, 0.01, False),
-                                                     (50_000, None, 1024, 0.01, True)]:
+def bucket(numel, dtype, with_residual):
     gen = torch.Generator().manual_seed(numel)
-    if dtype is None:  # all magnitudes tie: every element is chosen, staging flushes mid-run, capacity overflows
+    if dtype is None:  # all magnitudes tie: every element is chosen and capacity overflows
         source = torch.randn(numel, generator=gen).sign()
-        dtype = torch.float32
     else:
         source = (torch.randn(numel, generator=gen) * torch.rand(numel, generator=gen)).to(dtype)
-    residual = torch.randn(numel, generator=gen) * 0.1 if with_residual else None
+    return source, torch.randn(numel, generator=gen) * 0.1 if with_residual else None
+"""
+
+IN_ORDER = PRELUDE + r"""
+results = []
+# decompress_sum of 3 ranks divides at the end, of 4 scales first, of 10 loads ranks in two rounds.
+for numel, dtype, block, k_ratio, with_residual, sums in [(20_011, torch.float32, 512, 0.01, True, (3, 4, 10)),
+                                                           (12_000, torch.bfloat16, 128, 0.2, True, (3, 4, 10)),
+                                                           (30_000, torch.float32, None, 0.01, False, ()),
+                                                           (50_000, None, 1024, 0.01, True, (3,)),
+                                                           # sampled in runs; three and two groups of 2**18
+                                                           (600_001, torch.float32, 8192, 0.001, True, (2,)),
+                                                           (300_001, torch.float32, None, 0.01, False, ())]:
+    source, residual = bucket(numel, dtype, with_residual)
     plan = SelectionPlan.for_ratio(numel, k_ratio)
-    layout = PayloadLayout(numel, plan.capacity, torch.int8 if block else dtype, block)
+    layout = PayloadLayout(numel, plan.capacity, torch.int8 if block else source.dtype, block)
     twin_residual = residual.clone() if with_residual else None
     got, got_hist = run(triton_kernels, source, residual, plan, layout)
     want, want_hist = run(reference, source, twin_residual, plan, layout)
-    row = {"payload": torch.equal(got.payload, want.payload), "workspace": torch.equal(got_hist, want_hist),
+    row = {"payload": torch.equal(got.payload, want.payload),
+           "histograms": all(map(torch.equal, reference.histograms(got_hist), reference.histograms(want_hist))),
            "residual": (not with_residual) or torch.equal(residual, twin_residual), "sent": want.sent()}
     if block:
         dense_got, dense_want = torch.full((numel,), 0.5), torch.full((numel,), 0.5)
         triton_kernels.decompress_accumulate(dense_got, got)
         reference.decompress_accumulate(dense_want, want)
         row["decompress"] = torch.equal(dense_got, dense_want)
-        # Three ranks' payloads (this one, one from the negated bucket, this one again) summed at once.
+        # Payloads of several ranks (this one, one from the negated bucket, this one again, ...) at once.
         other, _ = run(reference, -source, torch.zeros(numel), plan, layout)
-        payloads = torch.stack([want.payload, other.payload, want.payload])
-        sum_got, sum_want = torch.full((numel,), float("nan")), torch.full((numel,), float("nan"))
-        triton_kernels.decompress_sum(sum_got, payloads, layout, 3.0)
-        reference.decompress_sum(sum_want, payloads, layout, 3.0)
-        row["decompress_sum"] = torch.equal(sum_got, sum_want)
+        for ranks in sums:
+            payloads = torch.stack([(want, other)[r % 2].payload for r in range(ranks)])
+            sum_got, sum_want = torch.full((numel,), float("nan")), torch.full((numel,), float("nan"))
+            triton_kernels.decompress_sum(sum_got, payloads, layout, float(ranks))
+            reference.decompress_sum(sum_want, payloads, layout, float(ranks))
+            row[f"decompress_sum_{ranks}"] = torch.equal(sum_got, sum_want)
     results.append(row)
 print(json.dumps(results))
 """
 
+CONCURRENT = PRELUDE + r"""
+# Every program in a thread of its own (its id kept per thread), all started once the grid is
+# laid out, the highest id first.
+_local = threading.local()
+type(interpreter.interpreter_builder).grid_idx = property(lambda self: getattr(_local, "idx", None),
+                                                          lambda self, idx: setattr(_local, "idx", idx))
+_call = interpreter.GridExecutor.__call__
 
-def test_interpreted_kernels_match_the_twins_bit_for_bit():
+def _concurrent_call(self, *args, **kwargs):
+    fn, threads, errors, threading_, builder, local = self.fn, [], [], threading, interpreter.interpreter_builder, _local
+
+    def program(idx, go, arguments):
+        local.idx = idx
+        go.wait()
+        try:
+            fn(**arguments)
+        except BaseException as e:
+            errors.append(e)
+
+    def spawn(**arguments):
+        idx, go = builder.grid_idx, threading_.Event()
+        thread = threading_.Thread(target=program, args=(idx, go, arguments))
+        threads.append((go, thread))
+        thread.start()
+        if idx == tuple(d - 1 for d in builder.grid_dim):
+            for go, _ in reversed(threads):
+                go.set()
+            for _, thread in threads:
+                thread.join()
+            if errors:
+                raise errors[0]
+
+    # With the kernel's globals and signature, so the interpreter patches and binds as it would.
+    self.fn = types.FunctionType(spawn.__code__, fn.__globals__, closure=spawn.__closure__)
+    self.fn.__signature__ = inspect.signature(fn)
+    try:
+        return _call(self, *args, **kwargs)
+    finally:
+        self.fn = fn
+
+interpreter.GridExecutor.__call__ = _concurrent_call
+# A waiting program lets the others run: a volatile load (each spin of a wait) sleeps a little.
+_masked_load = interpreter.InterpreterBuilder.create_masked_load
+def _yielding_load(self, *args):
+    if args[-1]:
+        time.sleep(0.001)
+    return _masked_load(self, *args)
+interpreter.InterpreterBuilder.create_masked_load = _yielding_load
+
+results = []
+for numel, dtype, block, k_ratio, with_residual in [(20_011, torch.float32, 512, 0.01, True),
+                                                     (300_001, torch.float32, 8192, 0.01, True),
+                                                     (20_011, torch.float32, None, 0.01, False)]:
+    source, residual = bucket(numel, dtype, with_residual)
+    plan = SelectionPlan.for_ratio(numel, k_ratio)
+    layout = PayloadLayout(numel, plan.capacity, torch.int8 if block else source.dtype, block)
+    twin_residual = residual.clone() if with_residual else None
+    got, _ = run(triton_kernels, source, residual, plan, layout)
+    want, _ = run(reference, source, twin_residual, plan, layout)
+    results.append({"payload": torch.equal(got.payload, want.payload),
+                    "residual": (not with_residual) or torch.equal(residual, twin_residual), "sent": want.sent()})
+print(json.dumps(results))
+"""
+
+
+def run_child(script: str) -> list[dict]:
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    child = subprocess.run([sys.executable, "-c", CHILD], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    child = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True, timeout=300)
     assert child.returncode == 0, child.stderr[-3000:]
-    results = json.loads(child.stdout.strip().splitlines()[-1])
-    for row in results:
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def test_interpreted_kernels_match_the_twins_bit_for_bit():
+    for row in run_child(IN_ORDER):
+        assert row.pop("sent") > 0
+        assert all(row.values()), row
+
+
+def test_interpreted_kernels_wait_for_what_they_read():
+    for row in run_child(CONCURRENT):
         assert row.pop("sent") > 0
         assert all(row.values()), row
