@@ -86,6 +86,12 @@ def check_compatible(info: CheckpointInfo, config: JobConfig, tokenizer: str, di
     if info.tokenizer != tokenizer:
         raise CheckpointError(f"checkpoint was trained on {info.tokenizer!r} tokens, the dataset has {tokenizer!r}",
                               where=str(directory), fix="resume with the dataset it was trained on")
+    if info.seed != config.train.seed:
+        # The sample order is a function of the seed: another seed would repeat some samples of the
+        # current epoch and skip others.
+        raise CheckpointError(f"checkpoint's data order came from [train] seed = {info.seed}, the config has "
+                              f"{config.train.seed}; resuming would repeat and skip samples", where=str(directory),
+                              fix=f"set [train] seed = {info.seed} to resume, or start a new run (--overwrite or another name)")
     if info.sampler != SAMPLER_NAME:
         raise CheckpointError(f"checkpoint's data order came from sampler {info.sampler!r}, this archipelago uses "
                               f"{SAMPLER_NAME!r}, so it would not continue at the same samples", where=str(directory),

@@ -1,5 +1,6 @@
 """Checkpoint IO in one process: raw aligned DCP files, atomic commit, retention, async save, bad input."""
 
+import dataclasses
 import json
 import pickle
 
@@ -109,6 +110,10 @@ def test_incompatible_checkpoints_are_refused_with_the_reason(tmp_path):
     saved = checkpoint.read_info(tmp_path / "ck")
     with pytest.raises(CheckpointError, match="trained on 'bytes' tokens, the dataset has 'hf-json:abc'"):
         checkpoint.check_compatible(saved, CONFIG, "hf-json:abc", tmp_path / "ck")
+    reseeded = dataclasses.replace(CONFIG, train=dataclasses.replace(CONFIG.train, seed=CONFIG.train.seed + 1))
+    with pytest.raises(CheckpointError, match=f"seed = {CONFIG.train.seed}, the config has {CONFIG.train.seed + 1}"):
+        checkpoint.check_compatible(saved, reseeded, "bytes", tmp_path / "ck")
+    checkpoint.check_compatible(saved, CONFIG, "bytes", tmp_path / "ck")  # the same job resumes
     legacy = checkpoint.CheckpointInfo(**{**json.loads((tmp_path / "ck" / "archipelago.json").read_text()),
                                           "sampler": "numpy-permutation"})
     with pytest.raises(CheckpointError, match="sampler 'numpy-permutation'.*start a new run"):
