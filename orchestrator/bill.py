@@ -109,7 +109,11 @@ class BillMeter:
         later = sum(step_seconds.values())  # step time of the rows after the current one
         bill = []
         for i, row in enumerate(rows):  # in order: a restart's start row changes the rate of the steps after it
-            if row.get("event") == "start":
+            if row.get("event") == "replan" and "rates" in row:
+                # Another set of devices from here on: their price and peak, not the first plan's scaled.
+                self.rates = Rates(**row["rates"])
+                self.world_size = self.rates.world_size
+            elif row.get("event") == "start":
                 self.world_size = row.get("world_size", self.world_size) or self.world_size
                 self.flops_per_token = row.get("flops_per_token", self.flops_per_token)
                 self.precision = row.get("precision", self.precision)

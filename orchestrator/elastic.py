@@ -26,6 +26,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from orchestrator.bill import Rates
 from orchestrator.config import JobConfig
 from orchestrator.errors import ArchipelagoError, ClusterError, ConfigError, PlacementError
 from orchestrator.placement.plan import Plan
@@ -205,7 +206,8 @@ class ElasticState:
             rows.append({"event": "replan", "time": now, "attempt": self.attempt, "world_size": len(reports),
                          "micro_batch_sizes": list(self.plan.replica_micro_batch_sizes()),
                          "grad_accum_steps": self.plan.grad_accum_steps, "replan_s": replan_s,
-                         "nodes": sorted({_node_name(r) for r in reports})})
+                         "nodes": sorted({_node_name(r) for r in reports}),
+                         "rates": dataclasses.asdict(Rates.from_plan(self.plan))})  # the bill's new prices
         if previous:
             self._recovery = {"lost": lost, "world_size": len(reports), "previous_world_size": len(previous),
                               "last_step": self.last_step, "last_step_at": self.last_step_at,

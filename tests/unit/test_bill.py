@@ -1,6 +1,7 @@
 """The live bill: MFU, dollars, device-hours and tokens per dollar against hand-computed cases;
 rewinds; convergence cost (interpolated and projected)."""
 
+import dataclasses
 from dataclasses import replace
 
 import pytest
@@ -143,3 +144,16 @@ def test_a_mig_slice_counts_its_share_of_gpu_hours():
     (_, row) = meter.observe([START, *steps(1, 2)], now=3600.0)
     assert row["device_hours"] == pytest.approx(2 / 7)  # two 1/7 slices for an hour
     assert row["dollars"] == pytest.approx(2 * 2.99 / 7)
+
+
+def test_a_replan_onto_other_devices_bills_their_price_from_then_on():
+    meter = BillMeter(Rates.from_plan(plan()))  # 2 × H100 at $5.98/h together
+    meter.observe([START, *steps(1, 1)], now=3600.0)
+    # The job shrinks onto one A100 ($1.50/h); its rates arrive with the re-plan event, before the start.
+    a100 = Rates.from_plan(plan("A100-SXM4-80GB", dollars_per_hour=1.50, world=1))
+    replan = {"event": "replan", "world_size": 1, "rates": dataclasses.asdict(a100)}
+    (row,) = meter.observe([replan, {**START, "step": 1, "world_size": 1}, *steps(2, 2)], now=7200.0)
+    assert row["dollars"] == pytest.approx(5.98 + 1.50)  # not 5.98 / 2 for "half the H100s"
+    assert row["device_hours"] == pytest.approx(2 + 1)
+    assert row["mfu"] == pytest.approx(FLOPS_PER_TOKEN * 65536 / 312e12, rel=1e-3)  # A100 dense bf16 peak
+    assert row["world_size"] == 1
