@@ -2,6 +2,7 @@
 
     python3 benchmarks/kernels.py                              # fp32 buckets of 25, 100, 400, 1000 MB, k = 1 %
     python3 benchmarks/kernels.py --sizes-mb 25 100 --k-ratio 0.01
+    python3 benchmarks/kernels.py --previous                   # also the kernels before issue #7, row by row
 
 Per bucket size:
   copy        the baseline: dst.copy_(src) of the bucket; its bandwidth counts bytes read + written
@@ -10,6 +11,8 @@ Per bucket size:
   decompress  decompress_accumulate(dense, payload); bytes = payload entries and scales read + 8 per
               entry (its dense fp32 element read and written). At k = 1 % entries are ~100 elements
               apart, so each costs DRAM a 32-byte sector both ways: "sector GB/s" counts that
+  dense       decompress_sum of one payload: the bucket written whole (zeros and values); bytes = valid
+              payload bytes read + the fp32 bucket written once
   sum         decompress_sum of 8 payloads (an all-gather over 8 ranks) into the bucket, against the
               row-by-row path (zero an fp32 sum, decompress_accumulate each row, divide, copy); bytes =
               valid payload bytes read + the fp32 bucket written once
@@ -21,30 +24,55 @@ Bandwidth timing captures one call per buffer set in a CUDA graph (sets rotate s
 bucket from the last call; the graph removes Python's launch cost), warms up, and reports the
 median of many replays; the copy baseline takes the faster of that and back-to-back eager calls.
 "eager us" is compress called back to back without a graph, Python launch cost included.
+--previous runs every measurement of a size for the frozen copy in kernels/previous too, right
+after the current kernels', and prints both rows.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import math
 import statistics
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-from kernels import compress, decompress_accumulate, decompress_sum, topk_by_magnitude, triton_kernels  # noqa: E402
-from kernels.payload import PayloadLayout, allocate  # noqa: E402
-from kernels.plan import SelectionPlan  # noqa: E402
 
 RANKS = 8
 """Payloads summed by decompress_sum per call, as after an all-gather over 8 ranks."""
 ROTATE_BYTES = 1 << 30
 """Buffers cycled through per size, so each call finds its inputs in DRAM, not the 60 MB L2."""
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """One implementation of the kernels package: its public functions and the internals that
+    time top-k's device work alone."""
+    name: str
+    package: ModuleType
+    plan: ModuleType
+    payload: ModuleType
+    triton_kernels: ModuleType
+
+    @classmethod
+    def load(cls, name: str, package: str) -> Kernels:
+        modules = [importlib.import_module(f"{package}.{m}") for m in ("plan", "payload", "triton_kernels")]
+        return cls(name, importlib.import_module(package), *modules)
+
+    def topk_without_waiting(self, x: torch.Tensor, k: int) -> None:
+        """topk_by_magnitude's device work, without its final wait for the count (which no graph holds)."""
+        plan = self.plan.SelectionPlan.for_k(x.numel(), k)
+        out, workspace = self.payload.allocate(self.payload.PayloadLayout(x.numel(), plan.capacity, x.dtype, None),
+                                               plan, x.device)
+        self.triton_kernels.select(x, None, plan, out, workspace)
 
 
 def graph_seconds(calls: list[Callable[[], object]], replays: int = 30) -> float:
@@ -89,107 +117,150 @@ def back_to_back_seconds(calls: list[Callable[[], object]], rounds: int = 10) ->
     return _timed(lambda: [call() for _ in range(rounds) for call in calls]) / (rounds * len(calls))
 
 
-def bench_size(size_mb: float, k_ratio: float) -> dict:
-    numel = int(size_mb * 1e6) // 4
-    sets = max(2, math.ceil(ROTATE_BYTES / (numel * 4)))
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    buckets = [torch.randn(numel, device="cuda", generator=gen) for _ in range(sets)]
-    residuals = [torch.randn(numel, device="cuda", generator=gen) * 1e-3 for _ in range(sets)]
-    copies = [torch.empty_like(b) for b in buckets]
+@dataclass
+class Buffers:
+    """Random-normal fp32 buckets and 1e-3-scale residuals, enough sets to rotate through 1 GiB."""
+    numel: int
+    buckets: list[torch.Tensor]
+    residuals: list[torch.Tensor]
+    copies: list[torch.Tensor]
 
+    @classmethod
+    def make(cls, size_mb: float) -> Buffers:
+        numel = int(size_mb * 1e6) // 4
+        sets = max(2, math.ceil(ROTATE_BYTES / (numel * 4)))
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        buckets = [torch.randn(numel, device="cuda", generator=gen) for _ in range(sets)]
+        residuals = [torch.randn(numel, device="cuda", generator=gen) * 1e-3 for _ in range(sets)]
+        return cls(numel, buckets, residuals, [torch.empty_like(b) for b in buckets])
+
+
+def copy_gbs(buffers: Buffers) -> float:
     # The baseline is the faster of two ways to time the copy, so it is never flattered.
-    copy_calls = [lambda d=d, s=s: d.copy_(s) for d, s in zip(copies, buckets)]
+    copy_calls = [lambda d=d, s=s: d.copy_(s) for d, s in zip(buffers.copies, buffers.buckets)]
     copy_s = min(graph_seconds(copy_calls), back_to_back_seconds(copy_calls))
-    copy_gbs = 2 * numel * 4 / copy_s / 1e9
+    return 2 * buffers.numel * 4 / copy_s / 1e9
 
-    compress_calls = [lambda i=i: compress(buckets[i], residuals[i], k_ratio, check_finite=False) for i in range(sets)]
+
+def bench_kernels(kernels: Kernels, buffers: Buffers, k_ratio: float) -> dict:
+    numel, buckets, residuals, copies = buffers.numel, buffers.buckets, buffers.residuals, buffers.copies
+    sets, kp = len(buckets), kernels.package
+    saved = [r.clone() for r in residuals]  # compress updates residuals: each implementation starts from the same
+
+    compress_calls = [lambda i=i: kp.compress(buckets[i], residuals[i], k_ratio, check_finite=False)
+                      for i in range(sets)]
     compress_s = graph_seconds(compress_calls)
     eager_s = back_to_back_seconds(compress_calls)
-    payloads = [compress(buckets[i], residuals[i], k_ratio) for i in range(sets)]
+    for r, s in zip(residuals, saved):
+        r.copy_(s)
+    payloads = [kp.compress(buckets[i], residuals[i], k_ratio) for i in range(sets)]
     compress_gbs = (3 * numel * 4 + payloads[0].payload.numel()) / compress_s / 1e9
 
     sent = payloads[0].sent()
-    decompress_s = graph_seconds([lambda d=d, p=p: decompress_accumulate(d, p) for d, p in zip(copies, payloads)])
+    decompress_s = graph_seconds([lambda d=d, p=p: kp.decompress_accumulate(d, p) for d, p in zip(copies, payloads)])
     payload_read = sent * 5 + 4 * payloads[0].layout.num_blocks
     decompress_gbs = (payload_read + 8 * sent) / decompress_s / 1e9
     sector_gbs = (payload_read + 64 * sent) / decompress_s / 1e9
 
-    # An all-gather's worth of payloads (different buckets) averaged into the bucket: decompress_sum
-    # in one pass against what the hook did before (zero an fp32 sum, add each row, divide, copy).
-    rows = torch.stack([compress(buckets[i % sets], residuals[i % sets], k_ratio).payload for i in range(RANKS)])
+    # One payload written into the whole bucket (decompress into dense), then an all-gather's worth
+    # (different buckets) averaged into it: decompress_sum in one pass against what the hook did
+    # before (zero an fp32 sum, add each row, divide, copy).
     like = payloads[0]
-    valid_bytes = sum(like.with_payload(row).sent() * 5 + 4 * like.layout.num_blocks + 16 for row in rows)
-    sum_s = graph_seconds([lambda d=d: decompress_sum(d, rows, like, RANKS) for d in copies])
+    dense_s = graph_seconds([lambda d=d, p=p: kp.decompress_sum(d, p.payload.view(1, -1), p)
+                             for d, p in zip(copies, payloads)])
+    dense_gbs = (_valid_bytes(like) + 4 * numel) / dense_s / 1e9
+    rows = torch.stack([payloads[i % sets].payload for i in range(RANKS)])
+    valid_bytes = sum(_valid_bytes(like.with_payload(row)) for row in rows)
+    sum_s = graph_seconds([lambda d=d: kp.decompress_sum(d, rows, like, RANKS) for d in copies])
     total = torch.empty_like(copies[0])
-    rowwise_s = graph_seconds([lambda d=d: _sum_row_by_row(d, total, rows, like) for d in copies])
+    rowwise_s = graph_seconds([lambda d=d: _sum_row_by_row(kp, d, total, rows, like) for d in copies])
     check = torch.empty_like(copies[0])
-    _sum_row_by_row(check, total, rows, like)
-    decompress_sum(copies[0], rows, like, RANKS)
-    sum_matches = bool(torch.equal(check, copies[0]))  # bit for bit, including the correctly rounded division
+    _sum_row_by_row(kp, check, total, rows, like)
+    kp.decompress_sum(copies[0], rows, like, RANKS)
+    sum_matches = bool(torch.equal(check, copies[0]))  # bit for bit, including the division
     sum_gbs = (valid_bytes + 4 * numel) / sum_s / 1e9
-    del rows, total, check
+    del rows, total, check, payloads
+    for r, s in zip(residuals, saved):
+        r.copy_(s)
 
     k = max(1, round(k_ratio * numel))
     magnitudes = [b.abs() for b in buckets]  # outside the baseline's timing: torch.topk alone, its best case
-    topk_device_s = graph_seconds([lambda b=b: _topk_without_waiting(b, k) for b in buckets])
+    topk_device_s = graph_seconds([lambda b=b: kernels.topk_without_waiting(b, k) for b in buckets])
     torch_device_s = graph_seconds([lambda m=m: torch.topk(m, k, sorted=False) for m in magnitudes])
     x, repeats = buckets[0], 5 if numel > 50_000_000 else 15
-    topk_eager_s = eager_seconds(lambda: topk_by_magnitude(x, k), repeats)
+    topk_eager_s = eager_seconds(lambda: kp.topk_by_magnitude(x, k), repeats)
     torch_eager_s = eager_seconds(lambda: torch.topk(magnitudes[0], k, sorted=False), repeats)
-    index, _ = topk_by_magnitude(x, k)
+    index, _ = kp.topk_by_magnitude(x, k)
     exact = torch.topk(magnitudes[0], len(index), sorted=False).indices
     exact_match = torch.equal(index.long().sort().values, exact.sort().values)
-    del buckets, residuals, copies, payloads, magnitudes, x, exact
+    del magnitudes, exact, saved
     torch.cuda.empty_cache()
-    return dict(size_mb=size_mb, numel=numel, sets=sets, copy_gbs=copy_gbs, compress_gbs=compress_gbs,
-                compress_us=compress_s * 1e6, eager_us=eager_s * 1e6, decompress_gbs=decompress_gbs,
-                sector_gbs=sector_gbs, decompress_us=decompress_s * 1e6, sent_over_k=sent / k,
-                sum_gbs=sum_gbs, sum_us=sum_s * 1e6, rowwise_us=rowwise_s * 1e6, sum_matches=sum_matches,
+    return dict(kernels=kernels.name, compress_gbs=compress_gbs, compress_us=compress_s * 1e6, eager_us=eager_s * 1e6,
+                decompress_gbs=decompress_gbs, sector_gbs=sector_gbs, decompress_us=decompress_s * 1e6,
+                sent_over_k=sent / k, dense_gbs=dense_gbs, dense_us=dense_s * 1e6, sum_gbs=sum_gbs,
+                sum_us=sum_s * 1e6, rowwise_us=rowwise_s * 1e6, sum_matches=sum_matches,
                 topk_device_ms=topk_device_s * 1e3, torch_device_ms=torch_device_s * 1e3,
                 topk_eager_ms=topk_eager_s * 1e3, torch_eager_ms=torch_eager_s * 1e3, kept_over_k=len(index) / k,
                 exact=exact_match)
 
 
-def _sum_row_by_row(out: torch.Tensor, total: torch.Tensor, rows: torch.Tensor, like) -> None:
+def _valid_bytes(c) -> int:
+    """Payload bytes a receiver reads: header, the entries sent, and the arrays after the entries."""
+    return 16 + 5 * c.sent() + c.layout.nbytes - c.layout.scales_offset
+
+
+def _sum_row_by_row(kp: ModuleType, out: torch.Tensor, total: torch.Tensor, rows: torch.Tensor, like) -> None:
     total.zero_()
     for row in rows:
-        decompress_accumulate(total, like.with_payload(row))
+        kp.decompress_accumulate(total, like.with_payload(row))
     out.copy_(total.div_(len(rows)))  # as the hook did; for 8 ranks exactly the correctly rounded quotient
-
-
-def _topk_without_waiting(x: torch.Tensor, k: int) -> None:
-    """topk_by_magnitude's device work, without its final wait for the count (which no graph holds)."""
-    plan = SelectionPlan.for_k(x.numel(), k)
-    out, workspace = allocate(PayloadLayout(x.numel(), plan.capacity, x.dtype, None), plan, x.device)
-    triton_kernels.select(x, None, plan, out, workspace)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[25, 100, 400, 1000])
     parser.add_argument("--k-ratio", type=float, default=0.01)
+    parser.add_argument("--previous", action="store_true",
+                        help="also time the kernels before issue #7 (kernels/previous) on the same buffers")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/kernels.py needs a CUDA GPU")
+    implementations = [Kernels.load("current", "kernels")]
+    if args.previous:
+        implementations.append(Kernels.load("previous", "kernels.previous"))
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
           f"{datetime.date.today()} | k_ratio {args.k_ratio}", flush=True)
     rows = []
     for size in args.sizes_mb:
-        rows.append(bench_size(size, args.k_ratio))
-        print(rows[-1], flush=True)
-    print("\n| bucket | copy GB/s | compress GB/s (of copy) | compress us: graph / eager | "
+        buffers = Buffers.make(size)
+        copy = copy_gbs(buffers)
+        for kernels in implementations:
+            rows.append(dict(size_mb=size, numel=buffers.numel, sets=len(buffers.buckets), copy_gbs=copy,
+                             **bench_kernels(kernels, buffers, args.k_ratio)))
+            print(rows[-1], flush=True)
+        del buffers
+        torch.cuda.empty_cache()
+    print_table(rows)
+
+
+def print_table(rows: list[dict]) -> None:
+    print("\n| bucket | kernels | copy GB/s | compress GB/s (of copy) | compress us: graph / eager | "
           "decompress GB/s (of copy) | decompress sector GB/s (of copy) | sent/k | "
-          "topk ms, graph: ours / torch.topk (speed-up) | topk ms, eager: ours / torch.topk (speed-up) | kept/k | exact | "
+          "dense GB/s (of copy) | dense us | "
+          "topk ms, graph: ours / torch.topk (speed-up) | topk ms, eager: ours / torch.topk (speed-up) | "
+          "kept/k | exact | "
           f"sum of {RANKS} GB/s (of copy) | sum of {RANKS} us: decompress_sum / row by row | same bits |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- " * 17 + "|")
     for r in rows:
         copy = r["copy_gbs"]
-        print(f"| {r['size_mb']:g} MB | {copy:.0f} | {r['compress_gbs']:.0f} ({r['compress_gbs'] / copy:.0%}) | "
-              f"{r['compress_us']:.1f} / {r['eager_us']:.1f} | {r['decompress_gbs']:.0f} "
-              f"({r['decompress_gbs'] / copy:.0%}) | {r['sector_gbs']:.0f} ({r['sector_gbs'] / copy:.0%}) | "
-              f"{r['sent_over_k']:.3f} | {r['topk_device_ms']:.3f} / {r['torch_device_ms']:.3f} "
-              f"({r['torch_device_ms'] / r['topk_device_ms']:.1f}x) | {r['topk_eager_ms']:.3f} / "
-              f"{r['torch_eager_ms']:.3f} ({r['torch_eager_ms'] / r['topk_eager_ms']:.1f}x) | "
+        print(f"| {r['size_mb']:g} MB | {r['kernels']} | {copy:.0f} | {r['compress_gbs']:.0f} "
+              f"({r['compress_gbs'] / copy:.0%}) | {r['compress_us']:.1f} / {r['eager_us']:.1f} | "
+              f"{r['decompress_gbs']:.0f} ({r['decompress_gbs'] / copy:.0%}) | {r['sector_gbs']:.0f} "
+              f"({r['sector_gbs'] / copy:.0%}) | {r['sent_over_k']:.3f} | {r['dense_gbs']:.0f} "
+              f"({r['dense_gbs'] / copy:.0%}) | {r['dense_us']:.1f} | {r['topk_device_ms']:.3f} / "
+              f"{r['torch_device_ms']:.3f} ({r['torch_device_ms'] / r['topk_device_ms']:.1f}x) | "
+              f"{r['topk_eager_ms']:.3f} / {r['torch_eager_ms']:.3f} "
+              f"({r['torch_eager_ms'] / r['topk_eager_ms']:.1f}x) | "
               f"{r['kept_over_k']:.3f} | {r['exact']} | {r['sum_gbs']:.0f} ({r['sum_gbs'] / copy:.0%}) | "
               f"{r['sum_us']:.1f} / {r['rowwise_us']:.1f} | {r['sum_matches']} |")
 

@@ -96,11 +96,12 @@ SUM_WARPS = 8
 
 @triton.jit
 def _wait_until(counter_ptr, target):
-    """Spin until the counter reaches target; acquire, so what was written before it is seen."""
-    seen = tl.load(counter_ptr, volatile=True)
+    """Spin until the counter reaches target, then every thread of the program may read what was
+    written before it was advanced. An atomic add of 0 whose result is used compiles to an
+    acquire load (ld.acquire.gpu), not a read-modify-write; unused, it would be dropped."""
+    seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
     while seen < target:
-        seen = tl.load(counter_ptr, volatile=True)
-    tl.atomic_add(counter_ptr, 0, sem="acquire")
+        seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
     tl.debug_barrier()
 
 
@@ -241,17 +242,18 @@ def _entries_before(workspace_ptr, scratch_ptr, first_tile, tiles, TILE: tl.cons
     TILES_PER_GROUP: tl.constexpr = _GROUP_ELEMENTS // TILE
     group = first_tile // TILES_PER_GROUP
     words_ptr = (workspace_ptr + _GROUP_WORDS).to(tl.pointer_type(tl.int64))
+    # Its own group's tiles wrote what this program reads: wait for all of them with acquire.
+    _wait_until(words_ptr + group, tl.minimum(tiles - group * TILES_PER_GROUP, TILES_PER_GROUP).to(tl.int64) << 32)
+    # Of the groups before, only the words themselves are read.
     total = 0
-    for first in range(0, group + 1, _WORDS):
+    for first in range(0, group, _WORDS):
         g = first + tl.arange(0, _WORDS)
-        live = g <= group
+        live = g < group
         expected = tl.minimum(tiles - g * TILES_PER_GROUP, TILES_PER_GROUP)
         words = tl.load(words_ptr + g, mask=live, other=0, volatile=True)
         while tl.sum((live & ((words >> 32) != expected)).to(tl.int32), 0) > 0:
             words = tl.load(words_ptr + g, mask=live, other=0, volatile=True)
-        total += tl.sum(tl.where(g < group, words.to(tl.int32), 0), 0)
-    tl.atomic_add(words_ptr + group, 0, sem="acquire")
-    tl.debug_barrier()
+        total += tl.sum(tl.where(live, words.to(tl.int32), 0), 0)
     # Then the tiles of its own group before first_tile.
     for first in range(group * TILES_PER_GROUP, first_tile, _WORDS):
         row = first + tl.arange(0, _WORDS)

@@ -98,7 +98,8 @@ type(interpreter.interpreter_builder).grid_idx = property(lambda self: getattr(_
 _call = interpreter.GridExecutor.__call__
 
 def _concurrent_call(self, *args, **kwargs):
-    fn, threads, errors, threading_, builder, local = self.fn, [], [], threading, interpreter.interpreter_builder, _local
+    fn, threads, errors = self.fn, [], []
+    threading_, builder, local = threading, interpreter.interpreter_builder, _local  # closed over, not globals
 
     def program(idx, go, arguments):
         local.idx = idx
@@ -130,13 +131,17 @@ def _concurrent_call(self, *args, **kwargs):
         self.fn = fn
 
 interpreter.GridExecutor.__call__ = _concurrent_call
-# A waiting program lets the others run: a volatile load (each spin of a wait) sleeps a little.
-_masked_load = interpreter.InterpreterBuilder.create_masked_load
+# A waiting program lets the others run: volatile loads and atomics (what a wait spins on) sleep a little.
+_masked_load, _atomic = interpreter.InterpreterBuilder.create_masked_load, interpreter.InterpreterBuilder.create_atomic_rmw
 def _yielding_load(self, *args):
     if args[-1]:
         time.sleep(0.001)
     return _masked_load(self, *args)
+def _yielding_atomic(self, *args):
+    time.sleep(0.001)
+    return _atomic(self, *args)
 interpreter.InterpreterBuilder.create_masked_load = _yielding_load
+interpreter.InterpreterBuilder.create_atomic_rmw = _yielding_atomic
 
 results = []
 for numel, dtype, block, k_ratio, with_residual in [(20_011, torch.float32, 512, 0.01, True),
@@ -156,7 +161,8 @@ print(json.dumps(results))
 
 def run_child(script: str) -> list[dict]:
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     child = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True, timeout=300)
     assert child.returncode == 0, child.stderr[-3000:]
     return json.loads(child.stdout.strip().splitlines()[-1])
