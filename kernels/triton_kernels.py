@@ -63,6 +63,9 @@ _FINE_COUNTED = tl.constexpr(WORKSPACE_COUNTERS + 32)
 """Counter: fine-bin-counting programs done; the one that makes it complete computes the threshold."""
 _THRESHOLD = tl.constexpr(WORKSPACE_COUNTERS + 64)
 """The threshold's bits + 1 once known (0 before): one word, so a reader needs nothing else."""
+_FINE_PIECES = tl.constexpr(WORKSPACE_COUNTERS + 96)
+"""The fine counts summed 16 bins at a time (256 pieces), so the threshold needs two loads, not 17."""
+_PIECES = tl.constexpr(256)
 _GROUP_WORDS = tl.constexpr(WORKSPACE_GROUP_WORDS)
 _GROUP_ELEMENTS = tl.constexpr(GROUP_ELEMENTS)
 _SAMPLE_CHUNK = tl.constexpr(SAMPLE_CHUNK)
@@ -130,20 +133,15 @@ def _exponent_from_top(workspace_ptr, need):
 
 @triton.jit
 def _threshold_bits(workspace_ptr, need):
-    # The twin's threshold_bits. The 4096 fine bins are read 256 at a time, so this phase needs
-    # no more registers than the others.
+    # The twin's threshold_bits: the binade, then the piece of 16 fine bins, then the bin.
     exponent, need, _ = _exponent_from_top(workspace_ptr, need)
-    pieces = tl.arange(0, _FINE_BINS // _EXPONENT_BINS)
-    totals = tl.zeros([_FINE_BINS // _EXPONENT_BINS], dtype=tl.int32)
-    for piece in range(_FINE_BINS // _EXPONENT_BINS):
-        counts = tl.load(workspace_ptr + _FINE_COUNTS + piece * _EXPONENT_BINS + tl.arange(0, _EXPONENT_BINS),
-                         cache_modifier=".cg")
-        totals = tl.where(pieces == piece, tl.sum(counts, 0), totals)
-    piece, need, _ = _bin_from_top(totals, need)
+    piece, need, _ = _bin_from_top(tl.load(workspace_ptr + _FINE_PIECES + tl.arange(0, _PIECES), cache_modifier=".cg"),
+                                   need)
     piece = tl.maximum(piece, 0)
-    fine, _, _ = _bin_from_top(tl.load(workspace_ptr + _FINE_COUNTS + piece * _EXPONENT_BINS
-                                       + tl.arange(0, _EXPONENT_BINS), cache_modifier=".cg"), need)
-    bits = (exponent << _EXPONENT_SHIFT) | ((piece * _EXPONENT_BINS + fine) << _FINE_SHIFT)
+    width: tl.constexpr = _FINE_BINS // _PIECES
+    fine, _, _ = _bin_from_top(tl.load(workspace_ptr + _FINE_COUNTS + piece * width + tl.arange(0, width),
+                                       cache_modifier=".cg"), need)
+    bits = (exponent << _EXPONENT_SHIFT) | ((piece * width + fine) << _FINE_SHIFT)
     return tl.where(exponent >= 0, bits, 0)
 
 
@@ -186,6 +184,7 @@ def _count_fine_bins(source_ptr, residual_ptr, workspace_ptr, header_ptr, progra
     # per-program histogram that wide would need far more registers than the other phases.
     fine = (bits >> _FINE_SHIFT) & (_FINE_BINS - 1)
     tl.atomic_add(workspace_ptr + _FINE_COUNTS + fine, 1, mask=here, sem="relaxed")
+    tl.atomic_add(workspace_ptr + _FINE_PIECES + fine // (_FINE_BINS // _PIECES), 1, mask=here, sem="relaxed")
     if _signal(workspace_ptr + _FINE_COUNTED) == sample_programs - 1:
         threshold = _threshold_bits(workspace_ptr, sample_need)
         tl.store(header_ptr + 2, threshold)
