@@ -297,7 +297,9 @@ def _place_tiles(source_ptr, residual_ptr, workspace_ptr, header_ptr, scales_ptr
         tl.store(header_ptr, tl.sum(tl.where(row == tiles - 1, first + count, 0), 0))
 
 
-@triton.jit
+# Counts that vary from bucket to bucket are not specialised on (Triton would compile a variant for
+# each pattern of which are multiples of 16), so a hook's buckets share a few compiled kernels.
+@triton.jit(do_not_specialize=["capacity", "tiles", "sample_chunks", "chunk_slots", "sample_need", "sample_programs"])
 def _select_kernel(source_ptr, residual_ptr, workspace_ptr, header_ptr, scales_ptr, starts_ptr, indices_ptr,
                    values_ptr, scratch_ptr, numel, capacity, tiles, sample_chunks, chunk_slots, sample_need,
                    sample_programs, COMPRESS: tl.constexpr, TILE: tl.constexpr, ROWS: tl.constexpr,
@@ -386,7 +388,7 @@ def _add_entries(payloads_ptr, row_bytes, out_ptr, rank, first, last, low, high,
         tl.store(out_ptr + index, current + value, mask=live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ranks", "segments", "capacity"])
 def _decompress_sum_kernel(payloads_ptr, row_bytes, out_ptr, numel, ranks, segments, capacity, divisor, inverse,
                            INDICES_OFFSET: tl.constexpr, VALUES_OFFSET: tl.constexpr, SCALES_OFFSET: tl.constexpr,
                            STARTS_OFFSET: tl.constexpr, BLOCK: tl.constexpr, SCALE_FIRST: tl.constexpr,
