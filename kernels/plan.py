@@ -116,8 +116,8 @@ its programs place their entries in the payload."""
 
 WORKSPACE_FINE_COUNTS = EXPONENT_BINS
 WORKSPACE_COUNTERS = WORKSPACE_FINE_COUNTS + FINE_BINS
-WORKSPACE_GROUP_WORDS = WORKSPACE_COUNTERS + 3 * 32 + 256
+WORKSPACE_GROUP_WORDS = WORKSPACE_COUNTERS + 34 * 32 + 256
 """Selection workspace, int32, zeroed before each selection: counts per exponent, counts per fine
 bin inside the exponent that holds the threshold (both filled by either backend), then for the
-Triton kernel three counters its phases signal through (a 128-byte line each) and the fine
-counts summed 16 bins at a time, then one int64 per group of GROUP_ELEMENTS."""
+Triton kernel two counters its phases signal through and 32 copies of the threshold (a 128-byte
+line each), the fine counts summed 16 bins at a time, and one int64 per group of GROUP_ELEMENTS."""

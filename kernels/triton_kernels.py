@@ -70,8 +70,12 @@ _SAMPLED = tl.constexpr(WORKSPACE_COUNTERS)
 _FINE_COUNTED = tl.constexpr(WORKSPACE_COUNTERS + 32)
 """Counter: fine-bin-counting programs done; the one that makes it complete computes the threshold."""
 _THRESHOLD = tl.constexpr(WORKSPACE_COUNTERS + 64)
-"""The threshold's bits + 1 once known (0 before): one word, so a reader needs nothing else."""
-_FINE_PIECES = tl.constexpr(WORKSPACE_COUNTERS + 96)
+"""The threshold's bits + 1 once known (0 before): one word, so a reader needs nothing else. Written
+to _COPIES words a 128-byte line apart, each polled by every _COPIES-th quantise program: the
+first wave (~1000 programs) spinning on one word would queue at one L2 slice, ahead of the
+threshold's own traffic there."""
+_COPIES = tl.constexpr(32)
+_FINE_PIECES = tl.constexpr(WORKSPACE_COUNTERS + 64 + 32 * 32)
 """The fine counts summed 16 bins at a time (256 pieces), so the threshold needs two loads, not 17."""
 _PIECES = tl.constexpr(256)
 _GROUP_WORDS = tl.constexpr(WORKSPACE_GROUP_WORDS)
@@ -196,7 +200,7 @@ def _count_fine_bins(source_ptr, residual_ptr, workspace_ptr, header_ptr, progra
     if _signal(workspace_ptr + _FINE_COUNTED) == sample_programs - 1:
         threshold = _threshold_bits(workspace_ptr, sample_need)
         tl.store(header_ptr + 2, threshold)
-        tl.atomic_xchg(workspace_ptr + _THRESHOLD, threshold + 1, sem="release")
+        tl.store(workspace_ptr + _THRESHOLD + 32 * tl.arange(0, _COPIES), threshold + 1 + tl.zeros([_COPIES], tl.int32))
 
 
 @triton.jit
@@ -207,9 +211,10 @@ def _quantise_tile(source_ptr, residual_ptr, workspace_ptr, header_ptr, scales_p
     acc = tl.load(source_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
     if COMPRESS:
         acc += tl.load(residual_ptr + offsets, mask=inside, other=0.0)
-    published = tl.load(workspace_ptr + _THRESHOLD, volatile=True)
+    copy = workspace_ptr + _THRESHOLD + 32 * (tile % _COPIES)
+    published = tl.load(copy, volatile=True)
     while published == 0:
-        published = tl.load(workspace_ptr + _THRESHOLD, volatile=True)
+        published = tl.load(copy, volatile=True)
     threshold = (published - 1).to(tl.float32, bitcast=True)
     exponent = (acc.to(tl.int32, bitcast=True) >> _EXPONENT_SHIFT) & 0xFF
     nonfinite = tl.sum((exponent == _NONFINITE_EXPONENT).to(tl.int32), 0)
