@@ -9,7 +9,8 @@ into four phases by program id, each waiting only for phases before it:
   count exponents  gather the sample (runs of 16 contiguous elements of bucket and residual) and
                    histogram the magnitudes' exponents
   count fine bins  histogram the next 12 bits of the sampled magnitudes inside the exponent that
-                   holds the threshold; the last to finish turns the histograms into the threshold
+                   holds the threshold (twice as many programs, half the runs each); the last to
+                   finish turns the histograms into the threshold
   quantise         the one pass over the bucket, a tile per program: reads bucket and residual,
                    writes residual (12 bytes per fp32 element), compacts the tile's entries (index
                    in the tile, code) into the tile's own slots of a scratch array, and adds its
@@ -33,10 +34,10 @@ The quantise pass holds few registers per element, so many programs fit on each
 multiprocessor and enough loads are in flight to stream: an earlier design that placed entries
 in the payload from the quantising programs held ~16 registers per element and stalled at ~35 %
 of copy bandwidth (measured), and one slot-claiming atomic per tile on a single counter
-serialised another. Every other phase keeps to no more registers than the quantise pass (93
-at block 1024, compiled for sm_90 with triton 3.6), so the fusion costs no occupancy. The
-scratch array costs memory (4 bytes per element, allocated per call) but almost no traffic:
-only the ~k entries are written.
+serialised another. Every other phase keeps to no more registers than the quantise pass (80
+at block 1024 compiled for sm_90 by triton 3.6, as the separate quantise kernel before), so the
+fusion costs no occupancy. The scratch array costs memory (4 bytes per element, allocated per
+call) but almost no traffic: only the ~k entries are written.
 
 decompress_accumulate() adds each entry into its dense element: one read-modify-write of a
 32-byte sector per entry, since at k = 1 % entries are about 100 elements apart.
@@ -188,7 +189,11 @@ def _count_exponents(source_ptr, residual_ptr, workspace_ptr, program, numel, sa
 def _count_fine_bins(source_ptr, residual_ptr, workspace_ptr, header_ptr, program, numel, sample_chunks, chunk_slots,
                      sample_need, sample_programs, HAS_RESIDUAL: tl.constexpr, CHUNKS: tl.constexpr):
     # The same runs again (from L2 now), loaded before the wait for every exponent to be counted.
-    bits = _sample_bits(source_ptr, residual_ptr, program, numel, sample_chunks, chunk_slots, HAS_RESIDUAL, CHUNKS)
+    # Twice as many programs as count exponents, each with half the runs: two atomics per sample
+    # hold a 64-bit address per element each, and at full size this phase would need more
+    # registers than the quantise pass.
+    bits = _sample_bits(source_ptr, residual_ptr, program, numel, sample_chunks, chunk_slots, HAS_RESIDUAL,
+                        CHUNKS // 2)
     _wait_until(workspace_ptr + _SAMPLED, sample_programs)
     exponent, _, _ = _exponent_from_top(workspace_ptr, sample_need)
     here = (bits >> _EXPONENT_SHIFT) == exponent  # never the infinite exponent: it is counted in no bin
@@ -197,7 +202,7 @@ def _count_fine_bins(source_ptr, residual_ptr, workspace_ptr, header_ptr, progra
     fine = (bits >> _FINE_SHIFT) & (_FINE_BINS - 1)
     tl.atomic_add(workspace_ptr + _FINE_COUNTS + fine, 1, mask=here, sem="relaxed")
     tl.atomic_add(workspace_ptr + _FINE_PIECES + fine // (_FINE_BINS // _PIECES), 1, mask=here, sem="relaxed")
-    if _signal(workspace_ptr + _FINE_COUNTED) == sample_programs - 1:
+    if _signal(workspace_ptr + _FINE_COUNTED) == 2 * sample_programs - 1:
         threshold = _threshold_bits(workspace_ptr, sample_need)
         tl.store(header_ptr + 2, threshold)
         tl.store(workspace_ptr + _THRESHOLD + 32 * tl.arange(0, _COPIES), threshold + 1 + tl.zeros([_COPIES], tl.int32))
@@ -317,9 +322,10 @@ def _select_kernel(source_ptr, residual_ptr, workspace_ptr, header_ptr, scales_p
                    values_ptr, scratch_ptr, numel, capacity, tiles, sample_chunks, chunk_slots, sample_need,
                    sample_programs, COMPRESS: tl.constexpr, TILE: tl.constexpr, ROWS: tl.constexpr,
                    WIDTH: tl.constexpr):
-    # Phases by program id: [exponents | fine bins | quantise, a tile each | place, ROWS tiles each].
+    # Phases by program id: [exponents | fine bins, twice as many | quantise, a tile each | place,
+    # ROWS tiles each].
     program = tl.program_id(0)
-    quantise_first = 2 * sample_programs
+    quantise_first = 3 * sample_programs
     place_first = quantise_first + tiles
     chunks: tl.constexpr = TILE // _SAMPLE_CHUNK  # sample runs per program: a tile's worth of elements
     if program < sample_programs:
@@ -351,7 +357,7 @@ def select(source: torch.Tensor, residual: torch.Tensor | None, plan: SelectionP
     with _on_device(source):
         # No fused multiply-add: acc - code * scale must round code * scale first, exactly as
         # the receiver's dequantisation does, or the residual would not be exact.
-        _select_kernel[(2 * sample_programs + tiles + triton.cdiv(tiles, PLACE_ROWS),)](
+        _select_kernel[(3 * sample_programs + tiles + triton.cdiv(tiles, PLACE_ROWS),)](
             source, residual_or_source, workspace, out.header, scales, starts, out.indices, out.values, scratch,
             plan.numel, out.capacity, tiles, plan.sample_chunks, plan.chunk_slots, plan.sample_need,
             sample_programs, COMPRESS=compress, TILE=tile, ROWS=PLACE_ROWS, WIDTH=PLACE_WIDTH,
