@@ -46,7 +46,7 @@ def _estimate_threshold(source: torch.Tensor, residual: torch.Tensor | None, pla
     sample = source[positions].float()
     if residual is not None:
         sample = sample + residual[positions]
-    bits = magnitude_bits(sample)
+    bits = magnitude_bits(sample).long()
     exponent = bits >> EXPONENT_SHIFT
     exponents += torch.bincount(exponent[exponent < NONFINITE_EXPONENT], minlength=EXPONENT_BINS).to(torch.int32)
     top, _, _ = _bin_from_top(exponents.tolist(), plan.sample_need)
