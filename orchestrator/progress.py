@@ -93,7 +93,8 @@ class ProgressDisplay:
     def _event(self, row: dict) -> None:
         if row["event"] == "start":
             where = f"from step {row['step']}" if row["step"] else "from scratch"
-            self.console.print(f"training {where} on {row['world_size']} workers ({row['device']}), "
+            device = row.get("device_model") or row["device"]  # every GPU worker's device is "cuda:0"
+            self.console.print(f"training {where} on {row['world_size']} workers ({device}), "
                                f"{row['params'] / 1e6:.2f}M parameters")
         elif row["event"] == "checkpoint":
             self.console.print(f"step {row['step']}: checkpoint committed")

@@ -126,7 +126,7 @@ class RunReport:
         bill_config = _bill_config(fields["config"])
         return cls(
             world_size=start.get("world_size", 0),
-            device=start.get("device", ""),
+            device=start.get("device_model") or start.get("device", ""),  # "cuda:0" names no GPU
             num_params=start.get("params", 0),
             start_step=start_step,
             final_step=steps[-1]["step"] if steps else start_step,
