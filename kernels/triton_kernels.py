@@ -15,10 +15,12 @@ into four phases by program id, each waiting only for phases before it:
                    writes residual (12 bytes per fp32 element), compacts the tile's entries (index
                    in the tile, code) into the tile's own slots of a scratch array, and adds its
                    count to its group's word (a group is 2**18 elements)
-  place            a program per 32 tiles: once their group is counted, sums the words of the
-                   groups before and the counts of its group's tiles before its own, and moves its
-                   tiles' entries to the payload in ascending index order (about 8 bytes per
-                   entry), so Triton and the twin give the same payload bytes
+  place            a program per 32 tiles, its group's placing programs right after the next
+                   group's tiles: once its group is counted, sums the words of the groups before
+                   and the counts of its group's tiles before its own, and moves its tiles'
+                   entries to the payload in ascending index order (about 8 bytes per entry), so
+                   Triton and the twin give the same payload bytes; only the last group's placing
+                   is left when the pass over the bucket ends
 A program that waits spins on a counter that programs of lower id advance. The GPU starts a
 grid's programs in increasing id order (CUB's single-pass scan relies on the same: "blocks are
 launched in increasing order"), so those have started and will finish: the wait ends. Triton's
@@ -315,6 +317,37 @@ def _place_tiles(source_ptr, residual_ptr, workspace_ptr, header_ptr, scales_ptr
         tl.store(header_ptr, tl.sum(tl.where(row == tiles - 1, first + count, 0), 0))
 
 
+@triton.jit
+def _tile_or_rows(program, tiles, TILES_PER_GROUP: tl.constexpr, ROWS: tl.constexpr):
+    """(whether to place, tile to quantise or first of the tiles to place) for the program-th
+    program after the sample's. Each group's tiles are followed by the placing programs of the
+    group before, so a group is placed while the next streams and only the last group's placing
+    is left at the end:
+        [tiles of group 0] [tiles of 1 | place 0] ... [tiles of G-1 | place G-2] [place G-1]"""
+    PLACES: tl.constexpr = TILES_PER_GROUP // ROWS
+    BLOCK: tl.constexpr = TILES_PER_GROUP + PLACES
+    groups = tl.cdiv(tiles, TILES_PER_GROUP)
+    last_tiles = tiles - (groups - 1) * TILES_PER_GROUP
+    last_block = tl.where(groups > 1, TILES_PER_GROUP + (groups - 2) * BLOCK, 0)
+    if program < last_block:
+        rest = program - TILES_PER_GROUP
+        group = 1 + rest // BLOCK
+        offset = rest % BLOCK
+        place = (program >= TILES_PER_GROUP) & (offset >= TILES_PER_GROUP)
+        tile = tl.where(program < TILES_PER_GROUP, program, group * TILES_PER_GROUP + offset)
+        index = tl.where(place, (group - 1) * TILES_PER_GROUP + (offset - TILES_PER_GROUP) * ROWS, tile)
+    else:
+        # The last group's tiles, the places of the group before it (if any), then its own.
+        offset = program - last_block
+        place = offset >= last_tiles
+        rows = offset - last_tiles
+        before = tl.where(groups > 1, PLACES, 0)
+        first_row = tl.where(rows < before, (groups - 2) * TILES_PER_GROUP + rows * ROWS,
+                             (groups - 1) * TILES_PER_GROUP + (rows - before) * ROWS)
+        index = tl.where(place, first_row, (groups - 1) * TILES_PER_GROUP + offset)
+    return place, index
+
+
 # Counts that vary from bucket to bucket are not specialised on (Triton would compile a variant for
 # each pattern of which are multiples of 16), so a hook's buckets share a few compiled kernels.
 @triton.jit(do_not_specialize=["capacity", "tiles", "sample_chunks", "chunk_slots", "sample_need", "sample_programs"])
@@ -322,25 +355,24 @@ def _select_kernel(source_ptr, residual_ptr, workspace_ptr, header_ptr, scales_p
                    values_ptr, scratch_ptr, numel, capacity, tiles, sample_chunks, chunk_slots, sample_need,
                    sample_programs, COMPRESS: tl.constexpr, TILE: tl.constexpr, ROWS: tl.constexpr,
                    WIDTH: tl.constexpr):
-    # Phases by program id: [exponents | fine bins, twice as many | quantise, a tile each | place,
-    # ROWS tiles each].
+    # Phases by program id: [exponents | fine bins, twice as many | quantise a tile each, interleaved
+    # group by group with place ROWS tiles each].
     program = tl.program_id(0)
-    quantise_first = 3 * sample_programs
-    place_first = quantise_first + tiles
     chunks: tl.constexpr = TILE // _SAMPLE_CHUNK  # sample runs per program: a tile's worth of elements
     if program < sample_programs:
         _count_exponents(source_ptr, residual_ptr, workspace_ptr, program, numel, sample_chunks, chunk_slots,
                          COMPRESS, chunks)
-    elif program < quantise_first:
+    elif program < 3 * sample_programs:
         _count_fine_bins(source_ptr, residual_ptr, workspace_ptr, header_ptr, program - sample_programs, numel,
                          sample_chunks, chunk_slots, sample_need, sample_programs, COMPRESS, chunks)
-    elif program < place_first:
-        _quantise_tile(source_ptr, residual_ptr, workspace_ptr, header_ptr, scales_ptr, scratch_ptr,
-                       program - quantise_first, numel, tiles, COMPRESS, TILE)
     else:
-        _place_tiles(source_ptr, residual_ptr, workspace_ptr, header_ptr, scales_ptr, starts_ptr, indices_ptr,
-                     values_ptr, scratch_ptr, (program - place_first) * ROWS, tiles, capacity, COMPRESS, TILE, ROWS,
-                     WIDTH)
+        place, index = _tile_or_rows(program - 3 * sample_programs, tiles, _GROUP_ELEMENTS // TILE, ROWS)
+        if place:
+            _place_tiles(source_ptr, residual_ptr, workspace_ptr, header_ptr, scales_ptr, starts_ptr, indices_ptr,
+                         values_ptr, scratch_ptr, index, tiles, capacity, COMPRESS, TILE, ROWS, WIDTH)
+        else:
+            _quantise_tile(source_ptr, residual_ptr, workspace_ptr, header_ptr, scales_ptr, scratch_ptr, index, numel,
+                           tiles, COMPRESS, TILE)
 
 
 def select(source: torch.Tensor, residual: torch.Tensor | None, plan: SelectionPlan, out: CompressedBucket,

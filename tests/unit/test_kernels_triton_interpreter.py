@@ -145,7 +145,7 @@ interpreter.InterpreterBuilder.create_atomic_rmw = _yielding_atomic
 
 results = []
 for numel, dtype, block, k_ratio, with_residual in [(20_011, torch.float32, 512, 0.01, True),
-                                                     (300_001, torch.float32, 8192, 0.01, True),
+                                                     (600_001, torch.float32, 8192, 0.01, True),
                                                      (20_011, torch.float32, None, 0.01, False)]:
     source, residual = bucket(numel, dtype, with_residual)
     plan = SelectionPlan.for_ratio(numel, k_ratio)
