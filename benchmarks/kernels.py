@@ -2,7 +2,6 @@
 
     python3 benchmarks/kernels.py                              # fp32 buckets of 25, 100, 400, 1000 MB, k = 1 %
     python3 benchmarks/kernels.py --sizes-mb 25 100 --k-ratio 0.01
-    python3 benchmarks/kernels.py --previous                   # also the kernels before issue #7, row by row
 
 Per bucket size:
   copy        the baseline: dst.copy_(src) of the bucket; its bandwidth counts bytes read + written
@@ -24,8 +23,6 @@ Bandwidth timing captures one call per buffer set in a CUDA graph (sets rotate s
 bucket from the last call; the graph removes Python's launch cost), warms up, and reports the
 median of many replays; the copy baseline takes the faster of that and back-to-back eager calls.
 "eager us" is compress called back to back without a graph, Python launch cost included.
---previous runs every measurement of a size for the frozen copy in kernels/previous too, right
-after the current kernels', and prints both rows.
 """
 
 from __future__ import annotations
@@ -220,14 +217,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[25, 100, 400, 1000])
     parser.add_argument("--k-ratio", type=float, default=0.01)
-    parser.add_argument("--previous", action="store_true",
-                        help="also time the kernels before issue #7 (kernels/previous) on the same buffers")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/kernels.py needs a CUDA GPU")
     implementations = [Kernels.load("current", "kernels")]
-    if args.previous:
-        implementations.append(Kernels.load("previous", "kernels.previous"))
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
           f"{datetime.date.today()} | k_ratio {args.k_ratio}", flush=True)
     rows = []
