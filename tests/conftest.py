@@ -26,7 +26,8 @@ def corpus_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def dataset_dir(corpus_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("data") / "email-bytes"
-    prepare_dataset(str(corpus_dir), out, val_percent=25.0, shard_tokens=64 * 1024)
+    # One process: the corpus is small, and a pool of fresh interpreters would take longer to start than it saves.
+    prepare_dataset(str(corpus_dir), out, val_percent=25.0, shard_tokens=64 * 1024, workers=1)
     return out
 
 
