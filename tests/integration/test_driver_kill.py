@@ -2,11 +2,12 @@
 checkpoint: `--resume` loads the previous committed step, never the half-written one, and the run
 finishes with the lost step committed again.
 
-The checkpoint is made big enough (a 12.7 M-parameter model: ~150 MB of weights and AdamW state,
-fsynced) that the test sees its step directory before `.metadata`, which is written last. At that
-moment it freezes (SIGSTOP) and then SIGKILLs the driver and every process under it — Ray's raylet
-and the workers it started — as a machine losing power would; a plain kill of the driver alone lets
-Ray's reaper stop the workers with a second of grace, in which they finish the write.
+The first run's processes fsync checkpoint files slowly (slow_fsync/sitecustomize.py, on their
+PYTHONPATH): a step directory exists for at least a second before `.metadata`, which is written last,
+so the test sees it mid-write however small the model. At that moment it freezes (SIGSTOP) and then
+SIGKILLs the driver and every process under it — Ray's raylet and the workers it started — as a
+machine losing power would; a plain kill of the driver alone lets Ray's reaper stop the workers with
+a second of grace, in which they finish the write.
 """
 
 import contextlib
@@ -24,6 +25,10 @@ from workers.checkpoint import read_info
 
 pytestmark = pytest.mark.integration
 ARCHIPELAGO = [sys.executable, "-m", "orchestrator.cli"]
+REPO = Path(__file__).resolve().parents[2]
+SLOW_FSYNC = Path(__file__).resolve().parent / "slow_fsync"
+FSYNC_DELAY_S = 0.2
+"""Each checkpoint fsync of the first run: its step directory lacks .metadata for at least 5 × this."""
 STEPS, EVERY = 8, 2
 
 
@@ -32,9 +37,9 @@ def write_job(path: Path, dataset_dir: Path, runs_dir: Path) -> Path:
 name = "driver-kill"
 runs_dir = "{runs_dir}"
 [model]
-n_layer = 4
-n_head = 8
-n_embd = 512
+n_layer = 1
+n_head = 2
+n_embd = 32
 seq_len = 32
 [data]
 path = "{dataset_dir}"
@@ -58,9 +63,12 @@ num_workers = 2
     return path
 
 
-def fit(job: Path, *extra: str) -> subprocess.Popen:
+def fit(job: Path, *extra: str, fsync_delay_s: float = 0.0) -> subprocess.Popen:
     # Wide enough that rich prints each path on one line.
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "COLUMNS": "1000"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "1000"}
+    if fsync_delay_s:
+        env.update(PYTHONPATH=os.pathsep.join([str(SLOW_FSYNC), str(REPO)]),
+                   ARCHIPELAGO_TEST_FSYNC_DELAY_S=str(fsync_delay_s))
     return subprocess.Popen([*ARCHIPELAGO, "fit", str(job), *extra], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
@@ -105,7 +113,7 @@ def test_a_driver_killed_mid_checkpoint_resumes_from_the_previous_committed_step
     runs_dir = tmp_path / "runs"
     job = write_job(tmp_path / "job.toml", dataset_dir, runs_dir)
     run_dir = runs_dir / "driver-kill"
-    first = fit(job)
+    first = fit(job, fsync_delay_s=FSYNC_DELAY_S)
     caught = kill_during_a_write(first, run_dir)
     time.sleep(1.0)
     assert not (run_dir / f"step_{caught:08d}" / ".metadata").exists(), "the write finished: nothing was caught"
