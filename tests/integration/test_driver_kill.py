@@ -1,6 +1,7 @@
 """The driver — `archipelago fit` with its embedded Ray cluster — killed while the workers write a
 checkpoint: `--resume` loads the previous committed step, never the half-written one, and the run
-finishes with the lost step committed again.
+finishes with the lost step committed again, every step's loss the same as in conftest.py's
+uninterrupted `straight` run of the same job.
 
 The first run's processes fsync checkpoint files slowly (slow_fsync/sitecustomize.py, on their
 PYTHONPATH): a step directory exists for at least a second before `.metadata`, which is written last,
@@ -21,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.config import JobConfig
+from tests.integration.conftest import SEQ_LEN, job
 from workers.checkpoint import read_info
 
 pytestmark = pytest.mark.integration
@@ -32,35 +35,20 @@ FSYNC_DELAY_S = 0.2
 STEPS, EVERY = 8, 2
 
 
-def write_job(path: Path, dataset_dir: Path, runs_dir: Path) -> Path:
-    path.write_text(f"""
-name = "driver-kill"
-runs_dir = "{runs_dir}"
-[model]
-n_layer = 1
-n_head = 2
-n_embd = 32
-seq_len = 32
-[data]
-path = "{dataset_dir}"
-prepare_from = ""
-[train]
-steps = {STEPS}
-global_batch_size = 8
-micro_batch_size = 2
-lr = 1e-3
-min_lr = 1e-3
-warmup_steps = 0
-log_every = 1
-eval_every = 1000
-eval_samples = 8
-[checkpoint]
-every_steps = {EVERY}
-keep_last = 10
-[cluster]
-num_workers = 2
-""")
+def write_job(path: Path, config: JobConfig) -> Path:
+    path.write_text(toml_text(config.to_dict()) + "\n")
+    assert JobConfig.from_toml(path) == config  # the file says exactly this job
     return path
+
+
+def toml_text(table: dict, prefix: str = "") -> str:
+    """A config dict as TOML: its values (JSON writes strings, numbers, booleans and lists as TOML does),
+    then each sub-table under its header."""
+    lines = [f"{key} = {json.dumps(value)}" for key, value in table.items() if not isinstance(value, dict)]
+    for key, value in table.items():
+        if isinstance(value, dict):
+            lines += ["", f"[{prefix}{key}]", toml_text(value, f"{prefix}{key}.")]
+    return "\n".join(lines)
 
 
 def fit(job: Path, *extra: str, fsync_delay_s: float = 0.0) -> subprocess.Popen:
@@ -109,23 +97,45 @@ def kill_during_a_write(proc: subprocess.Popen, run_dir: Path, timeout_s: float 
     pytest.fail(f"no checkpoint write was caught (fit exited with {proc.poll()}):\n{proc.stdout.read()[-3000:]}")
 
 
-def test_a_driver_killed_mid_checkpoint_resumes_from_the_previous_committed_step(dataset_dir, tmp_path):
-    runs_dir = tmp_path / "runs"
-    job = write_job(tmp_path / "job.toml", dataset_dir, runs_dir)
-    run_dir = runs_dir / "driver-kill"
-    first = fit(job, fsync_delay_s=FSYNC_DELAY_S)
-    caught = kill_during_a_write(first, run_dir)
+@pytest.fixture(scope="module")
+def killed_and_resumed(small_dataset, tmp_path_factory):
+    """The first run killed mid-write (the step it was writing), then the output of `fit --resume` to the end."""
+    work = tmp_path_factory.mktemp("driver-kill")
+    # The straight run's job (so its losses are the reference), with a checkpoint every EVERY steps, all kept.
+    config = job(small_dataset, work / "runs", "driver-kill", STEPS, checkpoint={"every_steps": EVERY, "keep_last": 10})
+    job_file = write_job(work / "job.toml", config)
+    run_dir = work / "runs" / "driver-kill"
+    caught = kill_during_a_write(fit(job_file, fsync_delay_s=FSYNC_DELAY_S), run_dir)
     time.sleep(1.0)
-    assert not (run_dir / f"step_{caught:08d}" / ".metadata").exists(), "the write finished: nothing was caught"
-    previous = caught - EVERY
-    assert (run_dir / f"step_{previous:08d}" / ".metadata").exists()
-
-    second = fit(job, "--resume")
+    committed_after_the_kill = sorted(p.parent.name for p in run_dir.glob("step_*/.metadata"))
+    second = fit(job_file, "--resume")
     out, _ = second.communicate(timeout=600)
     assert second.returncode == 0, out[-3000:]
+    return run_dir, caught, committed_after_the_kill, out
+
+
+def test_a_driver_killed_mid_checkpoint_resumes_from_the_previous_committed_step(killed_and_resumed):
+    run_dir, caught, committed_after_the_kill, out = killed_and_resumed
+    previous = caught - EVERY
+    assert f"step_{caught:08d}" not in committed_after_the_kill, "the write finished: nothing was caught"
+    assert committed_after_the_kill[-1] == f"step_{previous:08d}"
     assert f"resuming from {run_dir / f'step_{previous:08d}'}" in out
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in rows if "loss" in r]
     assert steps == list(range(1, STEPS + 1))  # the killed run's rows after `previous` were rewound
     assert read_info(run_dir / f"step_{caught:08d}").step == caught  # written again, and committed
     assert read_info(run_dir / f"step_{STEPS:08d}").consumed_samples == STEPS * 8
+
+
+def test_resume_continues_exactly_where_an_uninterrupted_run_would_be(killed_and_resumed, straight):
+    run_dir, caught, _, _ = killed_and_resumed
+    previous = caught - EVERY
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r.get("event") == "start"] == [0, previous]  # one row per invocation
+    expected = {r["step"]: r["loss"] for r in straight.result.metrics if "loss" in r}
+    for row in (r for r in rows if "loss" in r):  # same weights, optimizer state and samples ⇒ the same losses
+        assert row["loss"] == pytest.approx(expected[row["step"]], rel=1e-5), row["step"]
+    report = json.loads((run_dir / "report.json").read_text())  # the resumed invocation's
+    assert (report["start_step"], report["final_step"]) == (previous, STEPS)
+    assert report["tokens_seen"] == STEPS * 8 * SEQ_LEN
+    assert report["tokens_this_run"] == (STEPS - previous) * 8 * SEQ_LEN

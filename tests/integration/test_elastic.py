@@ -1,20 +1,18 @@
-"""Elastic and fault-tolerant fit() on a real multi-node Ray cluster (ray.cluster_utils.Cluster on loopback).
+"""Elastic and fault-tolerant fit() on a real multi-node Ray cluster (conftest.py's: a head and one worker
+node on loopback, 1 CPU each, so two gloo CPU workers; a third node comes and goes in the resize test).
 
-One cluster serves the module: a head and one worker node, 1 CPU each (two gloo CPU workers); a
-third node comes and goes in the resize test. A watcher thread follows each run through its
-PlanCoordinator (`status`: the group's worker pids, the last step, the events) and kills workers
-(SIGKILL), drains a node with a preemption notice, removes it and adds one at the moments the test
-names. Every run keeps the sample ledger, so exactly-once is checked on the ids the workers
-really trained on, over whole epochs of a small dataset.
+A watcher thread follows each run through its PlanCoordinator (`status`: the group's worker pids, the
+last step, the events) and kills workers (SIGKILL), drains a node with a preemption notice, removes it
+and adds one at the moments the test names. Every run keeps the sample ledger, so exactly-once is
+checked on the ids the workers really trained on, over whole epochs of a small dataset; and the run
+with faults is compared step by step with conftest.py's uninterrupted `straight` run of the same job.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
-import shutil
 import signal
 import threading
 import time
@@ -29,56 +27,16 @@ from orchestrator import Orchestrator
 from orchestrator.elastic import COORDINATOR_NAME, WORKER_DEATHS
 from orchestrator.errors import FailureBudgetError
 from storage.ledger import LEDGER_FILE, SampleLedger
-from storage.prepare import prepare_dataset
-from storage.shards import TokenDataset
-from tests.conftest import CORPUS_SOURCE, tiny_job
+from tests.integration.conftest import epoch_steps, job
 from workers import checkpoint
 from workers.models.gpt import GPT
 
 pytestmark = pytest.mark.integration
-SMALL_FILES = ["parser.py", "errors.py", "base64mime.py", "iterators.py", "encoders.py", "__init__.py"]
-SEQ_LEN = 64
 DRAIN_DEADLINE_S = 10
 """The preemption notice's deadline: Ray Train restarts the group once it has passed (and the node is gone)."""
 LOSS_TOLERANCE = 1e-4
 """Relative: the same samples in the same order on the same two workers give the same losses up to
 float32 reduction order; a lost or repeated batch moves them by far more."""
-
-
-@pytest.fixture(scope="module")
-def small_dataset(tmp_path_factory) -> tuple[Path, int]:
-    """A dataset of a few hundred samples, so a run of a few dozen steps covers whole epochs."""
-    corpus = tmp_path_factory.mktemp("small-corpus")
-    for name in SMALL_FILES:
-        shutil.copy(CORPUS_SOURCE / name, corpus / name)
-    out = tmp_path_factory.mktemp("small-data") / "bytes"
-    prepare_dataset(str(corpus), out, val_percent=20.0, shard_tokens=16 * 1024)
-    return out, TokenDataset(out, "train", SEQ_LEN).num_samples
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
-    try:
-        yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-
-
-def job(small_dataset, runs_dir, name: str, steps: int, **sections):
-    data_dir, _ = small_dataset
-    return tiny_job(data_dir, runs_dir, name=name, model={"seq_len": SEQ_LEN},
-                    train={"steps": steps, "eval_every": 1000, "log_every": 1},
-                    elastic={"sample_ledger": True, **sections.pop("elastic", {})}, **sections)
-
-
-def epoch_steps(small_dataset) -> int:
-    """Steps that cover the first epoch and a few more (global batch 8)."""
-    return math.ceil(small_dataset[1] / 8) + 6
 
 
 def run_with(orchestrator: Orchestrator, act):
@@ -152,12 +110,6 @@ def mid_write_killer(run_dir: Path, after_step: int):
 
 
 @pytest.fixture(scope="module")
-def straight(cluster, small_dataset, tmp_path_factory):
-    runs = tmp_path_factory.mktemp("runs")
-    return Orchestrator(job(small_dataset, runs, "straight", epoch_steps(small_dataset))).fit()
-
-
-@pytest.fixture(scope="module")
 def faults(cluster, small_dataset, tmp_path_factory):
     """The same run with rank 1 killed at step 6, then rank 0 killed in the middle of a checkpoint write."""
     runs = tmp_path_factory.mktemp("runs")
@@ -189,7 +141,7 @@ def test_a_killed_worker_costs_only_uncommitted_steps_and_no_sample(faults, stra
     ledger.check_exactly_once(small_dataset[1])
     assert sorted(ledger.stream()[:small_dataset[1]]) == list(range(small_dataset[1]))
     assert checkpoint.read_info(result.checkpoint).consumed_samples == epoch_steps(small_dataset) * 8
-    expected, got = losses(straight.metrics), losses(result.metrics)
+    expected, got = losses(straight.result.metrics), losses(result.metrics)
     assert sorted(got) == sorted(expected)
     for step in expected:  # every step, the final one included, trained on the same samples from the same state
         assert got[step] == pytest.approx(expected[step], rel=LOSS_TOLERANCE), step
@@ -260,7 +212,7 @@ def test_a_preempted_node_shrinks_the_job_and_a_new_node_grows_it(cluster, small
     # After the node goes, Ray Train first tries the old size on its stale view of the cluster and gives
     # up after this timeout (60 s by default) before it starts the smaller group.
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "10")
-    config = job(small_dataset, runs, "resize", steps,
+    config = job(small_dataset, runs, "resize", steps, train={"eval_every": 1000},  # no test here reads val_loss
                  elastic={"min_workers": 1, "resize_check_s": 1.0, "preemption_grace_s": 5.0})
     (node,) = [n for n in cluster.worker_nodes]
     seen: dict = {}

@@ -1,66 +1,28 @@
-"""The bill of a real run: one short fit on a local Ray cluster, then its report, exports and a comparison.
+"""The bill of a real run: conftest.py's `straight` fit, then its report, exports and a comparison.
 
-One fit (about 30 s, mostly Ray starting the workers) serves every test in this module. While it
-trains, a thread scrapes the node's metrics port for the Prometheus gauge the driver sets.
+While that run trained, a thread scraped the head node's metrics port for the Prometheus gauge the
+driver sets (conftest.py's Scraper).
 """
 
 import json
-import os
-import re
 import shutil
 import subprocess
-import threading
-import time
-import urllib.request
 
 import pytest
-import ray
 
-from orchestrator import Orchestrator
 from orchestrator.cli import main
 from orchestrator.report_html import PLOTS, render_report
-from tests.conftest import tiny_job
+from tests.integration.conftest import BILL_TARGETS
 from tests.unit.test_progress import tensorboard_scalars
 
 pytestmark = pytest.mark.integration
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-class Scraper(threading.Thread):
-    """Scrapes gauge `name` of `run` from the metrics port twice a second; `seen` is every value it found."""
-
-    def __init__(self, port: int, name: str, run: str):
-        super().__init__(daemon=True)
-        self.url = f"http://127.0.0.1:{port}/metrics"
-        self.pattern = re.compile(rf'^{name}{{[^}}]*run="{run}"[^}}]*}} (\S+)$', re.MULTILINE)
-        self.seen: list[float] = []
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.wait(0.5):
-            found = self.pattern.search(urllib.request.urlopen(self.url, timeout=5).read().decode())
-            if found and (not self.seen or self.seen[-1] != float(found.group(1))):
-                self.seen.append(float(found.group(1)))
-
-
 @pytest.fixture(scope="module")
-def run(dataset_dir, tmp_path_factory):
-    runs_dir = tmp_path_factory.mktemp("runs")
-    os.environ["RAY_metrics_report_interval_ms"] = "500"  # Ray's agent exports twice a second, not every 10 s
-    try:
-        context = ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-        job = tiny_job(dataset_dir, runs_dir, name="billed", train={"steps": 20, "eval_every": 4},
-                       bill={"targets": [5.0, 3.8, 1.0]})
-        scraper = Scraper(context.address_info["metrics_export_port"], "ray_archipelago_dollars", "billed")
-        scraper.start()
-        result = Orchestrator(job).fit()
-        time.sleep(2.0)  # Ray's agent exports every second (RAY_metrics_report_interval_ms, floored at 1 s)
-        scraper.stop.set()
-        scraper.join()
-    finally:
-        ray.shutdown()
-        os.environ.pop("RAY_metrics_report_interval_ms", None)
-    return {"dir": runs_dir / "billed", "result": result, "scraped_dollars": scraper.seen}
+def run(straight):
+    return {"dir": straight.dir, "result": straight.result, "scraped_dollars": straight.scraped_dollars,
+            "steps": straight.steps}
 
 
 def bill_rows(run_dir):
@@ -69,8 +31,8 @@ def bill_rows(run_dir):
 
 def test_the_report_holds_the_bill_of_the_run(run):
     report, rows = run["result"].report, bill_rows(run["dir"])
-    assert [r["step"] for r in rows] == list(range(1, 21))
-    assert report.final_step == 20 and report.dollars > 0 and report.run_dollars == rows[-1]["dollars"]
+    assert [r["step"] for r in rows] == list(range(1, run["steps"] + 1))
+    assert report.final_step == run["steps"] and report.dollars > 0 and report.run_dollars == rows[-1]["dollars"]
     # Dollars grow with the wall clock; the bill's rate is the plan's: 2 CPU workers × $0.05 per core-hour.
     assert report.dollars_per_hour == pytest.approx(0.10)
     assert all(b["dollars"] >= a["dollars"] for a, b in zip(rows, rows[1:]))
@@ -83,6 +45,7 @@ def test_the_report_holds_the_bill_of_the_run(run):
     assert report.prediction_error == pytest.approx(report.step_seconds / report.predicted_step_seconds - 1)
     assert [e["event"] for e in report.events] == ["start"]
     targets = {c["target"]: c for c in report.convergence}
+    assert sorted(targets) == sorted(BILL_TARGETS)
     assert targets[5.0]["reached"] and targets[5.0]["dollars"] <= rows[-1]["dollars"]
     assert not targets[1.0]["reached"]
     saved = json.loads((run["dir"] / "report.json").read_text())
@@ -93,9 +56,10 @@ def test_prometheus_and_tensorboard_got_the_same_numbers(run):
     last = bill_rows(run["dir"])[-1]
     assert run["scraped_dollars"] and run["scraped_dollars"][-1] == pytest.approx(last["dollars"], rel=1e-6)
     scalars = tensorboard_scalars(run["dir"] / "tensorboard")
-    assert sorted(scalars["loss/train"]) == list(range(1, 21))
-    assert scalars["bill/dollars"][20] == pytest.approx(last["dollars"], rel=1e-6)
-    assert scalars["loss/train"][20] == pytest.approx(run["result"].report.final_train_loss, rel=1e-6)
+    steps = run["steps"]
+    assert sorted(scalars["loss/train"]) == list(range(1, steps + 1))
+    assert scalars["bill/dollars"][steps] == pytest.approx(last["dollars"], rel=1e-6)
+    assert scalars["loss/train"][steps] == pytest.approx(run["result"].report.final_train_loss, rel=1e-6)
 
 
 def test_archipelago_report_writes_html_and_plots_with_the_runs_numbers(run, capsys):
@@ -104,7 +68,7 @@ def test_archipelago_report_writes_html_and_plots_with_the_runs_numbers(run, cap
     report = run["result"].report
     page = (run["dir"] / "report.html").read_text()
     assert f"{report.final_train_loss:.4f}" in page and f"{report.final_val_loss:.4f}" in page
-    assert f"${report.dollars:.4f}" in page and "0 → 20" in page
+    assert f"${report.dollars:.4f}" in page and f"0 → {run['steps']}" in page
     assert page.count("data:image/png;base64,") == len(PLOTS) and "<script" not in page
     for name in PLOTS:
         data = (run["dir"] / f"{name}.png").read_bytes()
@@ -123,7 +87,7 @@ def test_two_runs_side_by_side(run, tmp_path):
                                              for r in bill_rows(run["dir"])))
     rendered = render_report([run["dir"], twin], tmp_path / "compare")
     page = rendered.html.read_text()
-    assert "billed vs half-price" in page and "half-price ÷ billed" in page
+    assert "straight vs half-price" in page and "half-price ÷ straight" in page
     assert "<td>bill ($)</td>" in page and page.count("<td>0.5×</td>") >= 2  # the bill and $ to reach 5.0
     assert all(p.read_bytes().startswith(PNG_MAGIC) for p in rendered.plots)
 

@@ -1,12 +1,11 @@
 """Discovery on a real multi-node Ray cluster (ray.cluster_utils.Cluster: several raylets on loopback).
 
-One cluster serves the module: a head and two workers, one advertising fake GPUs and the custom
-resources and labels `archipelago node-resources` would print for an 8×H100 box.
+conftest.py's cluster (a head and a worker node) with a third node for this module: one advertising
+fake GPUs and the custom resources and labels `archipelago node-resources` would print for an 8×H100 box.
 """
 
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 
 from orchestrator.errors import ClusterError
 from orchestrator.topology import discover_cluster, machines
@@ -16,22 +15,18 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def gpu_cluster(cluster):
     h100 = ray_start_arguments(machines.node("8xH100-SXM", "gpu-host"))
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    cluster.add_node(num_cpus=1)
-    cluster.add_node(num_cpus=0, num_gpus=8, resources=h100.resources, labels=h100.labels)
+    gpu_node = cluster.add_node(num_cpus=0, num_gpus=8, resources=h100.resources, labels=h100.labels)
     cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
     try:
         yield cluster, h100
     finally:
-        ray.shutdown()
-        cluster.shutdown()
+        cluster.remove_node(gpu_node)  # the CPU jobs of other modules plan on every node's CPUs
 
 
-def test_one_node_entry_per_ray_node(cluster):
-    _, h100 = cluster
+def test_one_node_entry_per_ray_node(gpu_cluster):
+    _, h100 = gpu_cluster
     topology = discover_cluster()
     alive = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
     assert sorted(node.ray_node_id for node in topology.nodes) == sorted(alive)
@@ -46,19 +41,19 @@ def test_one_node_entry_per_ray_node(cluster):
         assert "Ray advertises 8 GPUs here but the map has 0 schedulable GPUs or MIG slices" in gpu_node.notes[-1]
 
 
-def test_discovery_without_ray_says_how_to_connect(cluster):
+def test_discovery_without_ray_says_how_to_connect(gpu_cluster):
     ray.shutdown()
     try:
         with pytest.raises(ClusterError, match="not connected to a Ray cluster"):
             discover_cluster()
     finally:
-        ray.init(address=cluster[0].address, log_to_driver=False)
+        ray.init(address=gpu_cluster[0].address, log_to_driver=False)
 
 
-def test_discovery_at_an_address_connects_for_the_probes_only(cluster):
+def test_discovery_at_an_address_connects_for_the_probes_only(gpu_cluster):
     ray.shutdown()
     try:
-        topology = discover_cluster(address=cluster[0].address, timeout_s=60)
+        topology = discover_cluster(address=gpu_cluster[0].address, timeout_s=60)
         assert len(topology.nodes) == 3 and not ray.is_initialized()
     finally:
-        ray.init(address=cluster[0].address, log_to_driver=False)
+        ray.init(address=gpu_cluster[0].address, log_to_driver=False)
