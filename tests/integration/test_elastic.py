@@ -212,6 +212,8 @@ def test_a_preempted_node_shrinks_the_job_and_a_new_node_grows_it(cluster, small
     # After the node goes, Ray Train first tries the old size on its stale view of the cluster and gives
     # up after this timeout (60 s by default) before it starts the smaller group.
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "10")
+    # Ray Train reads the nodes' drain state every 5 s by default: the notice would reach the workers later.
+    monkeypatch.setenv("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "1")
     config = job(small_dataset, runs, "resize", steps, train={"eval_every": 1000},  # no test here reads val_loss
                  elastic={"min_workers": 1, "resize_check_s": 1.0, "preemption_grace_s": 5.0})
     (node,) = [n for n in cluster.worker_nodes]
