@@ -1,7 +1,7 @@
 """The driver — `archipelago fit` with its embedded Ray cluster — killed while the workers write a
-checkpoint: `--resume` loads the previous committed step, never the half-written one, and the run
-finishes with the lost step committed again, every step's loss the same as in conftest.py's
-uninterrupted `straight` run of the same job.
+checkpoint: `--resume` (with [train] steps raised, as to train longer) loads the previous committed
+step, never the half-written one, and the run finishes with the lost step committed again, every
+step's loss the same as in conftest.py's uninterrupted `straight` run of the same job.
 
 The first run's processes fsync checkpoint files slowly (slow_fsync/sitecustomize.py, on their
 PYTHONPATH): a step directory exists for at least a second before `.metadata`, which is written last,
@@ -33,6 +33,9 @@ SLOW_FSYNC = Path(__file__).resolve().parent / "slow_fsync"
 FSYNC_DELAY_S = 0.2
 """Each checkpoint fsync of the first run: its step directory lacks .metadata for at least 5 × this."""
 STEPS, EVERY = 8, 2
+"""The first run's [train] steps (it is killed long before the end) and [checkpoint] every_steps."""
+RESUMED_STEPS = 12
+"""[train] steps for --resume: raised, as a user who trains longer does."""
 
 
 def write_job(path: Path, config: JobConfig) -> Path:
@@ -99,16 +102,20 @@ def kill_during_a_write(proc: subprocess.Popen, run_dir: Path, timeout_s: float 
 
 @pytest.fixture(scope="module")
 def killed_and_resumed(small_dataset, tmp_path_factory):
-    """The first run killed mid-write (the step it was writing), then the output of `fit --resume` to the end."""
+    """The first run killed mid-write (the step it was writing), then the output of `fit --resume` with
+    RESUMED_STEPS steps."""
     work = tmp_path_factory.mktemp("driver-kill")
-    # The straight run's job (so its losses are the reference), with a checkpoint every EVERY steps, all kept.
-    config = job(small_dataset, work / "runs", "driver-kill", STEPS, checkpoint={"every_steps": EVERY, "keep_last": 10})
-    job_file = write_job(work / "job.toml", config)
     run_dir = work / "runs" / "driver-kill"
-    caught = kill_during_a_write(fit(job_file, fsync_delay_s=FSYNC_DELAY_S), run_dir)
+
+    def job_file(steps: int) -> Path:
+        """The straight run's job (its losses are the reference), with a checkpoint every EVERY steps, all kept."""
+        config = job(small_dataset, work / "runs", "driver-kill", steps,
+                     checkpoint={"every_steps": EVERY, "keep_last": 10})
+        return write_job(work / f"job-{steps}.toml", config)
+    caught = kill_during_a_write(fit(job_file(STEPS), fsync_delay_s=FSYNC_DELAY_S), run_dir)
     time.sleep(1.0)
     committed_after_the_kill = sorted(p.parent.name for p in run_dir.glob("step_*/.metadata"))
-    second = fit(job_file, "--resume")
+    second = fit(job_file(RESUMED_STEPS), "--resume")
     out, _ = second.communicate(timeout=600)
     assert second.returncode == 0, out[-3000:]
     return run_dir, caught, committed_after_the_kill, out
@@ -122,9 +129,9 @@ def test_a_driver_killed_mid_checkpoint_resumes_from_the_previous_committed_step
     assert f"resuming from {run_dir / f'step_{previous:08d}'}" in out
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in rows if "loss" in r]
-    assert steps == list(range(1, STEPS + 1))  # the killed run's rows after `previous` were rewound
+    assert steps == list(range(1, RESUMED_STEPS + 1))  # the killed run's rows after `previous` were rewound
     assert read_info(run_dir / f"step_{caught:08d}").step == caught  # written again, and committed
-    assert read_info(run_dir / f"step_{STEPS:08d}").consumed_samples == STEPS * 8
+    assert read_info(run_dir / f"step_{RESUMED_STEPS:08d}").consumed_samples == RESUMED_STEPS * 8
 
 
 def test_resume_continues_exactly_where_an_uninterrupted_run_would_be(killed_and_resumed, straight):
@@ -136,6 +143,6 @@ def test_resume_continues_exactly_where_an_uninterrupted_run_would_be(killed_and
     for row in (r for r in rows if "loss" in r):  # same weights, optimizer state and samples ⇒ the same losses
         assert row["loss"] == pytest.approx(expected[row["step"]], rel=1e-5), row["step"]
     report = json.loads((run_dir / "report.json").read_text())  # the resumed invocation's
-    assert (report["start_step"], report["final_step"]) == (previous, STEPS)
-    assert report["tokens_seen"] == STEPS * 8 * SEQ_LEN
-    assert report["tokens_this_run"] == (STEPS - previous) * 8 * SEQ_LEN
+    assert (report["start_step"], report["final_step"]) == (previous, RESUMED_STEPS)
+    assert report["tokens_seen"] == RESUMED_STEPS * 8 * SEQ_LEN
+    assert report["tokens_this_run"] == (RESUMED_STEPS - previous) * 8 * SEQ_LEN
