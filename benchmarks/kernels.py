@@ -2,12 +2,13 @@
 
     python3 benchmarks/kernels.py                              # fp32 buckets of 25, 100, 400, 1000 MB, k = 1 %
     python3 benchmarks/kernels.py --sizes-mb 25 100 --k-ratio 0.01
+    python3 benchmarks/kernels.py --sweep                      # every tuning of the Triton kernels, same buffers
 
 Per bucket size:
   copy        the baseline: dst.copy_(src) of the bucket; its bandwidth counts bytes read + written
   compress    compress(bucket, residual, k_ratio, check_finite=False), the comm-hook path; bytes =
               bucket read + residual read and written + payload written
-  decompress  decompress_accumulate(dense, payload); bytes = payload entries and scales read + 8 per
+  decompress  decompress_accumulate(dense, payload); bytes = payload entries, scales and starts read + 8 per
               entry (its dense fp32 element read and written). At k = 1 % entries are ~100 elements
               apart, so each costs DRAM a 32-byte sector both ways: "sector GB/s" counts that
   dense       decompress_sum of one payload: the bucket written whole (zeros and values); bytes = valid
@@ -155,7 +156,8 @@ def bench_kernels(kernels: Kernels, buffers: Buffers, k_ratio: float) -> dict:
 
     sent = payloads[0].sent()
     decompress_s = graph_seconds([lambda d=d, p=p: kp.decompress_accumulate(d, p) for d, p in zip(copies, payloads)])
-    payload_read = sent * 5 + 4 * payloads[0].layout.num_blocks
+    layout = payloads[0].layout
+    payload_read = sent * layout.entry_bytes + 4 * layout.num_blocks + 4 * layout.num_segments
     decompress_gbs = (payload_read + 8 * sent) / decompress_s / 1e9
     sector_gbs = (payload_read + 64 * sent) / decompress_s / 1e9
 
@@ -203,7 +205,7 @@ def bench_kernels(kernels: Kernels, buffers: Buffers, k_ratio: float) -> dict:
 
 def _valid_bytes(c) -> int:
     """Payload bytes a receiver reads: header, the entries sent, and the arrays after the entries."""
-    return 16 + 5 * c.sent() + c.layout.nbytes - c.layout.scales_offset
+    return 16 + c.layout.entry_bytes * c.sent() + c.layout.nbytes - c.layout.scales_offset
 
 
 def _sum_row_by_row(kp: ModuleType, out: torch.Tensor, total: torch.Tensor, rows: torch.Tensor, like) -> None:
@@ -213,10 +215,99 @@ def _sum_row_by_row(kp: ModuleType, out: torch.Tensor, total: torch.Tensor, rows
     out.copy_(total.div_(len(rows)))  # as the hook did; for 8 ranks exactly the correctly rounded quotient
 
 
+COMPRESS_SWEEP = [(1, 16, False), (1, 8, False), (2, 16, False), (1, 16, True)]
+"""(tiles per program, elements per thread, evict first) tried for compress by --sweep. An
+earlier sweep (benchmarks/RESULTS.md) also tried 4 tiles a program: slower everywhere."""
+TOPK_SWEEP = [(1024, 1, 16, False), (1024, 2, 16, False), (1024, 4, 16, False), (2048, 1, 16, False),
+              (2048, 2, 16, False)]
+"""(tile, tiles per program, elements per thread, evict first) tried for top-k; tiles of 4096
+were slower everywhere in the earlier sweep."""
+SUM_SWEEP = [(8, 256, 8), (4, 256, 8), (8, 128, 8)]
+"""(ranks loaded at once, entries per rank loaded at once, warps) tried for decompress_sum."""
+
+
+def sweep(buffers: Buffers, k_ratio: float, copy: float) -> list[dict]:
+    """Each tuning of triton_kernels timed on the same buffers: compress, top-k (against
+    torch.topk) and decompress_sum of one and of RANKS payloads; the defaults are restored after."""
+    from kernels import compress, decompress_sum, reference, topk_by_magnitude, triton_kernels as tk
+    defaults = (tk.COMPRESS_TUNING, tk.TOPK_TUNING, tk.SUM_TUNING)
+    numel, buckets, residuals, copies = buffers.numel, buffers.buckets, buffers.residuals, buffers.copies
+    rows, sets = [], len(buckets)
+    try:
+        for unit, ept, evict in COMPRESS_SWEEP:
+            tk.COMPRESS_TUNING = tk.Tuning(tile=0, unit=unit, elements_per_thread=ept, evict_first=evict)
+            seconds = graph_seconds([lambda i=i: compress(buckets[i], residuals[i], k_ratio, check_finite=False)
+                                     for i in range(sets)])
+            twin_residual = residuals[0].clone()
+            got = compress(buckets[0], residuals[0], k_ratio, check_finite=False)
+            want = _twin_compress(buckets[0], twin_residual, k_ratio)
+            same = torch.equal(got.payload, want.payload) and torch.equal(residuals[0], twin_residual)
+            rows.append(dict(kernel="compress", tuning=f"unit {unit}, {ept}/thread{', evict first' * evict}",
+                             us=seconds * 1e6,
+                             of_copy=(3 * numel * 4 + got.payload.numel()) / seconds / 1e9 / copy, same_as_twin=same))
+        tk.COMPRESS_TUNING = defaults[0]
+        k = max(1, round(k_ratio * numel))
+        magnitudes = [b.abs() for b in buckets[:2]]
+        torch_s = graph_seconds([lambda m=m: torch.topk(m, k, sorted=False) for m in magnitudes])
+        del magnitudes
+        current = Kernels.load("current", "kernels")
+        twin_topk = _twin_topk(buckets[0], k)
+        for tile, unit, ept, evict in TOPK_SWEEP:
+            tk.TOPK_TUNING = tk.Tuning(tile=tile, unit=unit, elements_per_thread=ept, evict_first=evict)
+            seconds = graph_seconds([lambda b=b: current.topk_without_waiting(b, k) for b in buckets])
+            index, values = topk_by_magnitude(buckets[0], k)
+            same = torch.equal(index, twin_topk[0]) and torch.equal(values, twin_topk[1])
+            rows.append(dict(kernel="topk", tuning=f"tile {tile}, unit {unit}, {ept}/thread{', evict first' * evict}",
+                             us=seconds * 1e6,
+                             speedup=torch_s / seconds, same_as_twin=same))
+        tk.TOPK_TUNING = defaults[1]
+        payloads = [compress(buckets[i], residuals[i].clone(), k_ratio) for i in range(min(sets, RANKS))]
+        like = payloads[0]
+        gathered = torch.stack([payloads[i % len(payloads)].payload for i in range(RANKS)])
+        one = (_valid_bytes(like) + 4 * numel)
+        eight = sum(_valid_bytes(like.with_payload(row)) for row in gathered) + 4 * numel
+        for ranks, chunk, warps in SUM_SWEEP:
+            tk.SUM_TUNING = tk.SumTuning(ranks=ranks, chunk=chunk, warps=warps)
+            dense_s = graph_seconds([lambda d=d, i=i: decompress_sum(d, payloads[i % len(payloads)].payload.view(1, -1),
+                                                                     like) for i, d in enumerate(copies)])
+            sum_s = graph_seconds([lambda d=d: decompress_sum(d, gathered, like, RANKS) for d in copies])
+            decompress_sum(copies[0], gathered, like, RANKS)
+            reference.decompress_sum(copies[1], gathered, like.layout, RANKS)
+            rows.append(dict(kernel="sum", tuning=f"ranks {ranks}, chunk {chunk}, {warps} warps",
+                             dense_of_copy=one / dense_s / 1e9 / copy, sum_of_copy=eight / sum_s / 1e9 / copy,
+                             dense_us=dense_s * 1e6, sum_us=sum_s * 1e6,
+                             same_as_twin=torch.equal(copies[0], copies[1])))
+    finally:
+        tk.COMPRESS_TUNING, tk.TOPK_TUNING, tk.SUM_TUNING = defaults
+    return rows
+
+
+def _twin_compress(bucket: torch.Tensor, residual: torch.Tensor, k_ratio: float):
+    """compress() by the torch twin, on the GPU: the payload the Triton kernel must match bit for bit."""
+    from kernels import payload, plan, reference
+    from kernels.compression import DEFAULT_BLOCK
+    selection = plan.SelectionPlan.for_ratio(bucket.numel(), k_ratio)
+    out, workspace = payload.allocate(payload.PayloadLayout(bucket.numel(), selection.capacity, torch.int8,
+                                                            DEFAULT_BLOCK), selection, bucket.device)
+    reference.select(bucket, residual, selection, out, workspace)
+    return out
+
+
+def _twin_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from kernels import payload, plan, reference
+    selection = plan.SelectionPlan.for_k(x.numel(), k)
+    out, workspace = payload.allocate(payload.PayloadLayout(x.numel(), selection.capacity, x.dtype, None), selection,
+                                      x.device)
+    reference.select(x, None, selection, out, workspace)
+    return out.indices[:out.sent()], out.values[:out.sent()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[25, 100, 400, 1000])
     parser.add_argument("--k-ratio", type=float, default=0.01)
+    parser.add_argument("--sweep", action="store_true",
+                        help="time every tuning in COMPRESS_SWEEP, TOPK_SWEEP and SUM_SWEEP instead of the full table")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/kernels.py needs a CUDA GPU")
@@ -227,13 +318,22 @@ def main() -> None:
     for size in args.sizes_mb:
         buffers = Buffers.make(size)
         copy = copy_gbs(buffers)
+        if args.sweep:
+            for row in sweep(buffers, args.k_ratio, copy):
+                print(f"| {size:g} MB | {row.pop('kernel')} | {row.pop('tuning')} | "
+                      + " | ".join(f"{key} {value:.3f}" if isinstance(value, float) else f"{key} {value}"
+                                   for key, value in row.items()) + " |", flush=True)
+            del buffers
+            torch.cuda.empty_cache()
+            continue
         for kernels in implementations:
             rows.append(dict(size_mb=size, numel=buffers.numel, sets=len(buffers.buckets), copy_gbs=copy,
                              **bench_kernels(kernels, buffers, args.k_ratio)))
             print(rows[-1], flush=True)
         del buffers
         torch.cuda.empty_cache()
-    print_table(rows)
+    if rows:
+        print_table(rows)
 
 
 def print_table(rows: list[dict]) -> None:

@@ -21,8 +21,9 @@ are persistent tensors. What holds for every call:
   acc - that is exact because the two are within a factor of two; ranges where fp32 is
   subnormal, below ~1e-38, are outside this promise.)
 - Quantisation: a block's scale is its largest selected |acc| / 127; every sent entry's
-  |acc - code * scale| is at most scale / 2 (plus one fp32 rounding, 2**-24 relative). Entries
-  whose code rounds to 0 are not sent and stay in the residual.
+  |acc - code * scale| is at most scale * (1/2 + 2**-16) (the code is acc times the block's
+  correctly rounded reciprocal, rounded half-even). Entries whose code rounds to 0 are not sent
+  and stay in the residual.
 - Count: about k = k_ratio * numel entries, within the tolerance documented in kernels.plan;
   at most `capacity`, and any excess stays in the residual.
 - NaN or inf in bucket or residual raises NonFiniteGradientError (from compress at once, or from

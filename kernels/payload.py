@@ -6,11 +6,17 @@ settings) and hands each gathered row back through `CompressedBucket.with_payloa
 Layout (byte offsets; each array starts 16-byte aligned except the values):
 
     header   int32[4]            selected, nonfinite, threshold (fp32 bits), 0
-    indices  int32[capacity]     element index of each sent entry, ascending
+    offsets  int16[capacity]     quantised payloads: each sent entry's place inside its segment of
+                                 SEGMENT elements, entries in ascending element order
+ or indices  int32[capacity]     top-k selections: each entry's element index, ascending
     values   int8[capacity]      quantised codes (or raw values, for top-k)
     scales   float32[blocks]     one per `block` elements of the bucket: dequantised = code * scale
     starts   int32[segments]     with scales only: the first entry of each SEGMENT elements of the
-                                 bucket, so a receiver finds a segment's entries without a search
+                                 bucket; entry j lies in the segment s with starts[s] <= j < starts[s + 1]
+                                 (the last segment's entries end at the count sent)
+
+A quantised entry costs 3 bytes (offset and code), not 5 with an int32 index: the segment starts
+that tell a receiver where each segment's entries begin also give their offsets a base.
 
 `selected` counts the elements chosen; the first min(selected, capacity) entries are valid and
 the rest of the payload is zero. `nonfinite` counts NaN/inf elements seen, so every receiver can
@@ -30,8 +36,9 @@ HEADER_BYTES = 16
 QUANT_MAX = 127
 """Codes lie in [-127, 127]: symmetric, so a scale is max|value| / 127 and -128 is never used."""
 SEGMENT = 1 << 14
-"""Bucket elements per segment start: 4 bytes per 16384 elements, 0.5 % of a payload at k = 1 %.
-A multiple of every block size, so segments are whole scale blocks."""
+"""Bucket elements per segment start: 4 bytes per 16384 elements, 0.7 % of a payload at k = 1 %.
+A multiple of every block size, so segments are whole scale blocks; below 2**15, so an offset
+inside a segment fits an int16."""
 
 
 def _align16(offset: int) -> int:
@@ -58,8 +65,18 @@ class PayloadLayout:
         return -(-self.numel // SEGMENT) if self.block else 0
 
     @property
+    def index_dtype(self) -> torch.dtype:
+        """int16 offsets inside a segment for quantised payloads, int32 element indices for top-k."""
+        return torch.int16 if self.block else torch.int32
+
+    @property
+    def entry_bytes(self) -> int:
+        """Bytes per entry: its offset or index and its value."""
+        return self.index_dtype.itemsize + self.value_dtype.itemsize
+
+    @property
     def values_offset(self) -> int:
-        return HEADER_BYTES + 4 * self.capacity
+        return HEADER_BYTES + self.index_dtype.itemsize * self.capacity
 
     @property
     def scales_offset(self) -> int:
@@ -82,7 +99,8 @@ class CompressedBucket:
     header: torch.Tensor = field(init=False, repr=False)
     """int32[4] view: selected, nonfinite, threshold bits, 0."""
     indices: torch.Tensor = field(init=False, repr=False)
-    """int32[capacity] view."""
+    """int32[capacity] view of a top-k selection's element indices, or int16[capacity] of a
+    quantised payload's offsets inside their segments (element_indices() adds the bases)."""
     values: torch.Tensor = field(init=False, repr=False)
     """layout.value_dtype[capacity] view."""
     scales: torch.Tensor = field(init=False, repr=False)
@@ -99,7 +117,7 @@ class CompressedBucket:
         # Views made once: a comm hook touches them every step, and each view costs host time.
         values_end = layout.values_offset + layout.capacity * layout.value_dtype.itemsize
         object.__setattr__(self, "header", p[:HEADER_BYTES].view(torch.int32))
-        object.__setattr__(self, "indices", p[HEADER_BYTES:layout.values_offset].view(torch.int32))
+        object.__setattr__(self, "indices", p[HEADER_BYTES:layout.values_offset].view(layout.index_dtype))
         object.__setattr__(self, "values", p[layout.values_offset:values_end].view(layout.value_dtype))
         scales_end = layout.scales_offset + 4 * layout.num_blocks
         object.__setattr__(self, "scales", p[layout.scales_offset:scales_end].view(torch.float32))
@@ -127,6 +145,33 @@ class CompressedBucket:
     def sent(self) -> int:
         """Valid entries: those selected, up to capacity; waits for the device."""
         return min(self.counts()[0], self.capacity)
+
+    def entries(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(entry numbers, element indices) of the valid entries, int64, in segment order; waits for
+        the device. A quantised entry's segment is the one whose range of entries holds it, with the
+        starts clamped to the entries sent exactly as the decompress kernels clamp them, and an
+        offset that falls outside its segment (a corrupted payload) is left out."""
+        sent = max(self.sent(), 0)
+        if not self.layout.block:
+            entry = torch.arange(sent, device=self.payload.device)
+            index = self.indices[:sent].long()
+            return entry[(index >= 0) & (index < self.numel)], index[(index >= 0) & (index < self.numel)]
+        first = self.segment_starts.long().clamp(0, sent)
+        after = torch.cat([self.segment_starts[1:].long(), first.new_tensor([sent])])
+        last = torch.maximum(after.clamp(max=sent), first)
+        lengths = last - first
+        segment = torch.repeat_interleave(torch.arange(len(first), device=first.device), lengths)
+        before = torch.cumsum(lengths, 0) - lengths
+        entry = (torch.arange(int(lengths.sum()), device=first.device)
+                 + torch.repeat_interleave(first - before, lengths))
+        offset = self.indices[entry].long()
+        index = segment * SEGMENT + offset
+        valid = (offset >= 0) & (offset < SEGMENT) & (index < self.numel)
+        return entry[valid], index[valid]
+
+    def element_indices(self) -> torch.Tensor:
+        """Element index of every valid entry, int64, ascending for an uncorrupted payload."""
+        return self.entries()[1]
 
     def raise_if_nonfinite(self) -> None:
         """Raise NonFiniteGradientError if the bucket that made this payload held NaN or inf."""

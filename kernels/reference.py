@@ -98,7 +98,9 @@ def select(source: torch.Tensor, residual: torch.Tensor | None, plan: SelectionP
     index = chosen.nonzero().squeeze(1)
     out.header[0] = index.numel()
     sent = index[:out.capacity]
-    out.indices[:sent.numel()] = sent.to(torch.int32)
+    # A quantised entry carries its offset inside its segment; the segment starts give the base.
+    out.indices[:sent.numel()] = (sent.to(torch.int32) if out.layout.block is None
+                                  else (sent % SEGMENT).to(torch.int16))
     out.values[:sent.numel()] = stored[sent].to(out.layout.value_dtype)
     boundaries = torch.arange(out.layout.num_segments, device=index.device) * SEGMENT
     out.segment_starts.copy_(torch.searchsorted(index, boundaries).clamp_(max=out.capacity))
@@ -118,8 +120,11 @@ def _quantise(acc: torch.Tensor, chosen_magnitude: torch.Tensor, out: Compressed
     # multiplication by its reciprocal, which is not correctly rounded.
     scales = amax / torch.full_like(amax, QUANT_MAX)
     out.scales.copy_(scales)
+    # One correctly rounded reciprocal per block, then a multiply, as the kernel does (which says
+    # why acc - code * scale stays exact).
+    reciprocals = torch.ones_like(scales) / torch.where(scales > 0, scales, 1.0)
     scale = scales.repeat_interleave(block)[:acc.numel()]
-    codes = torch.round(acc / torch.where(scale > 0, scale, 1.0)).clamp_(-QUANT_MAX, QUANT_MAX)
+    codes = torch.round(acc * reciprocals.repeat_interleave(block)[:acc.numel()]).clamp_(-QUANT_MAX, QUANT_MAX)
     return torch.where(scale > 0, codes, 0.0), scale
 
 
@@ -130,12 +135,9 @@ def decompress_accumulate(dense_out: torch.Tensor, compressed: CompressedBucket)
 
 
 def _dequantised(compressed: CompressedBucket) -> tuple[torch.Tensor, torch.Tensor]:
-    """(indices, code * scale) of the valid entries."""
-    count = min(int(compressed.header[0]), compressed.capacity)
-    index, codes = compressed.indices[:count].long(), compressed.values[:count]
-    valid = (index >= 0) & (index < compressed.numel)
-    index, codes = index[valid], codes[valid]
-    return index, codes.float() * compressed.scales[index // compressed.layout.block]
+    """(element indices, code * scale) of the valid entries."""
+    entry, index = compressed.entries()
+    return index, compressed.values[entry].float() * compressed.scales[index // compressed.layout.block]
 
 
 def decompress_sum(dense_out: torch.Tensor, payloads: torch.Tensor, layout: PayloadLayout, divisor: float) -> None:

@@ -11,14 +11,15 @@ into four phases by program id, each waiting only for phases before it:
   count fine bins  histogram the next 12 bits of the sampled magnitudes inside the exponent that
                    holds the threshold (twice as many programs, half the runs each); the last to
                    finish turns the histograms into the threshold
-  quantise         the one pass over the bucket, a tile per program: reads bucket and residual,
-                   writes residual (12 bytes per fp32 element), compacts the tile's entries (index
-                   in the tile, code) into the tile's own slots of a scratch array, and adds its
-                   count to its group's word (a group is 2**18 elements)
+  quantise         the one pass over the bucket, `unit` tiles per program, each tile loaded while
+                   the one before is worked on: reads bucket and residual, writes residual (12
+                   bytes per fp32 element), compacts each tile's entries (index in the tile,
+                   code) into the tile's own slots of a scratch array, and adds the unit's count
+                   to its group's word (a group is 2**18 elements)
   place            a program per 32 tiles, its group's placing programs right after the next
-                   group's tiles: once its group is counted, sums the words of the groups before
+                   group's units: once its group is counted, sums the words of the groups before
                    and the counts of its group's tiles before its own, and moves its tiles'
-                   entries to the payload in ascending index order (about 8 bytes per entry), so
+                   entries to the payload in ascending index order (about 6 bytes per entry), so
                    Triton and the twin give the same payload bytes; only the last group's placing
                    is left when the pass over the bucket ends
 A program that waits spins on a counter that programs of lower id advance. The GPU starts a
@@ -33,25 +34,29 @@ its tile before it waits for the threshold, so the first wave's reads overlap th
 computation. Per call: a memset and one launch, against a memset, five Triton kernels and a
 torch.cumsum (two CUB kernels) before.
 The quantise pass holds few registers per element, so many programs fit on each
-multiprocessor and enough loads are in flight to stream: an earlier design that placed entries
-in the payload from the quantising programs held ~16 registers per element and stalled at ~35 %
-of copy bandwidth (measured), and one slot-claiming atomic per tile on a single counter
-serialised another. Every other phase keeps to no more registers than the quantise pass (80
+multiprocessor and enough loads are in flight to stream (Tuning says how the pass is cut): an
+earlier design that placed entries in the payload from the quantising programs held ~16
+registers per element and stalled at ~35 % of copy bandwidth (measured), and one slot-claiming
+atomic per tile on a single counter serialised another. Every other phase keeps to no more registers than the quantise pass (80
 at block 1024 compiled for sm_90 by triton 3.6, as the separate quantise kernel before), so the
 fusion costs no occupancy. The scratch array costs memory (4 bytes per element, allocated per
-call) but almost no traffic: only the ~k entries are written.
+call; top-k allocates a second one, of its input's dtype, for the values) but almost no
+traffic: only the ~k entries are written. Cutting the pass differently was measured and lost
+(benchmarks/RESULTS.md): several tiles per program (more registers, fewer programs per
+multiprocessor), larger top-k tiles, evict-first hints on the streamed lines.
 
-decompress_accumulate() adds each entry into its dense element: one read-modify-write of a
-32-byte sector per entry, since at k = 1 % entries are about 100 elements apart.
 decompress_sum() writes a bucket from several ranks' payloads, a program per SEGMENT (16384
 elements): the segment is zeroed in cache, every rank's entries for it are loaded at once (the
-payload says where each segment's entries begin), added rank by rank, and the segment reaches
-DRAM once.
+payload says where each segment's entries begin, and their offsets count from the segment's
+start), added rank by rank, and the segment reaches DRAM once. decompress_accumulate() is the
+same kernel over one payload, adding to the bucket instead of zeroing it: one read-modify-write
+of a 32-byte sector per entry, since at k = 1 % entries are about 100 elements apart.
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -89,27 +94,47 @@ _QUANT_MAX = tl.constexpr(float(QUANT_MAX))
 _ROUND_MAGIC = tl.constexpr(12582912.0)
 """1.5 * 2**23: (x + it) - it rounds x half-to-even for |x| < 2**22, as torch.round does."""
 
-TOPK_TILE = 1024
-"""Elements per quantising program when there are no scale blocks (top-k alone)."""
-ELEMENTS_PER_THREAD = 16
-"""Sets the selection kernel's warps. Measured on an H200 at 400 MB, for the quantising pass
-alone: blocks of 1024 with 16 elements a thread (2 warps, ~80 registers, 12 programs per
-multiprocessor) streamed at 85 % of copy bandwidth; 32 a thread, 68 %; blocks of 4096 with
-8 or 4 warps, 62 % and 51 %; with 16 warps (one program per multiprocessor), about a third.
-Every phase of the kernel keeps to about as many elements a thread, so none needs more
-registers than the quantise pass."""
+@dataclass(frozen=True, slots=True)
+class Tuning:
+    """How the selection kernel cuts its one pass over the bucket into programs."""
+    tile: int
+    """Elements a quantising program selects from at a time (for compress, its scale block instead)."""
+    unit: int
+    """Tiles per quantising program, each loaded while the one before is worked on."""
+    elements_per_thread: int
+    """Sets the warps: tile // (32 * elements_per_thread). Measured on an H200 at 400 MB, for the
+    quantising pass alone with one tile per program: blocks of 1024 with 16 elements a thread
+    (2 warps, ~80 registers, 12 programs per multiprocessor) streamed at 85 % of copy bandwidth;
+    32 a thread, 68 %; blocks of 4096 with 8 or 4 warps, 62 % and 51 %; with 16 warps (one
+    program per multiprocessor), about a third."""
+
+    evict_first: bool = False
+    """Hint the bucket's and residual's lines out of L2 first: they are streamed once, while the
+    scratch and the group words are read back."""
+
+    def warps(self, tile: int) -> int:
+        return max(1, min(16, tile // (32 * self.elements_per_thread)))
+
+
+COMPRESS_TUNING = Tuning(tile=0, unit=1, elements_per_thread=16)
+TOPK_TUNING = Tuning(tile=1024, unit=2, elements_per_thread=16)
 PLACE_ROWS = 32
 PLACE_WIDTH = 8
 """A placing program moves the entries of 32 tiles, 8 per tile at a time."""
 _WORDS = tl.constexpr(256)
 """Group words a placing program reads at a time while it sums the groups before its own."""
-SUM_RANKS = 8
-"""Ranks whose entries for a segment a summing program loads at once before adding them in order."""
-SUM_CHUNK = 256
-"""Entries per rank loaded at once: at k = 1 % a segment holds about 164 per rank; more are
-added from a loop."""
+@dataclass(frozen=True, slots=True)
+class SumTuning:
+    ranks: int
+    """Ranks whose entries for a segment a summing program loads at once before adding them in order."""
+    chunk: int
+    """Entries per rank loaded at once: at k = 1 % a segment holds about 164 per rank; more are
+    added from a loop."""
+    warps: int
+
+
+SUM_TUNING = SumTuning(ranks=8, chunk=256, warps=8)
 SUM_PIECE = 2048
-SUM_WARPS = 8
 
 
 @triton.jit
@@ -211,35 +236,46 @@ def _count_fine_bins(source_ptr, residual_ptr, workspace_ptr, header_ptr, progra
 
 
 @triton.jit
-def _quantise_tile(source_ptr, residual_ptr, workspace_ptr, header_ptr, scales_ptr, scratch_ptr, tile, numel, tiles,
-                   COMPRESS: tl.constexpr, TILE: tl.constexpr):
+def _load_tile(source_ptr, residual_ptr, tile, numel, COMPRESS: tl.constexpr, TILE: tl.constexpr,
+               EVICT: tl.constexpr):
     offsets = tile * TILE + tl.arange(0, TILE)
     inside = offsets < numel
-    acc = tl.load(source_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+    acc = tl.load(source_ptr + offsets, mask=inside, other=0.0, eviction_policy=EVICT).to(tl.float32)
     if COMPRESS:
-        acc += tl.load(residual_ptr + offsets, mask=inside, other=0.0)
-    copy = workspace_ptr + _THRESHOLD + 32 * (tile % _COPIES)
-    published = tl.load(copy, volatile=True)
-    while published == 0:
-        published = tl.load(copy, volatile=True)
-    threshold = (published - 1).to(tl.float32, bitcast=True)
-    exponent = (acc.to(tl.int32, bitcast=True) >> _EXPONENT_SHIFT) & 0xFF
-    nonfinite = tl.sum((exponent == _NONFINITE_EXPONENT).to(tl.int32), 0)
+        acc += tl.load(residual_ptr + offsets, mask=inside, other=0.0, eviction_policy=EVICT)
+    return acc
+
+
+@triton.jit
+def _quantise_tile(acc, threshold, residual_ptr, header_ptr, scales_ptr, scratch_ptr, tile, numel, tiles,
+                   COMPRESS: tl.constexpr, TILE: tl.constexpr, EVICT: tl.constexpr):
+    """Selects and quantises one tile already loaded as acc; returns how many entries it keeps.
+    A tile past the bucket (the last unit's spare) has acc all zero and keeps none."""
+    offsets = tile * TILE + tl.arange(0, TILE)
+    inside = offsets < numel
+    magnitude = tl.abs(acc)
+    # NaN and inf are the magnitudes not below inf. Counted and reduced here, not with the
+    # entries at the end: a flag held across the tile's work costs registers, hence occupancy.
+    nonfinite = tl.sum((~(magnitude < float("inf"))).to(tl.int32), 0)
     if nonfinite > 0:
         tl.atomic_add(header_ptr + 1, nonfinite, sem="relaxed")
-    magnitude = tl.abs(acc)
     chosen = (magnitude >= threshold) & (magnitude > 0.0)
     if COMPRESS:
         scale = tl.div_rn(tl.max(tl.where(chosen, magnitude, 0.0), 0), _QUANT_MAX)
-        tl.store(scales_ptr + tile, scale)
-        # Correctly rounded division and half-even rounding, as torch does: then a code of 1
-        # means |acc| > scale / 2, and acc - code * scale is exact (Sterbenz), which is what
-        # makes the residual update lossless.
-        ratio = tl.div_rn(acc, tl.where(scale > 0.0, scale, 1.0))
+        tl.store(scales_ptr + tile, scale, mask=tile < tiles)
+        # One correctly rounded reciprocal per tile, then a multiply per element instead of a
+        # division (fewer instructions: the pass is bound by its integer and logic pipe as much
+        # as by memory), and half-even rounding, as the twin does. The code is within
+        # 0.5 + 2**-16 of acc / scale, and acc - code * scale is exact (Sterbenz) when
+        # |acc| >= |code * scale| / 2: true for |code| >= 2, and for a code of ±1 too, since the
+        # rounded product exceeds 0.5 (a tie at 0.5 rounds to 0) only if
+        # |acc| * (1/scale) (1 + 2**-24) > 0.5 (1 + 2**-24). That exactness is what makes the
+        # residual update lossless.
+        ratio = acc * tl.div_rn(1.0, tl.where(scale > 0.0, scale, 1.0))
         codes = tl.minimum(tl.maximum((ratio + _ROUND_MAGIC) - _ROUND_MAGIC, -_QUANT_MAX), _QUANT_MAX)
         codes = tl.where(scale > 0.0, tl.where(chosen, codes, 0.0), 0.0)
         chosen = codes != 0.0
-        tl.store(residual_ptr + offsets, acc - codes * scale, mask=inside)
+        tl.store(residual_ptr + offsets, acc - codes * scale, mask=inside, eviction_policy=EVICT)
         entry = (tl.arange(0, TILE) | ((codes.to(tl.int32) & 0xFF) << 16))
     else:
         entry = tl.arange(0, TILE)
@@ -247,12 +283,36 @@ def _quantise_tile(source_ptr, residual_ptr, workspace_ptr, header_ptr, scales_p
     # is needed to place them, so no atomics and no second pass over the bucket.
     count = tl.sum(chosen.to(tl.int32), 0)
     tl.store(scratch_ptr + tile * TILE + tl.cumsum(chosen.to(tl.int32), 0) - 1, entry, mask=chosen)
-    tl.store(scratch_ptr + tiles * TILE + tile, count)
+    tl.store(scratch_ptr + tiles * TILE + tile, count, mask=tile < tiles)
+    return count
+
+
+@triton.jit
+def _quantise_unit(source_ptr, residual_ptr, workspace_ptr, header_ptr, scales_ptr, scratch_ptr, first_tile, numel,
+                   tiles, COMPRESS: tl.constexpr, TILE: tl.constexpr, UNIT: tl.constexpr, EVICT: tl.constexpr):
+    """Quantises UNIT consecutive tiles, each loaded while the one before is worked on, and counts
+    them into their group's word with one atomic: fewer programs, each with loads in flight for
+    more of its life, and one release per UNIT tiles."""
+    acc = _load_tile(source_ptr, residual_ptr, first_tile, numel, COMPRESS, TILE, EVICT)
+    copy = workspace_ptr + _THRESHOLD + 32 * (first_tile // UNIT % _COPIES)
+    published = tl.load(copy, volatile=True)
+    while published == 0:
+        published = tl.load(copy, volatile=True)
+    threshold = (published - 1).to(tl.float32, bitcast=True)
+    total = 0
+    for step in tl.static_range(UNIT):
+        if step + 1 < UNIT:
+            following = _load_tile(source_ptr, residual_ptr, first_tile + step + 1, numel, COMPRESS, TILE, EVICT)
+        total += _quantise_tile(acc, threshold, residual_ptr, header_ptr, scales_ptr, scratch_ptr, first_tile + step,
+                                numel, tiles, COMPRESS, TILE, EVICT)
+        if step + 1 < UNIT:
+            acc = following
     tl.debug_barrier()
     # One word per group: entries in the low half, tiles done in the high half, so a placing
     # program reads both at once. Fire-and-forget, and spread over a word per 2**18 elements.
-    word_ptr = (workspace_ptr + _GROUP_WORDS).to(tl.pointer_type(tl.int64)) + tile * TILE // _GROUP_ELEMENTS
-    tl.atomic_add(word_ptr, count.to(tl.int64) + (1 << 32), sem="release")
+    word_ptr = (workspace_ptr + _GROUP_WORDS).to(tl.pointer_type(tl.int64)) + first_tile * TILE // _GROUP_ELEMENTS
+    done = tl.minimum(tiles - first_tile, UNIT)
+    tl.atomic_add(word_ptr, total.to(tl.int64) + (done.to(tl.int64) << 32), sem="release")
 
 
 @triton.jit
@@ -301,8 +361,8 @@ def _place_tiles(source_ptr, residual_ptr, workspace_ptr, header_ptr, scales_ptr
         index = row[:, None] * TILE + (entry & 0xFFFF)
         slot = first[:, None] + j[None, :]
         fits = live & (slot < capacity)
-        tl.store(indices_ptr + slot, index, mask=fits)
         if COMPRESS:
+            tl.store(indices_ptr + slot, (index & (_SEGMENT - 1)).to(tl.int16), mask=fits)  # offset in its segment
             code = (entry << 8) >> 24  # the signed byte packed at bits 16..23
             tl.store(values_ptr + slot, code.to(tl.int8), mask=fits)
             # Past capacity: give the value back to the residual, which holds acc - code * scale;
@@ -312,40 +372,49 @@ def _place_tiles(source_ptr, residual_ptr, workspace_ptr, header_ptr, scales_ptr
             kept = tl.load(residual_ptr + index, mask=lost, other=0.0, cache_modifier=".cg")
             tl.store(residual_ptr + index, kept + code.to(tl.float32) * scale[:, None], mask=lost)
         else:
+            tl.store(indices_ptr + slot, index, mask=fits)
             tl.store(values_ptr + slot, tl.load(source_ptr + index, mask=fits, other=0.0), mask=fits)
     if first_tile + ROWS >= tiles:
         tl.store(header_ptr, tl.sum(tl.where(row == tiles - 1, first + count, 0), 0))
 
 
 @triton.jit
-def _tile_or_rows(program, tiles, TILES_PER_GROUP: tl.constexpr, ROWS: tl.constexpr):
-    """(whether to place, tile to quantise or first of the tiles to place) for the program-th
-    program after the sample's. Each group's tiles are followed by the placing programs of the
-    group before, so a group is placed while the next streams and only the last group's placing
-    is left at the end:
-        [tiles of group 0] [tiles of 1 | place 0] ... [tiles of G-1 | place G-2] [place G-1]"""
+def _unit_or_rows(program, tiles, TILES_PER_GROUP: tl.constexpr, UNIT: tl.constexpr, ROWS: tl.constexpr):
+    """(whether to place, first tile to quantise or to place) for the program-th program after the
+    sample's. A quantising program takes UNIT tiles, a placing one ROWS tiles' entries. Each
+    group's units are followed by the placing programs of the group before, so a group is placed
+    while the next streams and only the last group's placing is left at the end:
+        [units of group 0] [units of 1 | place 0] ... [units of G-1 | place G-2] [place G-1]"""
+    UNITS: tl.constexpr = TILES_PER_GROUP // UNIT
     PLACES: tl.constexpr = TILES_PER_GROUP // ROWS
-    BLOCK: tl.constexpr = TILES_PER_GROUP + PLACES
+    BLOCK: tl.constexpr = UNITS + PLACES
     groups = tl.cdiv(tiles, TILES_PER_GROUP)
-    last_tiles = tiles - (groups - 1) * TILES_PER_GROUP
-    last_block = tl.where(groups > 1, TILES_PER_GROUP + (groups - 2) * BLOCK, 0)
+    last_units = tl.cdiv(tiles - (groups - 1) * TILES_PER_GROUP, UNIT)
+    last_block = tl.where(groups > 1, UNITS + (groups - 2) * BLOCK, 0)
     if program < last_block:
-        rest = program - TILES_PER_GROUP
+        rest = program - UNITS
         group = 1 + rest // BLOCK
         offset = rest % BLOCK
-        place = (program >= TILES_PER_GROUP) & (offset >= TILES_PER_GROUP)
-        tile = tl.where(program < TILES_PER_GROUP, program, group * TILES_PER_GROUP + offset)
-        index = tl.where(place, (group - 1) * TILES_PER_GROUP + (offset - TILES_PER_GROUP) * ROWS, tile)
+        place = (program >= UNITS) & (offset >= UNITS)
+        tile = tl.where(program < UNITS, program * UNIT, group * TILES_PER_GROUP + offset * UNIT)
+        index = tl.where(place, (group - 1) * TILES_PER_GROUP + (offset - UNITS) * ROWS, tile)
     else:
-        # The last group's tiles, the places of the group before it (if any), then its own.
+        # The last group's units, the places of the group before it (if any), then its own.
         offset = program - last_block
-        place = offset >= last_tiles
-        rows = offset - last_tiles
+        place = offset >= last_units
+        rows = offset - last_units
         before = tl.where(groups > 1, PLACES, 0)
         first_row = tl.where(rows < before, (groups - 2) * TILES_PER_GROUP + rows * ROWS,
                              (groups - 1) * TILES_PER_GROUP + (rows - before) * ROWS)
-        index = tl.where(place, first_row, (groups - 1) * TILES_PER_GROUP + offset)
+        index = tl.where(place, first_row, (groups - 1) * TILES_PER_GROUP + offset * UNIT)
     return place, index
+
+
+def selection_programs(tiles: int, unit: int, tiles_per_group: int) -> int:
+    """Quantising and placing programs for `tiles` tiles, as _unit_or_rows lays them out."""
+    groups = triton.cdiv(tiles, tiles_per_group)
+    last_tiles = tiles - (groups - 1) * tiles_per_group
+    return (groups - 1) * (tiles_per_group // unit) + triton.cdiv(last_tiles, unit) + triton.cdiv(tiles, PLACE_ROWS)
 
 
 # Counts that vary from bucket to bucket are not specialised on (Triton would compile a variant for
@@ -353,32 +422,33 @@ def _tile_or_rows(program, tiles, TILES_PER_GROUP: tl.constexpr, ROWS: tl.conste
 @triton.jit(do_not_specialize=["capacity", "tiles", "sample_chunks", "chunk_slots", "sample_need", "sample_programs"])
 def _select_kernel(source_ptr, residual_ptr, workspace_ptr, header_ptr, scales_ptr, starts_ptr, indices_ptr,
                    values_ptr, scratch_ptr, numel, capacity, tiles, sample_chunks, chunk_slots, sample_need,
-                   sample_programs, COMPRESS: tl.constexpr, TILE: tl.constexpr, ROWS: tl.constexpr,
-                   WIDTH: tl.constexpr):
-    # Phases by program id: [exponents | fine bins, twice as many | quantise a tile each, interleaved
-    # group by group with place ROWS tiles each].
+                   sample_programs, COMPRESS: tl.constexpr, TILE: tl.constexpr, UNIT: tl.constexpr,
+                   ROWS: tl.constexpr, WIDTH: tl.constexpr, EVICT: tl.constexpr):
+    # Phases by program id: [exponents | fine bins, twice as many | quantise UNIT tiles each,
+    # interleaved group by group with place ROWS tiles each].
     program = tl.program_id(0)
-    chunks: tl.constexpr = TILE // _SAMPLE_CHUNK  # sample runs per program: a tile's worth of elements
+    runs: tl.constexpr = TILE // _SAMPLE_CHUNK  # sample runs per program: a tile's worth of elements
     if program < sample_programs:
         _count_exponents(source_ptr, residual_ptr, workspace_ptr, program, numel, sample_chunks, chunk_slots,
-                         COMPRESS, chunks)
+                         COMPRESS, runs)
     elif program < 3 * sample_programs:
         _count_fine_bins(source_ptr, residual_ptr, workspace_ptr, header_ptr, program - sample_programs, numel,
-                         sample_chunks, chunk_slots, sample_need, sample_programs, COMPRESS, chunks)
+                         sample_chunks, chunk_slots, sample_need, sample_programs, COMPRESS, runs)
     else:
-        place, index = _tile_or_rows(program - 3 * sample_programs, tiles, _GROUP_ELEMENTS // TILE, ROWS)
+        place, index = _unit_or_rows(program - 3 * sample_programs, tiles, _GROUP_ELEMENTS // TILE, UNIT, ROWS)
         if place:
             _place_tiles(source_ptr, residual_ptr, workspace_ptr, header_ptr, scales_ptr, starts_ptr, indices_ptr,
                          values_ptr, scratch_ptr, index, tiles, capacity, COMPRESS, TILE, ROWS, WIDTH)
         else:
-            _quantise_tile(source_ptr, residual_ptr, workspace_ptr, header_ptr, scales_ptr, scratch_ptr, index, numel,
-                           tiles, COMPRESS, TILE)
+            _quantise_unit(source_ptr, residual_ptr, workspace_ptr, header_ptr, scales_ptr, scratch_ptr, index, numel,
+                           tiles, COMPRESS, TILE, UNIT, EVICT)
 
 
 def select(source: torch.Tensor, residual: torch.Tensor | None, plan: SelectionPlan, out: CompressedBucket,
            workspace: torch.Tensor) -> None:
     compress = residual is not None
-    tile = out.layout.block if compress else TOPK_TILE
+    tuning = COMPRESS_TUNING if compress else TOPK_TUNING
+    tile = out.layout.block if compress else tuning.tile
     tiles = triton.cdiv(plan.numel, tile)
     sample_programs = triton.cdiv(plan.sample_chunks, tile // SAMPLE_CHUNK)
     # Scratch: a slot per element for the entries each tile compacts into its own slots (only
@@ -386,74 +456,70 @@ def select(source: torch.Tensor, residual: torch.Tensor | None, plan: SelectionP
     scratch = torch.empty(tiles * (tile + 1), dtype=torch.int32, device=source.device)
     residual_or_source = residual if compress else source
     scales, starts = (out.scales, out.segment_starts) if compress else (scratch, scratch)
+    programs = 3 * sample_programs + selection_programs(tiles, tuning.unit, GROUP_ELEMENTS // tile)
     with _on_device(source):
         # No fused multiply-add: acc - code * scale must round code * scale first, exactly as
         # the receiver's dequantisation does, or the residual would not be exact.
-        _select_kernel[(3 * sample_programs + tiles + triton.cdiv(tiles, PLACE_ROWS),)](
+        _select_kernel[(programs,)](
             source, residual_or_source, workspace, out.header, scales, starts, out.indices, out.values, scratch,
             plan.numel, out.capacity, tiles, plan.sample_chunks, plan.chunk_slots, plan.sample_need,
-            sample_programs, COMPRESS=compress, TILE=tile, ROWS=PLACE_ROWS, WIDTH=PLACE_WIDTH,
-            num_warps=max(1, min(16, tile // (32 * ELEMENTS_PER_THREAD))), enable_fp_fusion=False)
-
-
-@triton.jit
-def _decompress_kernel(header_ptr, indices_ptr, values_ptr, scales_ptr, out_ptr, numel, capacity,
-                       BLOCK: tl.constexpr, TILE: tl.constexpr):
-    entry = tl.program_id(0) * TILE + tl.arange(0, TILE)
-    valid = entry < tl.minimum(tl.load(header_ptr), capacity)
-    index = tl.load(indices_ptr + entry, mask=valid, other=0)
-    valid = valid & (index >= 0) & (index < numel)
-    code = tl.load(values_ptr + entry, mask=valid, other=0).to(tl.float32)
-    scale = tl.load(scales_ptr + index // BLOCK, mask=valid, other=0.0)
-    # Indices within one payload are distinct, so a plain read-modify-write is race-free and
-    # the sum is deterministic; payloads from several ranks are applied one launch each.
-    current = tl.load(out_ptr + index, mask=valid, other=0.0)
-    tl.store(out_ptr + index, current + code * scale, mask=valid)
+            sample_programs, COMPRESS=compress, TILE=tile, UNIT=tuning.unit, ROWS=PLACE_ROWS, WIDTH=PLACE_WIDTH,
+            EVICT="evict_first" if tuning.evict_first else "", num_warps=tuning.warps(tile), enable_fp_fusion=False)
 
 
 def decompress_accumulate(dense_out: torch.Tensor, compressed: CompressedBucket) -> None:
-    with _on_device(dense_out):
-        _decompress_kernel[(triton.cdiv(compressed.capacity, 1024),)](
-            compressed.header, compressed.indices, compressed.values, compressed.scales, dense_out,
-            compressed.numel, compressed.capacity, BLOCK=compressed.layout.block, TILE=1024,
-            num_warps=4, enable_fp_fusion=False)
+    # decompress_sum of one row that adds to what dense_out holds: times 1.0 is exact, so each
+    # element gets the twin's one addition.
+    _decompress(dense_out, compressed.payload.view(1, -1), compressed.layout, 1.0, accumulate=True)
 
 
 @triton.jit
-def _add_entries(payloads_ptr, row_bytes, out_ptr, rank, first, last, low, high, inverse,
-                 INDICES_OFFSET: tl.constexpr, VALUES_OFFSET: tl.constexpr, SCALES_OFFSET: tl.constexpr,
-                 BLOCK: tl.constexpr, SCALE_FIRST: tl.constexpr, CHUNK: tl.constexpr):
-    """out[index] += value for one rank's entries first..last, CHUNK at a time."""
-    row = payloads_ptr + row_bytes.to(tl.int64) * rank
+def _add_entries(row, out_ptr, first, last, low, high, inverse, INDICES_OFFSET: tl.constexpr,
+                 VALUES_OFFSET: tl.constexpr, SCALES_OFFSET: tl.constexpr, BLOCK: tl.constexpr,
+                 SCALE_FIRST: tl.constexpr, CHUNK: tl.constexpr):
+    """out[index] += value for one payload row's entries first..last of the segment low..high, CHUNK at a time."""
     for start in range(first, last, CHUNK):
         entry = start + tl.arange(0, CHUNK)
         live = entry < last
-        index = tl.load((row + INDICES_OFFSET).to(tl.pointer_type(tl.int32)) + entry, mask=live, other=low)
-        live = live & (index >= low) & (index < high)
-        code = tl.load((row + VALUES_OFFSET).to(tl.pointer_type(tl.int8)) + entry, mask=live, other=0)
-        value = code.to(tl.float32) * tl.load((row + SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + index // BLOCK,
-                                              mask=live, other=0.0)
-        if SCALE_FIRST:
-            value = value * inverse
+        index, value, live = _dequantise(row, entry, live, low, high, inverse, INDICES_OFFSET, VALUES_OFFSET,
+                                         SCALES_OFFSET, BLOCK, SCALE_FIRST)
         current = tl.load(out_ptr + index, mask=live, other=0.0)
         tl.store(out_ptr + index, current + value, mask=live)
+
+
+@triton.jit
+def _dequantise(row, entry, live, low, high, inverse, INDICES_OFFSET: tl.constexpr, VALUES_OFFSET: tl.constexpr,
+                SCALES_OFFSET: tl.constexpr, BLOCK: tl.constexpr, SCALE_FIRST: tl.constexpr):
+    """(element index, code * scale, valid) of entries of the segment starting at element low; an
+    offset outside the segment (a corrupted payload) is not valid."""
+    offset = tl.load((row + INDICES_OFFSET).to(tl.pointer_type(tl.int16)) + entry, mask=live, other=-1).to(tl.int32)
+    index = low + offset
+    live = live & (offset >= 0) & (index < high)
+    code = tl.load((row + VALUES_OFFSET).to(tl.pointer_type(tl.int8)) + entry, mask=live, other=0)
+    value = code.to(tl.float32) * tl.load((row + SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + index // BLOCK,
+                                          mask=live, other=0.0)
+    if SCALE_FIRST:
+        value = value * inverse
+    return index, value, live
 
 
 @triton.jit(do_not_specialize=["ranks", "segments", "capacity"])
 def _decompress_sum_kernel(payloads_ptr, row_bytes, out_ptr, numel, ranks, segments, capacity, divisor, inverse,
                            INDICES_OFFSET: tl.constexpr, VALUES_OFFSET: tl.constexpr, SCALES_OFFSET: tl.constexpr,
                            STARTS_OFFSET: tl.constexpr, BLOCK: tl.constexpr, SCALE_FIRST: tl.constexpr,
-                           RANKS: tl.constexpr, CHUNK: tl.constexpr, PIECE: tl.constexpr):
-    # One program per segment. The segment is zeroed, each rank's entries in it are added in rank
-    # order (read-modify-write of lines this program just wrote, so the scattered accesses hit
-    # cache, not DRAM) and, unless the values were scaled first, the sum is divided; DRAM sees
-    # the payload entries read and the bucket written once.
+                           ACCUMULATE: tl.constexpr, RANKS: tl.constexpr, CHUNK: tl.constexpr,
+                           PIECE: tl.constexpr):
+    # One program per segment. The segment is zeroed (unless accumulating), each rank's entries in
+    # it are added in rank order (read-modify-write of lines this program just wrote, so the
+    # scattered accesses hit cache, not DRAM) and, unless the values were scaled first, the sum is
+    # divided; DRAM sees the payload entries read and the bucket written once.
     segment = tl.program_id(0)
     low = segment * _SEGMENT
     high = tl.minimum(low + _SEGMENT, numel)
-    for piece in range(low, high, PIECE):
-        offsets = piece + tl.arange(0, PIECE)
-        tl.store(out_ptr + offsets, tl.zeros([PIECE], dtype=tl.float32), mask=offsets < high)
+    if not ACCUMULATE:
+        for piece in range(low, high, PIECE):
+            offsets = piece + tl.arange(0, PIECE)
+            tl.store(out_ptr + offsets, tl.zeros([PIECE], dtype=tl.float32), mask=offsets < high)
     lanes = tl.arange(0, RANKS)
     for first_rank in range(0, ranks, RANKS):
         # RANKS ranks' segment bounds and first CHUNK entries are loaded together, before any is
@@ -471,17 +537,10 @@ def _decompress_sum_kernel(payloads_ptr, row_bytes, out_ptr, numel, ranks, segme
         first = tl.minimum(tl.maximum(first, 0), sent)
         last = tl.minimum(tl.maximum(last, first), sent)
         entry = first[:, None] + tl.arange(0, CHUNK)[None, :]
-        live = rank_live[:, None] & (entry < last[:, None])
-        index = tl.load((row + INDICES_OFFSET).to(tl.pointer_type(tl.int32))[:, None] + entry, mask=live, other=low)
-        live = live & (index >= low) & (index < high)
-        code = tl.load((row + VALUES_OFFSET).to(tl.pointer_type(tl.int8))[:, None] + entry, mask=live, other=0)
-        scale = tl.load((row + SCALES_OFFSET).to(tl.pointer_type(tl.float32))[:, None] + index // BLOCK, mask=live,
-                        other=0.0)
-        value = code.to(tl.float32) * scale
-        if SCALE_FIRST:
-            value = value * inverse
+        index, value, live = _dequantise(row[:, None], entry, rank_live[:, None] & (entry < last[:, None]), low, high,
+                                         inverse, INDICES_OFFSET, VALUES_OFFSET, SCALES_OFFSET, BLOCK, SCALE_FIRST)
         tl.debug_barrier()  # the zeros are in place
-        for lane in range(RANKS):
+        for lane in range(tl.minimum(ranks - first_rank, RANKS)):
             # This rank's row of the tile (the others masked off), then its entries past the first
             # CHUNK; the barrier orders ranks that share an element.
             here = live & (lanes == lane)[:, None]
@@ -489,8 +548,8 @@ def _decompress_sum_kernel(payloads_ptr, row_bytes, out_ptr, numel, ranks, segme
             tl.store(out_ptr + index, current + value, mask=here)
             rank_first = tl.sum(tl.where(lanes == lane, first, 0), 0) + CHUNK
             rank_last = tl.sum(tl.where(lanes == lane, last, 0), 0)
-            _add_entries(payloads_ptr, row_bytes, out_ptr, first_rank + lane, rank_first, rank_last, low, high, inverse,
-                         INDICES_OFFSET, VALUES_OFFSET, SCALES_OFFSET, BLOCK, SCALE_FIRST, CHUNK)
+            _add_entries(payloads_ptr + row_bytes.to(tl.int64) * (first_rank + lane), out_ptr, rank_first, rank_last,
+                         low, high, inverse, INDICES_OFFSET, VALUES_OFFSET, SCALES_OFFSET, BLOCK, SCALE_FIRST, CHUNK)
             tl.debug_barrier()
     if not SCALE_FIRST:
         for piece in range(low, high, PIECE):
@@ -501,14 +560,19 @@ def _decompress_sum_kernel(payloads_ptr, row_bytes, out_ptr, numel, ranks, segme
 
 
 def decompress_sum(dense_out: torch.Tensor, payloads: torch.Tensor, layout: PayloadLayout, divisor: float) -> None:
+    _decompress(dense_out, payloads, layout, divisor, accumulate=False)
+
+
+def _decompress(dense_out: torch.Tensor, payloads: torch.Tensor, layout: PayloadLayout, divisor: float, *,
+                accumulate: bool) -> None:
     segments = layout.num_segments
     with _on_device(dense_out):
         _decompress_sum_kernel[(segments,)](
             payloads, payloads.shape[1], dense_out, layout.numel, payloads.shape[0], segments, layout.capacity,
             float(divisor), 1.0 / divisor, INDICES_OFFSET=HEADER_BYTES, VALUES_OFFSET=layout.values_offset,
             SCALES_OFFSET=layout.scales_offset, STARTS_OFFSET=layout.starts_offset, BLOCK=layout.block,
-            SCALE_FIRST=power_of_two(divisor), RANKS=SUM_RANKS, CHUNK=SUM_CHUNK, PIECE=SUM_PIECE,
-            num_warps=SUM_WARPS, enable_fp_fusion=False)
+            SCALE_FIRST=power_of_two(divisor), ACCUMULATE=accumulate, RANKS=SUM_TUNING.ranks,
+            CHUNK=SUM_TUNING.chunk, PIECE=SUM_PIECE, num_warps=SUM_TUNING.warps, enable_fp_fusion=False)
 
 
 def _on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:

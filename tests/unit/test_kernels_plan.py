@@ -55,19 +55,20 @@ def test_impossible_plans_are_refused(numel, k):
 
 def test_payload_layout_aligns_arrays_for_vector_access():
     layout = PayloadLayout(numel=40_000, capacity=401, value_dtype=torch.int8, block=4096)
-    assert layout.values_offset == 16 + 4 * 401
+    assert layout.values_offset == 16 + 2 * 401 and layout.entry_bytes == 3  # int16 offset, int8 code
     assert layout.scales_offset % 16 == 0 and layout.scales_offset >= layout.values_offset + 401
     assert layout.num_blocks == 10 and layout.starts_offset == layout.scales_offset + 48
     assert layout.num_segments == 3 and layout.nbytes == layout.starts_offset + 16
     raw = PayloadLayout(numel=10_000, capacity=100, value_dtype=torch.bfloat16, block=None)
-    assert raw.num_blocks == raw.num_segments == 0 and raw.nbytes == 16 + 400 + 208
+    assert raw.num_blocks == raw.num_segments == 0 and raw.nbytes == 16 + 400 + 208 and raw.entry_bytes == 6
 
 
 def test_segment_starts_say_where_each_segment_of_the_bucket_begins_in_the_entries():
     from kernels import compress
     n = 3 * SEGMENT + 5
     c = compress(torch.randn(n, generator=torch.Generator().manual_seed(4)), torch.zeros(n), 0.02)
-    index = c.indices[:c.sent()].long()
+    index = c.element_indices()
+    assert torch.equal(c.indices[:c.sent()].long(), index % SEGMENT)
     want = [int((index < s * SEGMENT).sum()) for s in range(4)]
     assert c.segment_starts.tolist() == want and want[0] == 0 < want[1] < want[2] < want[3] <= c.sent()
     tied = compress(torch.ones(n), torch.zeros(n), 0.02)  # every element selected; capacity caps the starts

@@ -39,6 +39,12 @@ from kernels import reference, triton_kernels
 from kernels.payload import PayloadLayout, allocate
 from kernels.plan import SelectionPlan
 
+# The tuning under test (how the selection pass and decompress_sum are cut into programs).
+tuning = json.loads(sys.argv[1])
+triton_kernels.COMPRESS_TUNING = triton_kernels.Tuning(**tuning["compress"])
+triton_kernels.TOPK_TUNING = triton_kernels.Tuning(**tuning["topk"])
+triton_kernels.SUM_TUNING = triton_kernels.SumTuning(**tuning["sum"])
+
 def run(backend, source, residual, plan, layout):
     out, workspace = allocate(layout, plan, source.device)
     backend.select(source, residual, plan, out, workspace)
@@ -159,22 +165,43 @@ print(json.dumps(results))
 """
 
 
-def run_child(script: str) -> list[dict]:
+TUNINGS = {
+    "defaults": None,
+    # Several tiles per quantising program (the last unit of a bucket partly past its end),
+    # larger top-k tiles, and fewer ranks loaded at once than summed.
+    "wide": {"compress": {"tile": 0, "unit": 4, "elements_per_thread": 8},
+             "topk": {"tile": 2048, "unit": 2, "elements_per_thread": 16},
+             "sum": {"ranks": 4, "chunk": 128, "warps": 4}},
+}
+
+
+def run_child(script: str, tuning: dict | None) -> list[dict]:
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    child = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    if tuning is None:
+        from kernels import triton_kernels
+        tuning = {"compress": _fields(triton_kernels.COMPRESS_TUNING), "topk": _fields(triton_kernels.TOPK_TUNING),
+                  "sum": _fields(triton_kernels.SUM_TUNING)}
+    child = subprocess.run([sys.executable, "-c", script, json.dumps(tuning)], env=env, cwd=root,
+                           capture_output=True, text=True, timeout=600)
     assert child.returncode == 0, child.stderr[-3000:]
     return json.loads(child.stdout.strip().splitlines()[-1])
 
 
-def test_interpreted_kernels_match_the_twins_bit_for_bit():
-    for row in run_child(IN_ORDER):
+def _fields(tuning) -> dict:
+    return {name: getattr(tuning, name) for name in tuning.__slots__}
+
+
+@pytest.mark.parametrize("tuning", TUNINGS)
+def test_interpreted_kernels_match_the_twins_bit_for_bit(tuning):
+    for row in run_child(IN_ORDER, TUNINGS[tuning]):
         assert row.pop("sent") > 0
         assert all(row.values()), row
 
 
-def test_interpreted_kernels_wait_for_what_they_read():
-    for row in run_child(CONCURRENT):
+@pytest.mark.parametrize("tuning", TUNINGS)
+def test_interpreted_kernels_wait_for_what_they_read(tuning):
+    for row in run_child(CONCURRENT, TUNINGS[tuning]):
         assert row.pop("sent") > 0
         assert all(row.values()), row
