@@ -218,7 +218,7 @@ def _sum_row_by_row(kp: ModuleType, out: torch.Tensor, total: torch.Tensor, rows
 COMPRESS_SWEEP = [(1, 16, False), (1, 8, False), (2, 16, False), (1, 16, True)]
 """(tiles per program, elements per thread, evict first) tried for compress by --sweep. An
 earlier sweep (benchmarks/RESULTS.md) also tried 4 tiles a program: slower everywhere."""
-TOPK_SWEEP = [(1024, 1, 16, False), (1024, 2, 16, False), (1024, 4, 16, False), (2048, 1, 16, False),
+TOPK_SWEEP = [(1024, 1, 16, False), (1024, 2, 16, False), (1024, 2, 8, False), (1024, 4, 16, False),
               (2048, 2, 16, False)]
 """(tile, tiles per program, elements per thread, evict first) tried for top-k; tiles of 4096
 were slower everywhere in the earlier sweep."""

@@ -259,7 +259,7 @@ def _quantise_tile(acc, threshold, residual_ptr, header_ptr, scales_ptr, scratch
     nonfinite = tl.sum((~(magnitude < float("inf"))).to(tl.int32), 0)
     if nonfinite > 0:
         tl.atomic_add(header_ptr + 1, nonfinite, sem="relaxed")
-    chosen = (magnitude >= threshold) & (magnitude > 0.0)
+    chosen = magnitude >= threshold
     if COMPRESS:
         scale = tl.div_rn(tl.max(tl.where(chosen, magnitude, 0.0), 0), _QUANT_MAX)
         tl.store(scales_ptr + tile, scale, mask=tile < tiles)
@@ -298,7 +298,9 @@ def _quantise_unit(source_ptr, residual_ptr, workspace_ptr, header_ptr, scales_p
     published = tl.load(copy, volatile=True)
     while published == 0:
         published = tl.load(copy, volatile=True)
-    threshold = (published - 1).to(tl.float32, bitcast=True)
+    # At least the smallest subnormal, so `>= threshold` alone also says "> 0" when too few
+    # magnitudes were seen for a threshold (bits 0): one compare less per element.
+    threshold = tl.maximum(published - 1, 1).to(tl.float32, bitcast=True)
     total = 0
     for step in tl.static_range(UNIT):
         if step + 1 < UNIT:

@@ -154,6 +154,15 @@ def test_all_zero_and_empty_buckets_send_nothing():
     assert empty.counts() == (0, 0)
 
 
+def test_topk_of_a_nearly_empty_bucket_keeps_its_nonzeros_even_subnormal():
+    # Fewer non-zeros than k: the threshold is 0 and every non-zero is kept, a subnormal one too
+    # (the kernel compares against the smallest subnormal; flushed to zero, it would keep zeros).
+    x = torch.zeros(1_000_000, device="cuda")
+    x[10], x[20], x[999_999] = 1e-40, -3.0, 2.0
+    index, values = topk_by_magnitude(x, 100)
+    assert index.tolist() == [10, 20, 999_999] and values.tolist() == x[[10, 20, 999_999]].tolist()
+
+
 def test_ties_overflow_capacity_and_the_excess_stays_in_the_residual():
     numel = 2_000_000
     g = torch.ones(numel, device="cuda")
