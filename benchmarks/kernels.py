@@ -215,13 +215,16 @@ def _sum_row_by_row(kp: ModuleType, out: torch.Tensor, total: torch.Tensor, rows
     out.copy_(total.div_(len(rows)))  # as the hook did; for 8 ranks exactly the correctly rounded quotient
 
 
-COMPRESS_SWEEP = [(1, 16, False), (1, 8, False), (2, 16, False), (1, 16, True)]
-"""(tiles per program, elements per thread, evict first) tried for compress by --sweep. An
-earlier sweep (benchmarks/RESULTS.md) also tried 4 tiles a program: slower everywhere."""
-TOPK_SWEEP = [(1024, 1, 16, False), (1024, 2, 16, False), (1024, 2, 8, False), (1024, 4, 16, False),
-              (2048, 2, 16, False)]
-"""(tile, tiles per program, elements per thread, evict first) tried for top-k; tiles of 4096
-were slower everywhere in the earlier sweep."""
+COMPRESS_SWEEP = [dict(unit=1, elements_per_thread=16), dict(unit=1, elements_per_thread=8),
+                  dict(unit=2, elements_per_thread=16), dict(unit=1, elements_per_thread=16, evict_first=True),
+                  dict(unit=1, elements_per_thread=16, row_scan=True)]
+"""Tunings of compress's pass tried by --sweep. An earlier sweep (benchmarks/RESULTS.md) also
+tried 4 tiles a program: slower everywhere."""
+TOPK_SWEEP = [dict(tile=1024, unit=1, elements_per_thread=16), dict(tile=1024, unit=2, elements_per_thread=16),
+              dict(tile=1024, unit=2, elements_per_thread=8), dict(tile=1024, unit=4, elements_per_thread=16),
+              dict(tile=2048, unit=2, elements_per_thread=16), dict(tile=1024, unit=2, elements_per_thread=16, row_scan=True),
+              dict(tile=1024, unit=1, elements_per_thread=16, row_scan=True)]
+"""Tunings of top-k's pass tried; tiles of 4096 were slower everywhere in the earlier sweep."""
 SUM_SWEEP = [(8, 256, 8), (4, 256, 8), (8, 128, 8)]
 """(ranks loaded at once, entries per rank loaded at once, warps) tried for decompress_sum."""
 
@@ -234,16 +237,17 @@ def sweep(buffers: Buffers, k_ratio: float, copy: float) -> list[dict]:
     numel, buckets, residuals, copies = buffers.numel, buffers.buckets, buffers.residuals, buffers.copies
     rows, sets = [], len(buckets)
     try:
-        for unit, ept, evict in COMPRESS_SWEEP:
-            tk.COMPRESS_TUNING = tk.Tuning(tile=0, unit=unit, elements_per_thread=ept, evict_first=evict)
+        for tuning in COMPRESS_SWEEP:
+            tk.COMPRESS_TUNING = tk.Tuning(tile=0, **tuning)
+            if not _compiles(lambda: compress(buckets[0], residuals[0].clone(), k_ratio), "compress", tuning, rows):
+                continue
             seconds = graph_seconds([lambda i=i: compress(buckets[i], residuals[i], k_ratio, check_finite=False)
                                      for i in range(sets)])
             twin_residual = residuals[0].clone()
             got = compress(buckets[0], residuals[0], k_ratio, check_finite=False)
             want = _twin_compress(buckets[0], twin_residual, k_ratio)
             same = torch.equal(got.payload, want.payload) and torch.equal(residuals[0], twin_residual)
-            rows.append(dict(kernel="compress", tuning=f"unit {unit}, {ept}/thread{', evict first' * evict}",
-                             us=seconds * 1e6,
+            rows.append(dict(kernel="compress", tuning=_described(tuning), us=seconds * 1e6,
                              of_copy=(3 * numel * 4 + got.payload.numel()) / seconds / 1e9 / copy, same_as_twin=same))
         tk.COMPRESS_TUNING = defaults[0]
         k = max(1, round(k_ratio * numel))
@@ -252,13 +256,14 @@ def sweep(buffers: Buffers, k_ratio: float, copy: float) -> list[dict]:
         del magnitudes
         current = Kernels.load("current", "kernels")
         twin_topk = _twin_topk(buckets[0], k)
-        for tile, unit, ept, evict in TOPK_SWEEP:
-            tk.TOPK_TUNING = tk.Tuning(tile=tile, unit=unit, elements_per_thread=ept, evict_first=evict)
+        for tuning in TOPK_SWEEP:
+            tk.TOPK_TUNING = tk.Tuning(**tuning)
+            if not _compiles(lambda: topk_by_magnitude(buckets[0], k), "topk", tuning, rows):
+                continue
             seconds = graph_seconds([lambda b=b: current.topk_without_waiting(b, k) for b in buckets])
             index, values = topk_by_magnitude(buckets[0], k)
             same = torch.equal(index, twin_topk[0]) and torch.equal(values, twin_topk[1])
-            rows.append(dict(kernel="topk", tuning=f"tile {tile}, unit {unit}, {ept}/thread{', evict first' * evict}",
-                             us=seconds * 1e6,
+            rows.append(dict(kernel="topk", tuning=_described(tuning), us=seconds * 1e6,
                              speedup=torch_s / seconds, same_as_twin=same))
         tk.TOPK_TUNING = defaults[1]
         payloads = [compress(buckets[i], residuals[i].clone(), k_ratio) for i in range(min(sets, RANKS))]
@@ -280,6 +285,20 @@ def sweep(buffers: Buffers, k_ratio: float, copy: float) -> list[dict]:
     finally:
         tk.COMPRESS_TUNING, tk.TOPK_TUNING, tk.SUM_TUNING = defaults
     return rows
+
+
+def _compiles(call: Callable[[], object], kernel: str, tuning: dict, rows: list[dict]) -> bool:
+    """Whether a tuning compiles and runs; if not, a row says why and the sweep goes on."""
+    try:
+        call()
+        return True
+    except Exception as e:  # a tuning Triton cannot compile is a finding of the sweep, not its end
+        rows.append(dict(kernel=kernel, tuning=_described(tuning), error=f"{type(e).__name__}: {str(e)[:300]}"))
+        return False
+
+
+def _described(tuning: dict) -> str:
+    return ", ".join(f"{name} {value}" for name, value in tuning.items())
 
 
 def _twin_compress(bucket: torch.Tensor, residual: torch.Tensor, k_ratio: float):

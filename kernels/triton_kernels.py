@@ -112,12 +112,18 @@ class Tuning:
     """Hint the bucket's and residual's lines out of L2 first: they are streamed once, while the
     scratch and the group words are read back."""
 
+    row_scan: bool = False
+    """Place entries by a scan inside runs of 16 elements and one over the runs' counts."""
+
     def warps(self, tile: int) -> int:
         return max(1, min(16, tile // (32 * self.elements_per_thread)))
 
 
-COMPRESS_TUNING = Tuning(tile=0, unit=1, elements_per_thread=16)
+COMPRESS_TUNING = Tuning(tile=0, unit=1, elements_per_thread=16, row_scan=True)
 TOPK_TUNING = Tuning(tile=1024, unit=2, elements_per_thread=16)
+"""Chosen by `benchmarks/kernels.py --sweep` on an H200 (benchmarks/RESULTS.md): compress one tile
+a program with the scan by runs (+1.5 % at 400 MB-1 GB), top-k two tiles a program (+7 %) with
+the plain scan (the scan by runs was 4 % slower there)."""
 PLACE_ROWS = 32
 PLACE_WIDTH = 8
 """A placing program moves the entries of 32 tiles, 8 per tile at a time."""
@@ -248,7 +254,8 @@ def _load_tile(source_ptr, residual_ptr, tile, numel, COMPRESS: tl.constexpr, TI
 
 @triton.jit
 def _quantise_tile(acc, threshold, residual_ptr, header_ptr, scales_ptr, scratch_ptr, tile, numel, tiles,
-                   COMPRESS: tl.constexpr, TILE: tl.constexpr, EVICT: tl.constexpr):
+                   COMPRESS: tl.constexpr, TILE: tl.constexpr, EVICT: tl.constexpr,
+                   ROW_SCAN: tl.constexpr):
     """Selects and quantises one tile already loaded as acc; returns how many entries it keeps.
     A tile past the bucket (the last unit's spare) has acc all zero and keeps none."""
     offsets = tile * TILE + tl.arange(0, TILE)
@@ -281,15 +288,25 @@ def _quantise_tile(acc, threshold, residual_ptr, header_ptr, scales_ptr, scratch
         entry = tl.arange(0, TILE)
     # The tile's entries, compacted to the front of its own TILE slots: no other tile's count
     # is needed to place them, so no atomics and no second pass over the bucket.
-    count = tl.sum(chosen.to(tl.int32), 0)
-    tl.store(scratch_ptr + tile * TILE + tl.cumsum(chosen.to(tl.int32), 0) - 1, entry, mask=chosen)
+    if ROW_SCAN:
+        # Positions from a scan inside runs of 16 and a scan of the runs' counts.
+        RUNS: tl.constexpr = TILE // 16
+        kept = tl.reshape(chosen.to(tl.int32), [RUNS, 16])
+        per_run = tl.sum(kept, 1)
+        slot = (tl.cumsum(per_run, 0) - per_run)[:, None] + tl.cumsum(kept, 1) - 1
+        count = tl.sum(per_run, 0)
+        tl.store(scratch_ptr + tile * TILE + slot, tl.reshape(entry, [RUNS, 16]), mask=kept != 0)
+    else:
+        count = tl.sum(chosen.to(tl.int32), 0)
+        tl.store(scratch_ptr + tile * TILE + tl.cumsum(chosen.to(tl.int32), 0) - 1, entry, mask=chosen)
     tl.store(scratch_ptr + tiles * TILE + tile, count, mask=tile < tiles)
     return count
 
 
 @triton.jit
 def _quantise_unit(source_ptr, residual_ptr, workspace_ptr, header_ptr, scales_ptr, scratch_ptr, first_tile, numel,
-                   tiles, COMPRESS: tl.constexpr, TILE: tl.constexpr, UNIT: tl.constexpr, EVICT: tl.constexpr):
+                   tiles, COMPRESS: tl.constexpr, TILE: tl.constexpr, UNIT: tl.constexpr, EVICT: tl.constexpr,
+                   ROW_SCAN: tl.constexpr):
     """Quantises UNIT consecutive tiles, each loaded while the one before is worked on, and counts
     them into their group's word with one atomic: fewer programs, each with loads in flight for
     more of its life, and one release per UNIT tiles."""
@@ -306,7 +323,7 @@ def _quantise_unit(source_ptr, residual_ptr, workspace_ptr, header_ptr, scales_p
         if step + 1 < UNIT:
             following = _load_tile(source_ptr, residual_ptr, first_tile + step + 1, numel, COMPRESS, TILE, EVICT)
         total += _quantise_tile(acc, threshold, residual_ptr, header_ptr, scales_ptr, scratch_ptr, first_tile + step,
-                                numel, tiles, COMPRESS, TILE, EVICT)
+                                numel, tiles, COMPRESS, TILE, EVICT, ROW_SCAN)
         if step + 1 < UNIT:
             acc = following
     tl.debug_barrier()
@@ -425,7 +442,7 @@ def selection_programs(tiles: int, unit: int, tiles_per_group: int) -> int:
 def _select_kernel(source_ptr, residual_ptr, workspace_ptr, header_ptr, scales_ptr, starts_ptr, indices_ptr,
                    values_ptr, scratch_ptr, numel, capacity, tiles, sample_chunks, chunk_slots, sample_need,
                    sample_programs, COMPRESS: tl.constexpr, TILE: tl.constexpr, UNIT: tl.constexpr,
-                   ROWS: tl.constexpr, WIDTH: tl.constexpr, EVICT: tl.constexpr):
+                   ROWS: tl.constexpr, WIDTH: tl.constexpr, EVICT: tl.constexpr, ROW_SCAN: tl.constexpr):
     # Phases by program id: [exponents | fine bins, twice as many | quantise UNIT tiles each,
     # interleaved group by group with place ROWS tiles each].
     program = tl.program_id(0)
@@ -443,7 +460,7 @@ def _select_kernel(source_ptr, residual_ptr, workspace_ptr, header_ptr, scales_p
                          values_ptr, scratch_ptr, index, tiles, capacity, COMPRESS, TILE, ROWS, WIDTH)
         else:
             _quantise_unit(source_ptr, residual_ptr, workspace_ptr, header_ptr, scales_ptr, scratch_ptr, index, numel,
-                           tiles, COMPRESS, TILE, UNIT, EVICT)
+                           tiles, COMPRESS, TILE, UNIT, EVICT, ROW_SCAN)
 
 
 def select(source: torch.Tensor, residual: torch.Tensor | None, plan: SelectionPlan, out: CompressedBucket,
@@ -466,7 +483,8 @@ def select(source: torch.Tensor, residual: torch.Tensor | None, plan: SelectionP
             source, residual_or_source, workspace, out.header, scales, starts, out.indices, out.values, scratch,
             plan.numel, out.capacity, tiles, plan.sample_chunks, plan.chunk_slots, plan.sample_need,
             sample_programs, COMPRESS=compress, TILE=tile, UNIT=tuning.unit, ROWS=PLACE_ROWS, WIDTH=PLACE_WIDTH,
-            EVICT="evict_first" if tuning.evict_first else "", num_warps=tuning.warps(tile), enable_fp_fusion=False)
+            EVICT="evict_first" if tuning.evict_first else "", ROW_SCAN=tuning.row_scan, num_warps=tuning.warps(tile),
+            enable_fp_fusion=False)
 
 
 def decompress_accumulate(dense_out: torch.Tensor, compressed: CompressedBucket) -> None:

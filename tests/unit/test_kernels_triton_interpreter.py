@@ -168,9 +168,9 @@ print(json.dumps(results))
 TUNINGS = {
     "defaults": None,
     # Several tiles per quantising program (the last unit of a bucket partly past its end),
-    # larger top-k tiles, and fewer ranks loaded at once than summed.
-    "wide": {"compress": {"tile": 0, "unit": 4, "elements_per_thread": 8},
-             "topk": {"tile": 2048, "unit": 2, "elements_per_thread": 16},
+    # larger top-k tiles, the other way to scan each, and fewer ranks loaded at once than summed.
+    "wide": {"compress": {"tile": 0, "unit": 4, "elements_per_thread": 8, "row_scan": False},
+             "topk": {"tile": 2048, "unit": 2, "elements_per_thread": 16, "row_scan": True},
              "sum": {"ranks": 4, "chunk": 128, "warps": 4}},
 }
 
