@@ -124,8 +124,8 @@ def test_ddp_reports_communication(runs):
 
 
 def test_topk_with_error_feedback_tracks_uncompressed_training(runs):
-    """On real text, sending 20% of the entries (k + 10% slots: 28% of the bytes at 5 bytes an entry)
-    ends within 5% of uncompressed training.
+    """On real text, sending 20% of the entries (k + 10% slots: 17% of the bytes at 3 bytes an
+    entry, 18% with the 2 dense steps) ends within 5% of uncompressed training.
 
     Not yet the issue's target (within 5% at <= 5% of the bytes: at most 3.5% of entries at 5 bytes
     an entry, 5.9% at 3). Final 10-step mean loss, top-k over plain all-reduce, this setup unless
@@ -167,7 +167,7 @@ def test_topk_with_error_feedback_tracks_uncompressed_training(runs):
     final = lambda losses: sum(losses[-10:]) / 10  # noqa: E731
     assert final(topk["losses"]) <= 1.05 * final(plain["losses"])
     assert final(plain["losses"]) < plain["losses"][0] - 2.0
-    assert topk["comm_bytes"] <= 0.3 * plain["comm_bytes"]
+    assert topk["comm_bytes"] <= 0.2 * plain["comm_bytes"]
 
 
 def test_compiled_ddp_takes_compiled_autograd_only_when_asked():
