@@ -88,7 +88,10 @@ def select(source: torch.Tensor, residual: torch.Tensor | None, plan: SelectionP
     acc = source.float() if residual is None else source.float() + residual
     out.header[1] = int((magnitude_bits(acc) >= NONFINITE_BITS).sum())
     magnitude = acc.abs()
-    chosen = (magnitude >= out.threshold) & (magnitude > 0)
+    if out.layout.block is None:  # top-k keeps NaN and inf too, as the kernel does (the count raises)
+        chosen = ~(magnitude < out.threshold) & (magnitude != 0)
+    else:
+        chosen = (magnitude >= out.threshold) & (magnitude > 0)
     if out.layout.block is None:
         stored, sent_values = source, acc
     else:

@@ -261,12 +261,18 @@ def _quantise_tile(acc, threshold, residual_ptr, header_ptr, scales_ptr, scratch
     offsets = tile * TILE + tl.arange(0, TILE)
     inside = offsets < numel
     magnitude = tl.abs(acc)
-    # NaN and inf are the magnitudes not below inf. Counted and reduced here, not with the
-    # entries at the end: a flag held across the tile's work costs registers, hence occupancy.
-    nonfinite = tl.sum((~(magnitude < float("inf"))).to(tl.int32), 0)
-    if nonfinite > 0:
-        tl.atomic_add(header_ptr + 1, nonfinite, sem="relaxed")
-    chosen = magnitude >= threshold
+    if COMPRESS:
+        # NaN and inf are the magnitudes not below inf. Counted and reduced here, not with the
+        # entries at the end: a flag held across the tile's work costs registers, hence occupancy.
+        nonfinite = tl.sum((~(magnitude < float("inf"))).to(tl.int32), 0)
+        if nonfinite > 0:
+            tl.atomic_add(header_ptr + 1, nonfinite, sem="relaxed")
+        chosen = magnitude >= threshold
+    else:
+        # Top-k selects NaN and inf too (never below the threshold) and counts them where it
+        # places entries, among ~k values instead of every element: the pass is bound by its
+        # instructions per element, not by memory.
+        chosen = ~(magnitude < threshold)
     if COMPRESS:
         scale = tl.div_rn(tl.max(tl.where(chosen, magnitude, 0.0), 0), _QUANT_MAX)
         tl.store(scales_ptr + tile, scale, mask=tile < tiles)
@@ -392,7 +398,13 @@ def _place_tiles(source_ptr, residual_ptr, workspace_ptr, header_ptr, scales_ptr
             tl.store(residual_ptr + index, kept + code.to(tl.float32) * scale[:, None], mask=lost)
         else:
             tl.store(indices_ptr + slot, index, mask=fits)
-            tl.store(values_ptr + slot, tl.load(source_ptr + index, mask=fits, other=0.0), mask=fits)
+            value = tl.load(source_ptr + index, mask=live, other=0.0)
+            tl.store(values_ptr + slot, value, mask=fits)
+            # Every NaN and inf was selected, so counting them among the selected, past capacity
+            # too, counts them all.
+            nonfinite = tl.sum(tl.sum((live & ~(tl.abs(value.to(tl.float32)) < float("inf"))).to(tl.int32), 1), 0)
+            if nonfinite > 0:
+                tl.atomic_add(header_ptr + 1, nonfinite, sem="relaxed")
     if first_tile + ROWS >= tiles:
         tl.store(header_ptr, tl.sum(tl.where(row == tiles - 1, first + count, 0), 0))
 

@@ -146,6 +146,18 @@ def test_nan_raises_now_or_from_the_payload():
         deferred.with_payload(deferred.payload.clone()).raise_if_nonfinite()
 
 
+@pytest.mark.parametrize("bad_count", [5, 1_000_000])
+def test_topk_counts_every_nan_and_inf_even_past_capacity(bad_count):
+    # Top-k selects NaN and inf and counts them as it places entries; a million of them is far
+    # more than the 1 % it has room for, and each must still be counted.
+    x = torch.randn(2_000_000, device="cuda")
+    where = torch.randperm(2_000_000, device="cuda")[:bad_count]
+    x[where] = float("nan")
+    x[where[:2]] = float("inf")
+    with pytest.raises(NonFiniteGradientError, match=f"{bad_count} of 2000000"):
+        topk_by_magnitude(x, 20_000)
+
+
 def test_all_zero_and_empty_buckets_send_nothing():
     residual = torch.zeros(3_000_000, device="cuda")
     c = compress(torch.zeros(3_000_000, device="cuda"), residual, 0.01)
