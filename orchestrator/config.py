@@ -193,6 +193,11 @@ class ParallelConfig:
     """Rank of PowerSGD's low-rank approximation."""
     topk_ratio: float = 0.01
     """Share of gradient entries the topk hook sends each step (the rest waits in the residual)."""
+    topk_ramp_steps: int = 0
+    """Compressed steps over which the share the topk hook sends falls exponentially from 25% to
+    topk_ratio (Deep Gradient Compression's sparsity warm-up); 0 sends topk_ratio from the first.
+    On the tiny text model at 3% of entries, 300 steps ended 23% above plain all-reduce's loss
+    without it and 4.8% above with 100 (tests/unit/test_engine.py)."""
 
     def __post_init__(self) -> None:
         _positive("parallel", bucket_mb=self.bucket_mb, powersgd_rank=self.powersgd_rank)
@@ -200,6 +205,8 @@ class ParallelConfig:
                "set topk_ratio = 0.01 (send 1% of entries per step)")
         _check(self.comm_warmup_steps >= 0, "[parallel] comm_warmup_steps",
                f"must be 0 or more, got {self.comm_warmup_steps}", "set comm_warmup_steps = 10")
+        _check(self.topk_ramp_steps >= 0, "[parallel] topk_ramp_steps",
+               f"must be 0 or more, got {self.topk_ramp_steps}", "set topk_ramp_steps = 0 (no ramp) or e.g. 100")
         _check(self.strategy == "ddp" or self.comm_hook == "allreduce", "[parallel] comm_hook",
                f"{self.comm_hook!r} is a DDP comm hook; FSDP reduce-scatters its own gradients",
                'use strategy = "ddp" with this hook, or comm_hook = "allreduce" with fsdp')

@@ -95,7 +95,7 @@ def _wrap_ddp(model: GPT, config: JobConfig, plan: Plan, device: torch.device, w
                    if par.comm_hook == "hierarchical" else None)
         hook, state = make_hook(par.comm_hook, stats=comm_stats, world_size=world, islands=islands,
                                 warmup_steps=par.comm_warmup_steps, powersgd_rank=par.powersgd_rank,
-                                topk_ratio=par.topk_ratio)
+                                topk_ratio=par.topk_ratio, topk_ramp_steps=par.topk_ramp_steps)
         ddp.register_comm_hook(state, hook)
     # DDP times compute, communication and their overlap on sampled iterations; a sampled iteration
     # waits for the previous one's timing events, so sample once per metrics window, not every step.

@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 from orchestrator.placement.plan import cross_island_groups
 from tests.engine_support import run_ranks
 from workers.comm.groups import build_island_groups
-from workers.comm.hooks import make_hook
+from workers.comm.hooks import RAMP_START_RATIO, make_hook, ramped_k_ratio
 from workers.comm.stats import CommStats
 
 ISLANDS = [[0, 1], [2, 3]]
@@ -35,17 +35,20 @@ def gradients(rank: int, integer: bool) -> list[torch.Tensor]:
     return [torch.randn(n, generator=g) for n in SIZES]
 
 
-def reduce_with(hook_name: str, rank: int, world: int, integer: bool, steps: int = 1):
+def reduce_with(hook_name: str, rank: int, world: int, integer: bool, steps: int = 1, topk_ramp_steps: int = 0):
+    """The averaged gradients after `steps` steps, and the bytes handed to collectives in each step."""
     islands = build_island_groups(ISLANDS, cross_island_groups(ISLANDS)) if hook_name == "hierarchical" else None
     stats = CommStats()
     model = DistributedDataParallel(Params(), bucket_cap_mb=0.004)  # ~1000 floats: several buckets
     hook, state = make_hook(hook_name, stats=stats, world_size=world, islands=islands, warmup_steps=0,
-                            powersgd_rank=2, topk_ratio=0.1)
+                            powersgd_rank=2, topk_ratio=0.1, topk_ramp_steps=topk_ramp_steps)
     model.register_comm_hook(state, hook)
+    step_bytes = []
     for _ in range(steps):
         model.zero_grad()
         model(gradients(rank, integer)).backward()
-    return [p.grad.clone() for p in model.module.p], stats.take()
+        step_bytes.append(stats.take())
+    return [p.grad.clone() for p in model.module.p], step_bytes
 
 
 def hook_ranks(rank: int, world: int, out_path: str) -> None:
@@ -54,12 +57,15 @@ def hook_ranks(rank: int, world: int, out_path: str) -> None:
     bf16, bf16_bytes = reduce_with("bf16", rank, world, integer=False)
     reference, _ = reduce_with("allreduce", rank, world, integer=False)
     topk, topk_bytes = reduce_with("topk", rank, world, integer=False)
+    _, ramp_bytes = reduce_with("topk", rank, world, integer=False, steps=5, topk_ramp_steps=3)
     expected = [sum(gradients(r, True)[i] for r in range(world)) / world for i in range(len(SIZES))]
     result = {
         "hier_equals_plain": all(torch.equal(a, b) for a, b in zip(hier, plain)),
         "plain_equals_expected": all(torch.equal(a, b) for a, b in zip(plain, expected)),
         "bf16_max_rel_err": max(float(((a - b).abs() / b.abs().clamp_min(1e-3)).median()) for a, b in zip(bf16, reference)),
-        "bytes": {"allreduce": plain_bytes, "hierarchical": hier_bytes, "bf16": bf16_bytes, "topk": topk_bytes},
+        "bytes": {"allreduce": plain_bytes[0], "hierarchical": hier_bytes[0], "bf16": bf16_bytes[0],
+                  "topk": topk_bytes[0]},
+        "topk_ramp_bytes": ramp_bytes,
         "topk_nonzero_share": sum(int((g != 0).sum()) for g in topk) / sum(SIZES),
     }
     if rank == 0:
@@ -89,6 +95,22 @@ def test_bytes_each_hook_hands_to_collectives(results):
 
 def test_bf16_hook_is_close(results):
     assert results["bf16_max_rel_err"] < 1e-2
+
+
+def test_topk_ramp_sends_a_falling_share_then_topk_ratio(results):
+    # 25% of entries on the first compressed step, then 25% * (0.1 / 0.25) ** (t / 3): 18.4%,
+    # 13.6%, then topk_ratio's 10% from the third step on.
+    # (DDP regroups its buckets after the first step, so only steps 3 and 4 compare exactly.)
+    ramp = results["topk_ramp_bytes"]
+    assert ramp[0] > ramp[1] > ramp[2] > ramp[3] == ramp[4]
+    assert ramp[0] == pytest.approx(2.5 * ramp[3], rel=0.1)  # payloads scale with the share sent
+
+
+def test_ramped_share_falls_exponentially_to_topk_ratio():
+    assert ramped_k_ratio(0.01, 0, 100) == RAMP_START_RATIO
+    assert ramped_k_ratio(0.01, 50, 100) == pytest.approx((0.25 * 0.01) ** 0.5)
+    assert ramped_k_ratio(0.01, 100, 100) == ramped_k_ratio(0.01, 7, 0) == 0.01
+    assert ramped_k_ratio(0.3, 0, 100) == 0.3  # already above where the ramp starts
 
 
 def test_topk_sends_a_fraction_and_reduces_to_sparse_gradients(results):

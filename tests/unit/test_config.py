@@ -76,6 +76,11 @@ def test_negative_batch_size(tmp_path):
     assert "set micro_batch_size to a number above 0" in message
 
 
+def test_negative_topk_ramp_names_the_key_and_the_fix(tmp_path):
+    message = error_for(tmp_path, "[parallel]\ncomm_hook = \"topk\"\ntopk_ramp_steps = -5\n")
+    assert "[parallel] topk_ramp_steps" in message and "-5" in message and "topk_ramp_steps = 0" in message
+
+
 def test_choice_outside_the_allowed_set(tmp_path):
     message = error_for(tmp_path, '[train]\nprecision = "fp64"\n')
     assert "[train] precision: 'fp64' is not one of 'auto', 'fp32', 'bf16'" in message

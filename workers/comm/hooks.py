@@ -4,7 +4,8 @@
     bf16           cast to bf16, all-reduce, cast back: half the bytes, no state
     powersgd       torch's PowerSGD (low-rank, error feedback), after `warmup_steps` plain steps
     topk           top-k by magnitude + int8 codes with error feedback (kernels.compression),
-                   exchanged with one all-gather; after `warmup_steps` plain steps
+                   exchanged with one all-gather; after `warmup_steps` plain steps, sending a
+                   share that falls from 25% to k_ratio over `ramp_steps` steps when asked
     hierarchical   reduce-scatter inside each NVLink island, all-reduce across islands,
                    all-gather inside the island: the slow links carry 1/island_size of the bytes
 
@@ -117,9 +118,24 @@ def _powersgd_bytes(inner: powersgd.PowerSGDState, bucket: dist.GradBucket) -> i
     return total
 
 
+RAMP_START_RATIO = 0.25
+"""Share of entries the top-k hook sends on its first compressed step when it ramps."""
+
+
+def ramped_k_ratio(k_ratio: float, compressed_steps: int, ramp_steps: int) -> float:
+    """The share to send after `compressed_steps` compressed steps: from RAMP_START_RATIO down to
+    k_ratio, exponentially over ramp_steps steps (DGC's sparsity warm-up), then k_ratio. Every rank
+    computes the same share for the same step, so their payloads keep one size for the all-gather."""
+    if compressed_steps >= ramp_steps or k_ratio >= RAMP_START_RATIO:
+        return k_ratio
+    return RAMP_START_RATIO * (k_ratio / RAMP_START_RATIO) ** (compressed_steps / ramp_steps)
+
+
 @dataclass
 class TopkHookState(HookState):
     k_ratio: float = 0.01
+    ramp_steps: int = 0
+    """Compressed steps over which the share sent falls from RAMP_START_RATIO to k_ratio."""
     residuals: dict[int, torch.Tensor] = field(default_factory=dict)
     nonfinite: torch.Tensor | None = None
     """NaN/inf entries any rank's buckets held since the last check, counted on the device: reading
@@ -133,6 +149,13 @@ class TopkHookState(HookState):
             self.residuals[bucket.index()] = residual
         return residual
 
+    def k_ratio_for(self) -> float:
+        """The share to send now (after in_warmup counted this call). Steps are counted by the
+        bucket seen most often: DDP regroups its buckets after the first step, and a bucket index
+        first seen then must not restart the ramp."""
+        compressed_steps = max(self.steps_seen.values()) - 1 - self.warmup_steps
+        return ramped_k_ratio(self.k_ratio, compressed_steps, self.ramp_steps)
+
     def check(self) -> None:
         if self.nonfinite is not None and (count := int(self.nonfinite)):
             numel = sum(r.numel() for r in self.residuals.values())
@@ -144,7 +167,7 @@ def topk_hook(state: TopkHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     if state.in_warmup(bucket):
         return _allreduce(state, bucket.buffer())
     buffer = bucket.buffer()
-    mine = compress(buffer, state.residual_for(bucket), state.k_ratio, check_finite=False)
+    mine = compress(buffer, state.residual_for(bucket), state.k_ratio_for(), check_finite=False)
     payload = mine.payload
     state.stats.add(payload.numel())
     gathered = torch.empty(state.world_size * payload.numel(), dtype=payload.dtype, device=payload.device)
@@ -216,7 +239,7 @@ def hierarchical_hook(state: HierarchicalHookState, bucket: dist.GradBucket) -> 
 
 
 def make_hook(name: str, *, stats: CommStats, world_size: int, islands: IslandGroups | None, warmup_steps: int,
-              powersgd_rank: int, topk_ratio: float) -> tuple[Hook, HookState]:
+              powersgd_rank: int, topk_ratio: float, topk_ramp_steps: int = 0) -> tuple[Hook, HookState]:
     if name == "allreduce":
         return allreduce_hook, HookState(stats=stats, world_size=world_size)
     if name == "bf16":
@@ -226,7 +249,7 @@ def make_hook(name: str, *, stats: CommStats, world_size: int, islands: IslandGr
                                                 rank=powersgd_rank)
     if name == "topk":
         return topk_hook, TopkHookState(stats=stats, world_size=world_size, warmup_steps=warmup_steps,
-                                        k_ratio=topk_ratio)
+                                        k_ratio=topk_ratio, ramp_steps=topk_ramp_steps)
     if name == "hierarchical":
         return hierarchical_hook, HierarchicalHookState(stats=stats, world_size=world_size, islands=islands)
     raise ValueError(f"unknown comm hook {name!r}; choose one of {', '.join(HOOKS)}")
