@@ -143,8 +143,9 @@ def test_topk_with_error_feedback_tracks_uncompressed_training(runs):
     step, about 10% of the embeddings' and 4-6% of most attention weights' but 0.3-1.5% of the MLP
     matrices' (56% of the weights) and the last qkv's, which so wait 70-300 steps for an update.
 
-    What helps is DGC's sparsity warm-up ([parallel] topk_ramp_steps = R): the share sent falls from 25% exponentially over the
-    first R compressed steps (lr 3e-3; bytes of the whole run at 5 / 3 bytes an entry):
+    What helps is DGC's sparsity warm-up ([parallel] topk_ramp_steps = R): the share sent falls
+    from 25% exponentially over the first R compressed steps (lr 3e-3; bytes of the whole run at
+    5 / 3 bytes an entry):
 
         final share  R    steps  top-k / plain       bytes
         3%           30   300    2.50 / 2.22  +13%   5.9% / 3.9%
