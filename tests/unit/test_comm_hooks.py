@@ -35,12 +35,13 @@ def gradients(rank: int, integer: bool) -> list[torch.Tensor]:
     return [torch.randn(n, generator=g) for n in SIZES]
 
 
-def reduce_with(hook_name: str, rank: int, world: int, integer: bool, steps: int = 1, topk_ramp_steps: int = 0):
+def reduce_with(hook_name: str, rank: int, world: int, integer: bool, steps: int = 1, topk_ramp_steps: int = 0,
+                warmup_steps: int = 0):
     """The averaged gradients after `steps` steps, and the bytes handed to collectives in each step."""
     islands = build_island_groups(ISLANDS, cross_island_groups(ISLANDS)) if hook_name == "hierarchical" else None
     stats = CommStats()
     model = DistributedDataParallel(Params(), bucket_cap_mb=0.004)  # ~1000 floats: several buckets
-    hook, state = make_hook(hook_name, stats=stats, world_size=world, islands=islands, warmup_steps=0,
+    hook, state = make_hook(hook_name, stats=stats, world_size=world, islands=islands, warmup_steps=warmup_steps,
                             powersgd_rank=2, topk_ratio=0.1, topk_ramp_steps=topk_ramp_steps)
     model.register_comm_hook(state, hook)
     step_bytes = []
@@ -58,6 +59,7 @@ def hook_ranks(rank: int, world: int, out_path: str) -> None:
     reference, _ = reduce_with("allreduce", rank, world, integer=False)
     topk, topk_bytes = reduce_with("topk", rank, world, integer=False)
     _, ramp_bytes = reduce_with("topk", rank, world, integer=False, steps=5, topk_ramp_steps=3)
+    _, warm_bytes = reduce_with("topk", rank, world, integer=False, steps=3, warmup_steps=1)
     expected = [sum(gradients(r, True)[i] for r in range(world)) / world for i in range(len(SIZES))]
     result = {
         "hier_equals_plain": all(torch.equal(a, b) for a, b in zip(hier, plain)),
@@ -66,6 +68,7 @@ def hook_ranks(rank: int, world: int, out_path: str) -> None:
         "bytes": {"allreduce": plain_bytes[0], "hierarchical": hier_bytes[0], "bf16": bf16_bytes[0],
                   "topk": topk_bytes[0]},
         "topk_ramp_bytes": ramp_bytes,
+        "topk_warmup_bytes": warm_bytes,
         "topk_nonzero_share": sum(int((g != 0).sum()) for g in topk) / sum(SIZES),
     }
     if rank == 0:
@@ -104,6 +107,14 @@ def test_topk_ramp_sends_a_falling_share_then_topk_ratio(results):
     ramp = results["topk_ramp_bytes"]
     assert ramp[0] > ramp[1] > ramp[2] > ramp[3] == ramp[4]
     assert ramp[0] == pytest.approx(2.5 * ramp[3], rel=0.1)  # payloads scale with the share sent
+
+
+def test_topk_warmup_is_whole_steps_though_ddp_regroups_its_buckets(results):
+    # One dense step, then every bucket compressed, including buckets whose index first appears
+    # when DDP regroups its buckets after the first step.
+    warm = results["topk_warmup_bytes"]
+    assert warm[0] == results["bytes"]["allreduce"] == sum(SIZES) * 4
+    assert warm[1] == warm[2] < 0.1 * warm[0]
 
 
 def test_ramped_share_falls_exponentially_to_topk_ratio():

@@ -35,16 +35,23 @@ class HookState:
     stats: CommStats
     world_size: int
     warmup_steps: int = 0
-    steps_seen: dict[int, int] = field(default_factory=dict)
+    steps_done: int = 0
+    """Optimizer steps whose last bucket this hook has reduced."""
+    step: int = 0
+    """The step the bucket being reduced belongs to (0 is the first)."""
 
     def check(self) -> None:
         """Raises what a hook found but did not stop to report (called once per metrics window)."""
 
     def in_warmup(self, bucket: dist.GradBucket) -> bool:
-        """Counts calls per bucket: bucket 0 is reduced once per optimizer step."""
-        seen = self.steps_seen.get(bucket.index(), 0)
-        self.steps_seen[bucket.index()] = seen + 1
-        return seen < self.warmup_steps
+        """Whether this bucket's step is one of the first warmup_steps. Steps are counted by DDP's
+        last bucket of each, as torch's PowerSGD counts them: DDP regroups its buckets after the
+        first step, and counting calls per bucket index gave an index first seen then a warm-up
+        of its own, a dense all-reduce a step late."""
+        self.step = self.steps_done
+        if bucket.is_last():
+            self.steps_done += 1
+        return self.step < self.warmup_steps
 
 
 def _future(work: dist.Work, value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -150,11 +157,8 @@ class TopkHookState(HookState):
         return residual
 
     def k_ratio_for(self) -> float:
-        """The share to send now (after in_warmup counted this call). Steps are counted by the
-        bucket seen most often: DDP regroups its buckets after the first step, and a bucket index
-        first seen then must not restart the ramp."""
-        compressed_steps = max(self.steps_seen.values()) - 1 - self.warmup_steps
-        return ramped_k_ratio(self.k_ratio, compressed_steps, self.ramp_steps)
+        """The share to send for the bucket in_warmup has just counted."""
+        return ramped_k_ratio(self.k_ratio, self.step - self.warmup_steps, self.ramp_steps)
 
     def check(self) -> None:
         if self.nonfinite is not None and (count := int(self.nonfinite)):
