@@ -155,7 +155,8 @@ class CompressedBucket:
         if not self.layout.block:
             entry = torch.arange(sent, device=self.payload.device)
             index = self.indices[:sent].long()
-            return entry[(index >= 0) & (index < self.numel)], index[(index >= 0) & (index < self.numel)]
+            valid = (index >= 0) & (index < self.numel)
+            return entry[valid], index[valid]
         first = self.segment_starts.long().clamp(0, sent)
         after = torch.cat([self.segment_starts[1:].long(), first.new_tensor([sent])])
         last = torch.maximum(after.clamp(max=sent), first)

@@ -90,11 +90,9 @@ def select(source: torch.Tensor, residual: torch.Tensor | None, plan: SelectionP
     magnitude = acc.abs()
     if out.layout.block is None:  # top-k keeps NaN and inf too, as the kernel does (the count raises)
         chosen = ~(magnitude < out.threshold) & (magnitude != 0)
-    else:
-        chosen = (magnitude >= out.threshold) & (magnitude > 0)
-    if out.layout.block is None:
         stored, sent_values = source, acc
     else:
+        chosen = (magnitude >= out.threshold) & (magnitude > 0)
         codes, scale_per_element = _quantise(acc, torch.where(chosen, magnitude, 0.0), out)
         chosen &= codes != 0
         stored, sent_values = codes, codes * scale_per_element

@@ -129,6 +129,8 @@ PLACE_WIDTH = 8
 """A placing program moves the entries of 32 tiles, 8 per tile at a time."""
 _WORDS = tl.constexpr(256)
 """Group words a placing program reads at a time while it sums the groups before its own."""
+
+
 @dataclass(frozen=True, slots=True)
 class SumTuning:
     ranks: int
