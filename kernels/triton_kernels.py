@@ -37,13 +37,12 @@ The quantise pass holds few registers per element, so many programs fit on each
 multiprocessor and enough loads are in flight to stream (Tuning says how the pass is cut): an
 earlier design that placed entries in the payload from the quantising programs held ~16
 registers per element and stalled at ~35 % of copy bandwidth (measured), and one slot-claiming
-atomic per tile on a single counter serialised another. Every other phase keeps to no more registers than the quantise pass (80
-at block 1024 compiled for sm_90 by triton 3.6, as the separate quantise kernel before), so the
-fusion costs no occupancy. The scratch array costs memory (4 bytes per element, allocated per
-call; top-k allocates a second one, of its input's dtype, for the values) but almost no
-traffic: only the ~k entries are written. Cutting the pass differently was measured and lost
-(benchmarks/RESULTS.md): several tiles per program (more registers, fewer programs per
-multiprocessor), larger top-k tiles, evict-first hints on the streamed lines.
+atomic per tile on a single counter serialised another. Every other phase keeps to no more
+registers than the quantise pass (80 at block 1024 compiled for sm_90 by triton 3.6, as the
+separate quantise kernel before), so the fusion costs no occupancy. The scratch array costs
+memory (4 bytes per element, allocated per call) but almost no traffic: only the ~k entries are
+written. Other cuts of the pass were measured and lost (benchmarks/RESULTS.md): four tiles per
+program (two win for top-k only), larger top-k tiles, evict-first hints on the streamed lines.
 
 decompress_sum() writes a bucket from several ranks' payloads, a program per SEGMENT (16384
 elements): the segment is zeroed in cache, every rank's entries for it are loaded at once (the
@@ -107,10 +106,6 @@ class Tuning:
     (2 warps, ~80 registers, 12 programs per multiprocessor) streamed at 85 % of copy bandwidth;
     32 a thread, 68 %; blocks of 4096 with 8 or 4 warps, 62 % and 51 %; with 16 warps (one
     program per multiprocessor), about a third."""
-
-    evict_first: bool = False
-    """Hint the bucket's and residual's lines out of L2 first: they are streamed once, while the
-    scratch and the group words are read back."""
 
     row_scan: bool = False
     """Place entries by a scan inside runs of 16 elements and one over the runs' counts."""
@@ -244,20 +239,18 @@ def _count_fine_bins(source_ptr, residual_ptr, workspace_ptr, header_ptr, progra
 
 
 @triton.jit
-def _load_tile(source_ptr, residual_ptr, tile, numel, COMPRESS: tl.constexpr, TILE: tl.constexpr,
-               EVICT: tl.constexpr):
+def _load_tile(source_ptr, residual_ptr, tile, numel, COMPRESS: tl.constexpr, TILE: tl.constexpr):
     offsets = tile * TILE + tl.arange(0, TILE)
     inside = offsets < numel
-    acc = tl.load(source_ptr + offsets, mask=inside, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    acc = tl.load(source_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
     if COMPRESS:
-        acc += tl.load(residual_ptr + offsets, mask=inside, other=0.0, eviction_policy=EVICT)
+        acc += tl.load(residual_ptr + offsets, mask=inside, other=0.0)
     return acc
 
 
 @triton.jit
 def _quantise_tile(acc, threshold, residual_ptr, header_ptr, scales_ptr, scratch_ptr, tile, numel, tiles,
-                   COMPRESS: tl.constexpr, TILE: tl.constexpr, EVICT: tl.constexpr,
-                   ROW_SCAN: tl.constexpr):
+                   COMPRESS: tl.constexpr, TILE: tl.constexpr, ROW_SCAN: tl.constexpr):
     """Selects and quantises one tile already loaded as acc; returns how many entries it keeps.
     A tile past the bucket (the last unit's spare) has acc all zero and keeps none."""
     offsets = tile * TILE + tl.arange(0, TILE)
@@ -270,12 +263,6 @@ def _quantise_tile(acc, threshold, residual_ptr, header_ptr, scales_ptr, scratch
         if nonfinite > 0:
             tl.atomic_add(header_ptr + 1, nonfinite, sem="relaxed")
         chosen = magnitude >= threshold
-    else:
-        # Top-k selects NaN and inf too (never below the threshold) and counts them where it
-        # places entries, among ~k values instead of every element: the pass is bound by its
-        # instructions per element, not by memory.
-        chosen = ~(magnitude < threshold)
-    if COMPRESS:
         scale = tl.div_rn(tl.max(tl.where(chosen, magnitude, 0.0), 0), _QUANT_MAX)
         tl.store(scales_ptr + tile, scale, mask=tile < tiles)
         # One correctly rounded reciprocal per tile, then a multiply per element instead of a
@@ -290,9 +277,13 @@ def _quantise_tile(acc, threshold, residual_ptr, header_ptr, scales_ptr, scratch
         codes = tl.minimum(tl.maximum((ratio + _ROUND_MAGIC) - _ROUND_MAGIC, -_QUANT_MAX), _QUANT_MAX)
         codes = tl.where(scale > 0.0, tl.where(chosen, codes, 0.0), 0.0)
         chosen = codes != 0.0
-        tl.store(residual_ptr + offsets, acc - codes * scale, mask=inside, eviction_policy=EVICT)
+        tl.store(residual_ptr + offsets, acc - codes * scale, mask=inside)
         entry = (tl.arange(0, TILE) | ((codes.to(tl.int32) & 0xFF) << 16))
     else:
+        # Top-k selects NaN and inf too (never below the threshold) and counts them where it
+        # places entries, among ~k values instead of every element: the pass is bound by its
+        # instructions per element, not by memory.
+        chosen = ~(magnitude < threshold)
         entry = tl.arange(0, TILE)
     # The tile's entries, compacted to the front of its own TILE slots: no other tile's count
     # is needed to place them, so no atomics and no second pass over the bucket.
@@ -313,12 +304,11 @@ def _quantise_tile(acc, threshold, residual_ptr, header_ptr, scales_ptr, scratch
 
 @triton.jit
 def _quantise_unit(source_ptr, residual_ptr, workspace_ptr, header_ptr, scales_ptr, scratch_ptr, first_tile, numel,
-                   tiles, COMPRESS: tl.constexpr, TILE: tl.constexpr, UNIT: tl.constexpr, EVICT: tl.constexpr,
-                   ROW_SCAN: tl.constexpr):
+                   tiles, COMPRESS: tl.constexpr, TILE: tl.constexpr, UNIT: tl.constexpr, ROW_SCAN: tl.constexpr):
     """Quantises UNIT consecutive tiles, each loaded while the one before is worked on, and counts
     them into their group's word with one atomic: fewer programs, each with loads in flight for
     more of its life, and one release per UNIT tiles."""
-    acc = _load_tile(source_ptr, residual_ptr, first_tile, numel, COMPRESS, TILE, EVICT)
+    acc = _load_tile(source_ptr, residual_ptr, first_tile, numel, COMPRESS, TILE)
     copy = workspace_ptr + _THRESHOLD + 32 * (first_tile // UNIT % _COPIES)
     published = tl.load(copy, volatile=True)
     while published == 0:
@@ -329,9 +319,9 @@ def _quantise_unit(source_ptr, residual_ptr, workspace_ptr, header_ptr, scales_p
     total = 0
     for step in tl.static_range(UNIT):
         if step + 1 < UNIT:
-            following = _load_tile(source_ptr, residual_ptr, first_tile + step + 1, numel, COMPRESS, TILE, EVICT)
+            following = _load_tile(source_ptr, residual_ptr, first_tile + step + 1, numel, COMPRESS, TILE)
         total += _quantise_tile(acc, threshold, residual_ptr, header_ptr, scales_ptr, scratch_ptr, first_tile + step,
-                                numel, tiles, COMPRESS, TILE, EVICT, ROW_SCAN)
+                                numel, tiles, COMPRESS, TILE, ROW_SCAN)
         if step + 1 < UNIT:
             acc = following
     tl.debug_barrier()
@@ -456,7 +446,7 @@ def selection_programs(tiles: int, unit: int, tiles_per_group: int) -> int:
 def _select_kernel(source_ptr, residual_ptr, workspace_ptr, header_ptr, scales_ptr, starts_ptr, indices_ptr,
                    values_ptr, scratch_ptr, numel, capacity, tiles, sample_chunks, chunk_slots, sample_need,
                    sample_programs, COMPRESS: tl.constexpr, TILE: tl.constexpr, UNIT: tl.constexpr,
-                   ROWS: tl.constexpr, WIDTH: tl.constexpr, EVICT: tl.constexpr, ROW_SCAN: tl.constexpr):
+                   ROWS: tl.constexpr, WIDTH: tl.constexpr, ROW_SCAN: tl.constexpr):
     # Phases by program id: [exponents | fine bins, twice as many | quantise UNIT tiles each,
     # interleaved group by group with place ROWS tiles each].
     program = tl.program_id(0)
@@ -474,7 +464,7 @@ def _select_kernel(source_ptr, residual_ptr, workspace_ptr, header_ptr, scales_p
                          values_ptr, scratch_ptr, index, tiles, capacity, COMPRESS, TILE, ROWS, WIDTH)
         else:
             _quantise_unit(source_ptr, residual_ptr, workspace_ptr, header_ptr, scales_ptr, scratch_ptr, index, numel,
-                           tiles, COMPRESS, TILE, UNIT, EVICT, ROW_SCAN)
+                           tiles, COMPRESS, TILE, UNIT, ROW_SCAN)
 
 
 def select(source: torch.Tensor, residual: torch.Tensor | None, plan: SelectionPlan, out: CompressedBucket,
@@ -497,8 +487,7 @@ def select(source: torch.Tensor, residual: torch.Tensor | None, plan: SelectionP
             source, residual_or_source, workspace, out.header, scales, starts, out.indices, out.values, scratch,
             plan.numel, out.capacity, tiles, plan.sample_chunks, plan.chunk_slots, plan.sample_need,
             sample_programs, COMPRESS=compress, TILE=tile, UNIT=tuning.unit, ROWS=PLACE_ROWS, WIDTH=PLACE_WIDTH,
-            EVICT="evict_first" if tuning.evict_first else "", ROW_SCAN=tuning.row_scan, num_warps=tuning.warps(tile),
-            enable_fp_fusion=False)
+            ROW_SCAN=tuning.row_scan, num_warps=tuning.warps(tile), enable_fp_fusion=False)
 
 
 def decompress_accumulate(dense_out: torch.Tensor, compressed: CompressedBucket) -> None:
