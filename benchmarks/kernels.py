@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
 import math
 import statistics
 import sys
@@ -43,6 +42,11 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+import kernels as kp  # noqa: E402
+from kernels import reference, triton_kernels as tk  # noqa: E402
+from kernels.compression import DEFAULT_BLOCK  # noqa: E402
+from kernels.payload import PayloadLayout, allocate  # noqa: E402
+from kernels.plan import SelectionPlan  # noqa: E402
 
 RANKS = 8
 """Payloads summed by decompress_sum per call, as after an all-gather over 8 ranks."""
@@ -50,27 +54,16 @@ ROTATE_BYTES = 1 << 30
 """Buffers cycled through per size, so each call finds its inputs in DRAM, not the 60 MB L2."""
 
 
-@dataclass(frozen=True)
-class Kernels:
-    """One implementation of the kernels package: its public functions and the internals that
-    time top-k's device work alone."""
-    name: str
-    package: ModuleType
-    plan: ModuleType
-    payload: ModuleType
-    triton_kernels: ModuleType
-
-    @classmethod
-    def load(cls, name: str, package: str) -> Kernels:
-        modules = [importlib.import_module(f"{package}.{m}") for m in ("plan", "payload", "triton_kernels")]
-        return cls(name, importlib.import_module(package), *modules)
-
-    def topk_without_waiting(self, x: torch.Tensor, k: int) -> None:
-        """topk_by_magnitude's device work, without its final wait for the count (which no graph holds)."""
-        plan = self.plan.SelectionPlan.for_k(x.numel(), k)
-        out, workspace = self.payload.allocate(self.payload.PayloadLayout(x.numel(), plan.capacity, x.dtype, None),
-                                               plan, x.device)
-        self.triton_kernels.select(x, None, plan, out, workspace)
+def selected(backend: ModuleType, x: torch.Tensor, residual: torch.Tensor | None, k_ratio: float):
+    """One selection by `backend` (kernels.triton_kernels, or kernels.reference: the twin the Triton
+    kernel must match bit for bit), without compress()'s or topk_by_magnitude()'s final wait for the
+    counts, which no CUDA graph holds: compress with a residual, top-k without."""
+    plan = SelectionPlan.for_ratio(x.numel(), k_ratio)
+    layout = PayloadLayout(x.numel(), plan.capacity, torch.int8 if residual is not None else x.dtype,
+                           DEFAULT_BLOCK if residual is not None else None)
+    out, workspace = allocate(layout, plan, x.device)
+    backend.select(x, residual, plan, out, workspace)
+    return out
 
 
 def graph_seconds(calls: list[Callable[[], object]], replays: int = 30) -> float:
@@ -140,10 +133,10 @@ def copy_gbs(buffers: Buffers) -> float:
     return 2 * buffers.numel * 4 / copy_s / 1e9
 
 
-def bench_kernels(kernels: Kernels, buffers: Buffers, k_ratio: float) -> dict:
+def bench_kernels(buffers: Buffers, k_ratio: float) -> dict:
     numel, buckets, residuals, copies = buffers.numel, buffers.buckets, buffers.residuals, buffers.copies
-    sets, kp = len(buckets), kernels.package
-    saved = [r.clone() for r in residuals]  # compress updates residuals: each implementation starts from the same
+    sets = len(buckets)
+    saved = [r.clone() for r in residuals]  # compress updates residuals: every measurement starts from the same
 
     compress_calls = [lambda i=i: kp.compress(buckets[i], residuals[i], k_ratio, check_finite=False)
                       for i in range(sets)]
@@ -172,9 +165,9 @@ def bench_kernels(kernels: Kernels, buffers: Buffers, k_ratio: float) -> dict:
     valid_bytes = sum(_valid_bytes(like.with_payload(row)) for row in rows)
     sum_s = graph_seconds([lambda d=d: kp.decompress_sum(d, rows, like, RANKS) for d in copies])
     total = torch.empty_like(copies[0])
-    rowwise_s = graph_seconds([lambda d=d: _sum_row_by_row(kp, d, total, rows, like) for d in copies])
+    rowwise_s = graph_seconds([lambda d=d: _sum_row_by_row(d, total, rows, like) for d in copies])
     check = torch.empty_like(copies[0])
-    _sum_row_by_row(kp, check, total, rows, like)
+    _sum_row_by_row(check, total, rows, like)
     kp.decompress_sum(copies[0], rows, like, RANKS)
     sum_matches = bool(torch.equal(check, copies[0]))  # bit for bit, including the division
     sum_gbs = (valid_bytes + 4 * numel) / sum_s / 1e9
@@ -184,7 +177,7 @@ def bench_kernels(kernels: Kernels, buffers: Buffers, k_ratio: float) -> dict:
 
     k = max(1, round(k_ratio * numel))
     magnitudes = [b.abs() for b in buckets]  # outside the baseline's timing: torch.topk alone, its best case
-    topk_device_s = graph_seconds([lambda b=b: kernels.topk_without_waiting(b, k) for b in buckets])
+    topk_device_s = graph_seconds([lambda b=b: selected(tk, b, None, k_ratio) for b in buckets])
     torch_device_s = graph_seconds([lambda m=m: torch.topk(m, k, sorted=False) for m in magnitudes])
     x, repeats = buckets[0], 5 if numel > 50_000_000 else 15
     topk_eager_s = eager_seconds(lambda: kp.topk_by_magnitude(x, k), repeats)
@@ -194,7 +187,7 @@ def bench_kernels(kernels: Kernels, buffers: Buffers, k_ratio: float) -> dict:
     exact_match = torch.equal(index.long().sort().values, exact.sort().values)
     del magnitudes, exact, saved
     torch.cuda.empty_cache()
-    return dict(kernels=kernels.name, compress_gbs=compress_gbs, compress_us=compress_s * 1e6, eager_us=eager_s * 1e6,
+    return dict(compress_gbs=compress_gbs, compress_us=compress_s * 1e6, eager_us=eager_s * 1e6,
                 decompress_gbs=decompress_gbs, sector_gbs=sector_gbs, decompress_us=decompress_s * 1e6,
                 sent_over_k=sent / k, dense_gbs=dense_gbs, dense_us=dense_s * 1e6, sum_gbs=sum_gbs,
                 sum_us=sum_s * 1e6, rowwise_us=rowwise_s * 1e6, sum_matches=sum_matches,
@@ -208,7 +201,7 @@ def _valid_bytes(c) -> int:
     return 16 + c.layout.entry_bytes * c.sent() + c.layout.nbytes - c.layout.scales_offset
 
 
-def _sum_row_by_row(kp: ModuleType, out: torch.Tensor, total: torch.Tensor, rows: torch.Tensor, like) -> None:
+def _sum_row_by_row(out: torch.Tensor, total: torch.Tensor, rows: torch.Tensor, like) -> None:
     total.zero_()
     for row in rows:
         kp.decompress_accumulate(total, like.with_payload(row))
@@ -216,10 +209,9 @@ def _sum_row_by_row(kp: ModuleType, out: torch.Tensor, total: torch.Tensor, rows
 
 
 COMPRESS_SWEEP = [dict(unit=1, elements_per_thread=16), dict(unit=1, elements_per_thread=8),
-                  dict(unit=2, elements_per_thread=16), dict(unit=1, elements_per_thread=16, evict_first=True),
-                  dict(unit=1, elements_per_thread=16, row_scan=True)]
-"""Tunings of compress's pass tried by --sweep. An earlier sweep (benchmarks/RESULTS.md) also
-tried 4 tiles a program: slower everywhere."""
+                  dict(unit=2, elements_per_thread=16), dict(unit=1, elements_per_thread=16, row_scan=True)]
+"""Tunings of compress's pass tried by --sweep. Earlier sweeps (benchmarks/RESULTS.md) also tried
+4 tiles a program and evict-first hints on the streamed lines: slower at 400 MB-1 GB."""
 TOPK_SWEEP = [dict(tile=1024, unit=1, elements_per_thread=16), dict(tile=1024, unit=2, elements_per_thread=16),
               dict(tile=1024, unit=2, elements_per_thread=8), dict(tile=1024, unit=4, elements_per_thread=16),
               dict(tile=2048, unit=2, elements_per_thread=16), dict(tile=1024, unit=2, elements_per_thread=16, row_scan=True),
@@ -232,7 +224,7 @@ SUM_SWEEP = [(8, 256, 8), (4, 256, 8), (8, 128, 8)]
 def sweep(buffers: Buffers, k_ratio: float, copy: float) -> list[dict]:
     """Each tuning of triton_kernels timed on the same buffers: compress, top-k (against
     torch.topk) and decompress_sum of one and of RANKS payloads; the defaults are restored after."""
-    from kernels import compress, decompress_sum, reference, topk_by_magnitude, triton_kernels as tk
+    compress, decompress_sum, topk_by_magnitude = kp.compress, kp.decompress_sum, kp.topk_by_magnitude
     defaults = (tk.COMPRESS_TUNING, tk.TOPK_TUNING, tk.SUM_TUNING)
     numel, buckets, residuals, copies = buffers.numel, buffers.buckets, buffers.residuals, buffers.copies
     rows, sets = [], len(buckets)
@@ -245,7 +237,7 @@ def sweep(buffers: Buffers, k_ratio: float, copy: float) -> list[dict]:
                                      for i in range(sets)])
             twin_residual = residuals[0].clone()
             got = compress(buckets[0], residuals[0], k_ratio, check_finite=False)
-            want = _twin_compress(buckets[0], twin_residual, k_ratio)
+            want = selected(reference, buckets[0], twin_residual, k_ratio)
             same = torch.equal(got.payload, want.payload) and torch.equal(residuals[0], twin_residual)
             rows.append(dict(kernel="compress", tuning=_described(tuning), us=seconds * 1e6,
                              of_copy=(3 * numel * 4 + got.payload.numel()) / seconds / 1e9 / copy, same_as_twin=same))
@@ -254,13 +246,13 @@ def sweep(buffers: Buffers, k_ratio: float, copy: float) -> list[dict]:
         magnitudes = [b.abs() for b in buckets[:2]]
         torch_s = graph_seconds([lambda m=m: torch.topk(m, k, sorted=False) for m in magnitudes])
         del magnitudes
-        current = Kernels.load("current", "kernels")
-        twin_topk = _twin_topk(buckets[0], k)
+        twin = selected(reference, buckets[0], None, k_ratio)
+        twin_topk = twin.indices[:twin.sent()], twin.values[:twin.sent()]
         for tuning in TOPK_SWEEP:
             tk.TOPK_TUNING = tk.Tuning(**tuning)
             if not _compiles(lambda: topk_by_magnitude(buckets[0], k), "topk", tuning, rows):
                 continue
-            seconds = graph_seconds([lambda b=b: current.topk_without_waiting(b, k) for b in buckets])
+            seconds = graph_seconds([lambda b=b: selected(tk, b, None, k_ratio) for b in buckets])
             index, values = topk_by_magnitude(buckets[0], k)
             same = torch.equal(index, twin_topk[0]) and torch.equal(values, twin_topk[1])
             rows.append(dict(kernel="topk", tuning=_described(tuning), us=seconds * 1e6,
@@ -301,26 +293,6 @@ def _described(tuning: dict) -> str:
     return ", ".join(f"{name} {value}" for name, value in tuning.items())
 
 
-def _twin_compress(bucket: torch.Tensor, residual: torch.Tensor, k_ratio: float):
-    """compress() by the torch twin, on the GPU: the payload the Triton kernel must match bit for bit."""
-    from kernels import payload, plan, reference
-    from kernels.compression import DEFAULT_BLOCK
-    selection = plan.SelectionPlan.for_ratio(bucket.numel(), k_ratio)
-    out, workspace = payload.allocate(payload.PayloadLayout(bucket.numel(), selection.capacity, torch.int8,
-                                                            DEFAULT_BLOCK), selection, bucket.device)
-    reference.select(bucket, residual, selection, out, workspace)
-    return out
-
-
-def _twin_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    from kernels import payload, plan, reference
-    selection = plan.SelectionPlan.for_k(x.numel(), k)
-    out, workspace = payload.allocate(payload.PayloadLayout(x.numel(), selection.capacity, x.dtype, None), selection,
-                                      x.device)
-    reference.select(x, None, selection, out, workspace)
-    return out.indices[:out.sent()], out.values[:out.sent()]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[25, 100, 400, 1000])
@@ -330,7 +302,6 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/kernels.py needs a CUDA GPU")
-    implementations = [Kernels.load("current", "kernels")]
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
           f"{datetime.date.today()} | k_ratio {args.k_ratio}", flush=True)
     rows = []
@@ -345,10 +316,9 @@ def main() -> None:
             del buffers
             torch.cuda.empty_cache()
             continue
-        for kernels in implementations:
-            rows.append(dict(size_mb=size, numel=buffers.numel, sets=len(buffers.buckets), copy_gbs=copy,
-                             **bench_kernels(kernels, buffers, args.k_ratio)))
-            print(rows[-1], flush=True)
+        rows.append(dict(size_mb=size, numel=buffers.numel, sets=len(buffers.buckets), copy_gbs=copy,
+                         **bench_kernels(buffers, args.k_ratio)))
+        print(rows[-1], flush=True)
         del buffers
         torch.cuda.empty_cache()
     if rows:
@@ -356,16 +326,16 @@ def main() -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    print("\n| bucket | kernels | copy GB/s | compress GB/s (of copy) | compress us: graph / eager | "
+    print("\n| bucket | copy GB/s | compress GB/s (of copy) | compress us: graph / eager | "
           "decompress GB/s (of copy) | decompress sector GB/s (of copy) | sent/k | "
           "dense GB/s (of copy) | dense us | "
           "topk ms, graph: ours / torch.topk (speed-up) | topk ms, eager: ours / torch.topk (speed-up) | "
           "kept/k | exact | "
           f"sum of {RANKS} GB/s (of copy) | sum of {RANKS} us: decompress_sum / row by row | same bits |")
-    print("| --- " * 17 + "|")
+    print("| --- " * 16 + "|")
     for r in rows:
         copy = r["copy_gbs"]
-        print(f"| {r['size_mb']:g} MB | {r['kernels']} | {copy:.0f} | {r['compress_gbs']:.0f} "
+        print(f"| {r['size_mb']:g} MB | {copy:.0f} | {r['compress_gbs']:.0f} "
               f"({r['compress_gbs'] / copy:.0%}) | {r['compress_us']:.1f} / {r['eager_us']:.1f} | "
               f"{r['decompress_gbs']:.0f} ({r['decompress_gbs'] / copy:.0%}) | {r['sector_gbs']:.0f} "
               f"({r['sector_gbs'] / copy:.0%}) | {r['sent_over_k']:.3f} | {r['dense_gbs']:.0f} "
