@@ -211,14 +211,15 @@ def _sum_row_by_row(out: torch.Tensor, total: torch.Tensor, rows: torch.Tensor, 
 COMPRESS_SWEEP = [dict(unit=1, elements_per_thread=16), dict(unit=1, elements_per_thread=8),
                   dict(unit=2, elements_per_thread=16), dict(unit=1, elements_per_thread=16, row_scan=True)]
 """Tunings of compress's pass tried by --sweep. Earlier sweeps (benchmarks/RESULTS.md) also tried
-4 tiles a program and evict-first hints on the streamed lines: slower at 400 MB-1 GB."""
+4 tiles a program, evict-first hints on the streamed lines, and waiting for the threshold before
+loading a program's first tile: slower."""
 TOPK_SWEEP = [dict(tile=1024, unit=1, elements_per_thread=16), dict(tile=1024, unit=2, elements_per_thread=16),
               dict(tile=1024, unit=2, elements_per_thread=8), dict(tile=1024, unit=4, elements_per_thread=16),
               dict(tile=2048, unit=2, elements_per_thread=16), dict(tile=1024, unit=2, elements_per_thread=16, row_scan=True),
               dict(tile=1024, unit=1, elements_per_thread=16, row_scan=True)]
 """Tunings of top-k's pass tried; tiles of 4096 were slower everywhere in the earlier sweep."""
-SUM_SWEEP = [(8, 256, 8), (4, 256, 8), (8, 128, 8)]
-"""(ranks loaded at once, entries per rank loaded at once, warps) tried for decompress_sum."""
+SUM_SWEEP = [(256, 16), (256, 8), (512, 16)]
+"""(entries of a rank loaded at once, warps) tried for decompress_sum."""
 
 
 def sweep(buffers: Buffers, k_ratio: float, copy: float) -> list[dict]:
@@ -263,14 +264,14 @@ def sweep(buffers: Buffers, k_ratio: float, copy: float) -> list[dict]:
         gathered = torch.stack([payloads[i % len(payloads)].payload for i in range(RANKS)])
         one = (_valid_bytes(like) + 4 * numel)
         eight = sum(_valid_bytes(like.with_payload(row)) for row in gathered) + 4 * numel
-        for ranks, chunk, warps in SUM_SWEEP:
-            tk.SUM_TUNING = tk.SumTuning(ranks=ranks, chunk=chunk, warps=warps)
+        for chunk, warps in SUM_SWEEP:
+            tk.SUM_TUNING = tk.SumTuning(chunk=chunk, warps=warps)
             dense_s = graph_seconds([lambda d=d, i=i: decompress_sum(d, payloads[i % len(payloads)].payload.view(1, -1),
                                                                      like) for i, d in enumerate(copies)])
             sum_s = graph_seconds([lambda d=d: decompress_sum(d, gathered, like, RANKS) for d in copies])
             decompress_sum(copies[0], gathered, like, RANKS)
             reference.decompress_sum(copies[1], gathered, like.layout, RANKS)
-            rows.append(dict(kernel="sum", tuning=f"ranks {ranks}, chunk {chunk}, {warps} warps",
+            rows.append(dict(kernel="sum", tuning=f"chunk {chunk}, {warps} warps",
                              dense_of_copy=one / dense_s / 1e9 / copy, sum_of_copy=eight / sum_s / 1e9 / copy,
                              dense_us=dense_s * 1e6, sum_us=sum_s * 1e6,
                              same_as_twin=torch.equal(copies[0], copies[1])))

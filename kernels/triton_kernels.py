@@ -45,9 +45,13 @@ written. Other cuts of the pass were measured and lost (benchmarks/RESULTS.md): 
 program (two win for top-k only), larger top-k tiles, evict-first hints on the streamed lines.
 
 decompress_sum() writes a bucket from several ranks' payloads, a program per SEGMENT (16384
-elements): the segment is zeroed in cache, every rank's entries for it are loaded at once (the
-payload says where each segment's entries begin, and their offsets count from the segment's
-start), added rank by rank, and the segment reaches DRAM once. decompress_accumulate() is the
+elements): the segment is zeroed in cache, each rank's entries for it are added in rank order
+(the payload says where each segment's entries begin, and their offsets count from the
+segment's start), the next two ranks' entries loading meanwhile, and the segment reaches DRAM
+once. Its speed is set by how many segments are in flight: each program spends most of its life
+waiting on its chain of ranks, so it holds few entries (few registers), yet the segments in
+flight must stay in L2 between zeroing and the last rank (benchmarks/RESULTS.md has the
+measurements that set SUM_TUNING). decompress_accumulate() is the
 same kernel over one payload, adding to the bucket instead of zeroing it: one read-modify-write
 of a 32-byte sector per entry, since at k = 1 % entries are about 100 elements apart.
 """
@@ -128,15 +132,16 @@ _WORDS = tl.constexpr(256)
 
 @dataclass(frozen=True, slots=True)
 class SumTuning:
-    ranks: int
-    """Ranks whose entries for a segment a summing program loads at once before adding them in order."""
     chunk: int
-    """Entries per rank loaded at once: at k = 1 % a segment holds about 164 per rank; more are
+    """Entries of a rank loaded at once: at k = 1 % a segment holds about 164 per rank; more are
     added from a loop."""
     warps: int
+    """Sets the programs in flight: at 16 warps (40 registers a thread) 3 fit on a multiprocessor,
+    ~400 segments (26 MB) in flight, which L2 holds; at 8 warps 6 fit, and their segments spill
+    to DRAM before their last rank is added (2x slower for 8 ranks, measured on an H200)."""
 
 
-SUM_TUNING = SumTuning(ranks=8, chunk=256, warps=8)
+SUM_TUNING = SumTuning(chunk=256, warps=16)
 SUM_PIECE = 2048
 
 
@@ -497,89 +502,122 @@ def decompress_accumulate(dense_out: torch.Tensor, compressed: CompressedBucket)
 
 
 @triton.jit
-def _add_entries(row, out_ptr, first, last, low, high, inverse, INDICES_OFFSET: tl.constexpr,
-                 VALUES_OFFSET: tl.constexpr, SCALES_OFFSET: tl.constexpr, BLOCK: tl.constexpr,
-                 SCALE_FIRST: tl.constexpr, CHUNK: tl.constexpr):
-    """out[index] += value for one payload row's entries first..last of the segment low..high, CHUNK at a time."""
-    for start in range(first, last, CHUNK):
-        entry = start + tl.arange(0, CHUNK)
-        live = entry < last
-        index, value, live = _dequantise(row, entry, live, low, high, inverse, INDICES_OFFSET, VALUES_OFFSET,
-                                         SCALES_OFFSET, BLOCK, SCALE_FIRST)
-        current = tl.load(out_ptr + index, mask=live, other=0.0)
-        tl.store(out_ptr + index, current + value, mask=live)
+def _segment_bounds(payloads_ptr, row_bytes, rank, ranks, segment, segments, capacity, STARTS_OFFSET: tl.constexpr):
+    """first << 32 | last: the entries of rank's payload row that fall in the segment, as one
+    int64 (see the kernel for why); 0 for a rank past the last, and never past the entries sent
+    or the capacity."""
+    live = rank < ranks
+    row = payloads_ptr + row_bytes.to(tl.int64) * rank
+    sent = tl.load(row.to(tl.pointer_type(tl.int32)), mask=live, other=0)
+    sent = tl.maximum(tl.minimum(sent, capacity), 0)
+    starts = (row + STARTS_OFFSET).to(tl.pointer_type(tl.int32)) + segment
+    first = tl.load(starts, mask=live, other=0)
+    # A segment ends where the next begins; the last one where the entries sent end.
+    not_last = segment + 1 < segments
+    last = tl.where(not_last, tl.load(starts + 1, mask=live & not_last, other=0), sent)
+    first = tl.minimum(tl.maximum(first, 0), sent)
+    last = tl.minimum(tl.maximum(last, first), sent)
+    return (first.to(tl.int64) << 32) | last.to(tl.int64)
 
 
 @triton.jit
-def _dequantise(row, entry, live, low, high, inverse, INDICES_OFFSET: tl.constexpr, VALUES_OFFSET: tl.constexpr,
-                SCALES_OFFSET: tl.constexpr, BLOCK: tl.constexpr, SCALE_FIRST: tl.constexpr):
-    """(element index, code * scale, valid) of entries of the segment starting at element low; an
-    offset outside the segment (a corrupted payload) is not valid."""
-    offset = tl.load((row + INDICES_OFFSET).to(tl.pointer_type(tl.int16)) + entry, mask=live, other=-1).to(tl.int32)
+def _load_rank(payloads_ptr, row_bytes, rank, bounds, segment, numel, INDICES_OFFSET: tl.constexpr,
+               VALUES_OFFSET: tl.constexpr, SCALES_OFFSET: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """(offsets, codes) of rank's first CHUNK entries in the segment, and the scales of the
+    segment's blocks (none loaded where it sent nothing)."""
+    first = (bounds >> 32).to(tl.int32)
+    last = (bounds & 0xFFFFFFFF).to(tl.int32)
+    offsets, codes = _load_entries(payloads_ptr, row_bytes, rank, first, last, INDICES_OFFSET, VALUES_OFFSET, CHUNK)
+    blocks: tl.constexpr = _SEGMENT // BLOCK
+    block = segment * blocks + tl.arange(0, blocks)
+    row = payloads_ptr + row_bytes.to(tl.int64) * rank
+    scales = tl.load((row + SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + block,
+                     mask=(block * BLOCK < numel) & (first < last), other=0.0)
+    return offsets, codes, scales
+
+
+@triton.jit
+def _load_entries(payloads_ptr, row_bytes, rank, first, last, INDICES_OFFSET: tl.constexpr,
+                  VALUES_OFFSET: tl.constexpr, CHUNK: tl.constexpr):
+    """(offsets, codes) of rank's entries first.. (at most CHUNK, before last); a missing entry
+    reads as offset -1, which no segment holds."""
+    row = payloads_ptr + row_bytes.to(tl.int64) * rank
+    entry = first + tl.arange(0, CHUNK)
+    live = entry < last
+    offsets = tl.load((row + INDICES_OFFSET).to(tl.pointer_type(tl.int16)) + entry, mask=live, other=-1)
+    codes = tl.load((row + VALUES_OFFSET).to(tl.pointer_type(tl.int8)) + entry, mask=live, other=0)
+    return offsets, codes
+
+
+@triton.jit
+def _add_decoded(out_ptr, offsets, codes, scales, low, high, inverse, BLOCK: tl.constexpr, SCALE_FIRST: tl.constexpr):
+    """out[low + offset] += code * scale (* inverse) for every valid entry; an offset outside the
+    segment (missing, or a corrupted payload) adds nothing."""
+    offset = offsets.to(tl.int32)
     index = low + offset
-    live = live & (offset >= 0) & (index < high)
-    code = tl.load((row + VALUES_OFFSET).to(tl.pointer_type(tl.int8)) + entry, mask=live, other=0)
-    value = code.to(tl.float32) * tl.load((row + SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + index // BLOCK,
-                                          mask=live, other=0.0)
+    live = (offset >= 0) & (index < high)
+    value = codes.to(tl.float32) * tl.gather(scales, tl.where(live, offset // BLOCK, 0), 0)
     if SCALE_FIRST:
         value = value * inverse
-    return index, value, live
+    current = tl.load(out_ptr + index, mask=live, other=0.0)
+    tl.store(out_ptr + index, current + value, mask=live)
 
 
 @triton.jit(do_not_specialize=["ranks", "segments", "capacity"])
 def _decompress_sum_kernel(payloads_ptr, row_bytes, out_ptr, numel, ranks, segments, capacity, divisor, inverse,
                            INDICES_OFFSET: tl.constexpr, VALUES_OFFSET: tl.constexpr, SCALES_OFFSET: tl.constexpr,
                            STARTS_OFFSET: tl.constexpr, BLOCK: tl.constexpr, SCALE_FIRST: tl.constexpr,
-                           ACCUMULATE: tl.constexpr, RANKS: tl.constexpr, CHUNK: tl.constexpr,
-                           PIECE: tl.constexpr):
+                           ACCUMULATE: tl.constexpr, CHUNK: tl.constexpr, PIECE: tl.constexpr):
     # One program per segment. The segment is zeroed (unless accumulating), each rank's entries in
     # it are added in rank order (read-modify-write of lines this program just wrote, so the
     # scattered accesses hit cache, not DRAM) and, unless the values were scaled first, the sum is
     # divided; DRAM sees the payload entries read and the bucket written once.
+    # Ranks go through a pipeline two deep: while rank r's entries are added, the entries and
+    # scales of ranks r + 1 and r + 2 and the bounds of rank r + 3 are loading, so adding a rank
+    # waits for a round trip to cache, not for memory. Few entries are held at a time, so
+    # SumTuning.warps, not registers, sets how many segments are in flight.
     segment = tl.program_id(0)
     low = segment * _SEGMENT
     high = tl.minimum(low + _SEGMENT, numel)
+    # Each rank's bounds travel as one int64 (first << 32 | last): carried through the loop as six
+    # int32s, two of them lost their updates in Triton 3.6's TTGIR passes (the loop kept their
+    # first values; the interpreter, which skips those passes, did not show it).
+    bounds = _segment_bounds(payloads_ptr, row_bytes, 0, ranks, segment, segments, capacity, STARTS_OFFSET)
+    bounds_next = _segment_bounds(payloads_ptr, row_bytes, 1, ranks, segment, segments, capacity, STARTS_OFFSET)
+    bounds_after = _segment_bounds(payloads_ptr, row_bytes, 2, ranks, segment, segments, capacity, STARTS_OFFSET)
+    offsets, codes, scales = _load_rank(payloads_ptr, row_bytes, 0, bounds, segment, numel, INDICES_OFFSET,
+                                        VALUES_OFFSET, SCALES_OFFSET, BLOCK, CHUNK)
+    offsets_next, codes_next, scales_next = _load_rank(payloads_ptr, row_bytes, 1, bounds_next, segment, numel,
+                                                       INDICES_OFFSET, VALUES_OFFSET, SCALES_OFFSET, BLOCK, CHUNK)
     if not ACCUMULATE:
         for piece in range(low, high, PIECE):
-            offsets = piece + tl.arange(0, PIECE)
-            tl.store(out_ptr + offsets, tl.zeros([PIECE], dtype=tl.float32), mask=offsets < high)
-    lanes = tl.arange(0, RANKS)
-    for first_rank in range(0, ranks, RANKS):
-        # RANKS ranks' segment bounds and first CHUNK entries are loaded together, before any is
-        # added: two round trips to memory for all of them instead of several per rank.
-        rank = first_rank + lanes
-        row = payloads_ptr + row_bytes.to(tl.int64) * rank
-        rank_live = rank < ranks
-        sent = tl.load(row.to(tl.pointer_type(tl.int32)), mask=rank_live, other=0)
-        sent = tl.maximum(tl.minimum(sent, capacity), 0)
-        starts = (row + STARTS_OFFSET).to(tl.pointer_type(tl.int32)) + segment
-        first = tl.load(starts, mask=rank_live, other=0)
-        # A segment ends where the next begins; the last one where the entries sent end.
-        not_last = segment + 1 + 0 * lanes < segments
-        last = tl.where(not_last, tl.load(starts + 1, mask=rank_live & not_last, other=0), sent)
-        first = tl.minimum(tl.maximum(first, 0), sent)
-        last = tl.minimum(tl.maximum(last, first), sent)
-        entry = first[:, None] + tl.arange(0, CHUNK)[None, :]
-        index, value, live = _dequantise(row[:, None], entry, rank_live[:, None] & (entry < last[:, None]), low, high,
-                                         inverse, INDICES_OFFSET, VALUES_OFFSET, SCALES_OFFSET, BLOCK, SCALE_FIRST)
+            zeroed = piece + tl.arange(0, PIECE)
+            tl.store(out_ptr + zeroed, tl.zeros([PIECE], dtype=tl.float32), mask=zeroed < high)
         tl.debug_barrier()  # the zeros are in place
-        for lane in range(tl.minimum(ranks - first_rank, RANKS)):
-            # This rank's row of the tile (the others masked off), then its entries past the first
-            # CHUNK; the barrier orders ranks that share an element.
-            here = live & (lanes == lane)[:, None]
-            current = tl.load(out_ptr + index, mask=here, other=0.0)
-            tl.store(out_ptr + index, current + value, mask=here)
-            rank_first = tl.sum(tl.where(lanes == lane, first, 0), 0) + CHUNK
-            rank_last = tl.sum(tl.where(lanes == lane, last, 0), 0)
-            _add_entries(payloads_ptr + row_bytes.to(tl.int64) * (first_rank + lane), out_ptr, rank_first, rank_last,
-                         low, high, inverse, INDICES_OFFSET, VALUES_OFFSET, SCALES_OFFSET, BLOCK, SCALE_FIRST, CHUNK)
-            tl.debug_barrier()
+    for rank in range(ranks):
+        bounds_later = _segment_bounds(payloads_ptr, row_bytes, rank + 3, ranks, segment, segments, capacity,
+                                       STARTS_OFFSET)
+        offsets_after, codes_after, scales_after = _load_rank(payloads_ptr, row_bytes, rank + 2, bounds_after, segment,
+                                                              numel, INDICES_OFFSET, VALUES_OFFSET, SCALES_OFFSET,
+                                                              BLOCK, CHUNK)
+        _add_decoded(out_ptr, offsets, codes, scales, low, high, inverse, BLOCK, SCALE_FIRST)
+        # Entries past the first CHUNK, where this rank's segment is denser than CHUNK / SEGMENT
+        # (rare at k = 1 %): a rank's entries are distinct elements, so they need no ordering.
+        last = (bounds & 0xFFFFFFFF).to(tl.int32)
+        for start in range((bounds >> 32).to(tl.int32) + CHUNK, last, CHUNK):
+            more_offsets, more_codes = _load_entries(payloads_ptr, row_bytes, rank, start, last, INDICES_OFFSET,
+                                                     VALUES_OFFSET, CHUNK)
+            _add_decoded(out_ptr, more_offsets, more_codes, scales, low, high, inverse, BLOCK, SCALE_FIRST)
+        tl.debug_barrier()  # orders ranks that share an element
+        bounds, bounds_next, bounds_after = bounds_next, bounds_after, bounds_later
+        offsets, codes, scales = offsets_next, codes_next, scales_next
+        offsets_next, codes_next, scales_next = offsets_after, codes_after, scales_after
     if not SCALE_FIRST:
         for piece in range(low, high, PIECE):
-            offsets = piece + tl.arange(0, PIECE)
-            inside = offsets < high
-            total = tl.load(out_ptr + offsets, mask=inside, other=0.0)
-            tl.store(out_ptr + offsets, tl.div_rn(total, divisor), mask=inside)
+            offsets_divided = piece + tl.arange(0, PIECE)
+            inside = offsets_divided < high
+            total = tl.load(out_ptr + offsets_divided, mask=inside, other=0.0)
+            tl.store(out_ptr + offsets_divided, tl.div_rn(total, divisor), mask=inside)
 
 
 def decompress_sum(dense_out: torch.Tensor, payloads: torch.Tensor, layout: PayloadLayout, divisor: float) -> None:
@@ -594,8 +632,8 @@ def _decompress(dense_out: torch.Tensor, payloads: torch.Tensor, layout: Payload
             payloads, payloads.shape[1], dense_out, layout.numel, payloads.shape[0], segments, layout.capacity,
             float(divisor), 1.0 / divisor, INDICES_OFFSET=HEADER_BYTES, VALUES_OFFSET=layout.values_offset,
             SCALES_OFFSET=layout.scales_offset, STARTS_OFFSET=layout.starts_offset, BLOCK=layout.block,
-            SCALE_FIRST=power_of_two(divisor), ACCUMULATE=accumulate, RANKS=SUM_TUNING.ranks,
-            CHUNK=SUM_TUNING.chunk, PIECE=SUM_PIECE, num_warps=SUM_TUNING.warps, enable_fp_fusion=False)
+            SCALE_FIRST=power_of_two(divisor), ACCUMULATE=accumulate, CHUNK=SUM_TUNING.chunk, PIECE=SUM_PIECE,
+            num_warps=SUM_TUNING.warps, enable_fp_fusion=False)
 
 
 def _on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:

@@ -68,7 +68,7 @@ def test_decompress_matches_the_twin_bit_for_bit():
     (5_000_000, 1024, 0.01, 8),   # scaled by 1/8 before adding
     (1_000_003, 128, 0.2, 3),     # divided at the end; thousands of entries per segment and rank
     (50_001, 4096, 0.001, 2),
-    (3_000_017, 1024, 0.01, 11),  # ranks loaded 8 at a time
+    (3_000_017, 1024, 0.01, 11),  # more ranks than the pipeline holds at once
 ])
 def test_decompress_sum_matches_the_twin_bit_for_bit(numel, block, k_ratio, ranks):
     rows = [compress(gradient(numel, seed=r), torch.zeros(numel, device="cuda"), k_ratio, block) for r in range(ranks)]
