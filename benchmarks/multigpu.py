@@ -218,7 +218,7 @@ def plain_ddp_run(rank: int, world: int, cpu: bool, model: dict, micro: int, war
 
     def step() -> None:
         with torch.autocast(device.type, torch.bfloat16, enabled=not cpu):
-            loss = forward(batch[:, :-1], batch[:, 1:], chunked_loss=False)
+            loss = forward(batch[:, :-1], batch[:, 1:], loss_kernel="plain")
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -57,8 +57,8 @@ MODELS = {  # vocab, seq_len, width, layers, heads, micro-batch
 
 LR = 3e-4
 VARIANTS = {  # name: (JobConfig sections to override, SDPA backends in priority order or None)
-    "chunked loss": ({"train": {"chunked_loss": True}}, None),
-    "plain loss": ({"train": {"chunked_loss": False}}, None),
+    "chunked loss": ({"train": {"loss_kernel": "chunked"}}, None),
+    "plain loss": ({"train": {"loss_kernel": "plain"}}, None),
     "cudnn attention": ({}, "cudnn"),
     "flash attention": ({}, "flash"),
     "reduce-overhead": ({"compile": {"mode": "reduce-overhead"}}, None),
@@ -235,7 +235,7 @@ def ddp_engine(name: str, mode: str, data: TextBatches, args) -> tuple[dict, obj
 
     def step(tokens, _):
         with torch.autocast(DEVICE, torch.bfloat16):
-            loss = wrapped.forward(tokens[:, :-1], tokens[:, 1:], chunked_loss=config.train.chunked_loss)
+            loss = wrapped.forward(tokens[:, :-1], tokens[:, 1:], loss_kernel=config.train.loss_kernel)
         with wrapped.backward_context():
             loss.backward()
         optimizer.step()

@@ -65,7 +65,7 @@ class StepSpec:
     """Resolved (not "auto"). fp16 and fp8 are measured as bf16: the same 2-byte activations (fp8
     keeps bf16 activations for backward and adds small scale tensors)."""
     activation_checkpointing: Literal["off", "selective", "full"] = "off"
-    chunked_loss: bool = True
+    loss_kernel: Literal["fused", "plain", "chunked"] = "fused"
     device_type: DeviceType = "cuda"
     """What the step will run on: cuda rounds to allocator blocks and uses the fused AdamW."""
 
@@ -76,7 +76,7 @@ class StepSpec:
             precision = "bf16" if device_type == "cuda" else "fp32"
         return cls(model=config.model, precision=precision, device_type=device_type,
                    activation_checkpointing=config.parallel.activation_checkpointing,
-                   chunked_loss=config.train.chunked_loss)
+                   loss_kernel=config.train.loss_kernel)
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +225,7 @@ def _train_step(model, optimizer, batch: torch.Tensor, spec: StepSpec, dtype: to
     """What workers/engine.py Engine.__call__ does for one optimizer step, minus the collectives."""
     inputs, targets = batch[:, :-1], batch[:, 1:]
     with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-        loss = model(inputs, targets, chunked_loss=spec.chunked_loss)
+        loss = model(inputs, targets, loss_kernel=spec.loss_kernel)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()

@@ -69,7 +69,7 @@ class Engine:
             inputs, targets = batch[:, :-1], batch[:, 1:]
             with self.wrapped.sync_gradients(i == len(micro_batches) - 1):
                 with self.precision.autocast(self.device):
-                    loss = self.wrapped.forward(inputs, targets, chunked_loss=self.config.train.chunked_loss)
+                    loss = self.wrapped.forward(inputs, targets, loss_kernel=self.config.train.loss_kernel)
                     loss = loss * self.micro_batch_weight
                 with self.wrapped.backward_context():
                     self.scaler.scale(loss).backward()
@@ -103,7 +103,7 @@ class Engine:
         for batch in batches:
             inputs, targets = batch[:, :-1], batch[:, 1:]
             with self.precision.autocast(self.device):
-                loss = forward(inputs, targets, chunked_loss=self.config.train.chunked_loss)
+                loss = forward(inputs, targets, loss_kernel=self.config.train.loss_kernel)
             loss_sum += float(loss) * targets.numel()
             tokens += targets.numel()
         self.model.train()

@@ -52,6 +52,11 @@ def test_unknown_key_suggests_the_close_one(tmp_path):
     assert "did you mean 'micro_batch_size'?" in message
 
 
+def test_renamed_key_says_what_to_write_instead(tmp_path):
+    message = error_for(tmp_path, "[train]\nchunked_loss = true\n")
+    assert "[train] chunked_loss: unknown key" in message and 'loss_kernel = "chunked"' in message
+
+
 def test_unknown_section(tmp_path):
     message = error_for(tmp_path, "[trian]\nsteps = 3\n")
     assert "trian: unknown key" in message and "'train'" in message

@@ -25,20 +25,20 @@ TINY = ModelConfig(n_layer=4, n_head=4, n_embd=128, seq_len=128, vocab_size=257)
 class RealStep:
     """One real training step of TINY on this CPU, set up (and warmed: AdamW's states exist) ahead."""
 
-    def __init__(self, micro_batch: int, *, accum: int = 1, chunked_loss: bool = True, ddp: bool = False):
+    def __init__(self, micro_batch: int, *, accum: int = 1, loss_kernel: str = "chunked", ddp: bool = False):
         torch.manual_seed(0)
         self.model = GPT(TINY)
         self.wrapped = DistributedDataParallel(self.model, gradient_as_bucket_view=True) if ddp else self.model
         self.optimizer = build_optimizer(self.model, TrainConfig(), torch.device("cpu"))
         self.batch = torch.randint(0, TINY.vocab_size, (micro_batch, TINY.seq_len + 1))
-        self.accum, self.chunked_loss, self.ddp = accum, chunked_loss, ddp
+        self.accum, self.loss_kernel, self.ddp = accum, loss_kernel, ddp
         self.step()
 
     def step(self) -> None:
         for i in range(self.accum):
             sync = self.wrapped.no_sync() if self.ddp and i < self.accum - 1 else contextlib.nullcontext()
             with sync:
-                loss = self.wrapped(self.batch[:, :-1], self.batch[:, 1:], chunked_loss=self.chunked_loss)
+                loss = self.wrapped(self.batch[:, :-1], self.batch[:, 1:], loss_kernel=self.loss_kernel)
                 (loss / self.accum).backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
@@ -76,13 +76,13 @@ def measure_peaks(steps: dict[str, RealStep]) -> dict[str, int]:
 @pytest.fixture(scope="module")
 def measured(gloo_world_of_one) -> dict[str, int]:
     # The CPU demo's micro-batch; the variants at 4 samples, since every real step here costs compute.
-    return measure_peaks({"m16": RealStep(16), "m4-plain-loss": RealStep(4, chunked_loss=False),
+    return measure_peaks({"m16": RealStep(16), "m4-plain-loss": RealStep(4, loss_kernel="plain"),
                           "m4-accum2": RealStep(4, accum=2), "m4-ddp": RealStep(4, ddp=True)})
 
 
 @pytest.fixture(scope="module")
 def tiny_profile() -> memory.MemoryProfile:
-    spec = memory.StepSpec(model=TINY, precision="fp32", device_type="cpu", chunked_loss=True)
+    spec = memory.StepSpec(model=TINY, precision="fp32", device_type="cpu", loss_kernel="chunked")
     memory.measure_steps(spec, (1, 4, 8, 16))  # one fake model for every exact figure the tests read
     return memory.profile_for(spec, 16)
 
@@ -106,7 +106,7 @@ def test_the_estimate_is_within_ten_percent_of_the_measured_cpu_peak(tiny_profil
 
 
 def test_without_the_chunked_loss_too(measured):
-    spec = memory.StepSpec(model=TINY, precision="fp32", device_type="cpu", chunked_loss=False)
+    spec = memory.StepSpec(model=TINY, precision="fp32", device_type="cpu", loss_kernel="plain")
     estimate = memory.measure_step(spec, 4).peak_bytes
     assert within_ten_percent(estimate, measured["m4-plain-loss"]), (estimate, measured["m4-plain-loss"])
 

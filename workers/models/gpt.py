@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from orchestrator.config import ModelConfig
+from kernels.loss import linear_cross_entropy
 from workers.models.loss import chunked_cross_entropy
 
 # Selective activation checkpointing keeps what is expensive to recompute (matmuls, attention)
@@ -111,23 +112,27 @@ class GPT(nn.Module):
             block.activation_checkpointing = mode
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
-                chunked_loss: bool = False) -> torch.Tensor:
+                loss_kernel: str = "plain") -> torch.Tensor:
         """Returns the mean cross-entropy over all positions when targets are given, else the logits.
 
-        chunked_loss computes the loss without materialising the (tokens × vocab) logits."""
+        loss_kernel: "plain" (F.cross_entropy over fp32 logits), "fused" (kernels.loss: the logits'
+        gradient made in the forward pass by one kernel) or "chunked" (workers.models.loss: the
+        (tokens × vocab) logits never exist whole)."""
         T = idx.shape[1]
         x = self.tok_emb(idx) + self.pos_emb(torch.arange(T, device=idx.device))
         for block in self.blocks:
             x = block(x)
-        return self.head(x, targets, chunked_loss)
+        return self.head(x, targets, loss_kernel)
 
-    def head(self, x: torch.Tensor, targets: torch.Tensor | None, chunked_loss: bool) -> torch.Tensor:
+    def head(self, x: torch.Tensor, targets: torch.Tensor | None, loss_kernel: str) -> torch.Tensor:
         """Final norm, output projection and loss: a separate method so that FSDP2, which compiles
         block by block, can compile it too (eager, its fp32 logits cost time and memory)."""
         x = self.ln_f(x)
         if targets is None:
             return self.lm_head(x)
-        if chunked_loss:
+        if loss_kernel == "fused":
+            return linear_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1))
+        if loss_kernel == "chunked":
             return chunked_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1))
         logits = self.lm_head(x)
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))

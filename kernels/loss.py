@@ -1,0 +1,80 @@
+"""Linear + cross-entropy whose gradient is made in the forward pass, by one kernel over the logits.
+
+    loss = linear_cross_entropy(hidden, weight, targets)   # mean of CE(hidden @ weight.T, targets)
+
+The logits are made by one matmul in hidden's dtype (bf16 under autocast). One kernel then
+writes each row's loss and turns the logits, in place, into their gradient (softmax - one_hot)
+/ rows, computed in fp32 and rounded once, as the plain loss's backward would round it. Backward
+is two matmuls scaled by the incoming gradient. Against `F.cross_entropy(logits.float(), targets)`
+compiled by Inductor, that is one read of the logits and one write of their gradient instead
+of several passes (GPT-2 124M's 32768 x 50304 logits on an H200: 4.4 ms fwd + bwd down to 2.3;
+benchmarks/RESULTS.md), with the same memory: the bf16 gradient is kept where the plain loss
+keeps the bf16 logits.
+
+CUDA tensors run the Triton kernel (kernels/triton_loss.py), anything else the torch twin below.
+It is a torch custom op, so torch.compile keeps it whole in the graph instead of breaking it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of `hidden @ weight.T` against `targets`; hidden is (rows, C), weight
+    (vocab, C), targets (rows,) class indices. Matches `F.cross_entropy((hidden @ weight.T).float(),
+    targets)` and its gradients, the matmuls in the autocast dtype where autocast is on."""
+    if torch.is_autocast_enabled(hidden.device.type):
+        dtype = torch.get_autocast_dtype(hidden.device.type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+    if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
+        # Evaluation: no gradient to make.
+        return F.cross_entropy((hidden @ weight.t()).float(), targets)
+    loss, _ = _linear_cross_entropy(hidden, weight, targets)
+    return loss
+
+
+@torch.library.custom_op("archipelago::linear_cross_entropy", mutates_args=())
+def _linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
+                          targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean loss, gradient of the mean loss with respect to the logits)."""
+    logits = hidden @ weight.t()
+    scale = 1.0 / logits.shape[0]
+    if logits.is_cuda:
+        from kernels import triton_loss  # needs triton, which only CUDA machines have
+        losses = triton_loss.cross_entropy_and_gradient_(logits, targets, scale)
+    else:
+        losses = cross_entropy_and_gradient_twin_(logits, targets, scale)
+    return losses.sum() * scale, logits
+
+
+@_linear_cross_entropy.register_fake
+def _(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return hidden.new_empty((), dtype=torch.float32), hidden.new_empty((hidden.shape[0], weight.shape[0]))
+
+
+def _save_for_backward(ctx, inputs, output) -> None:
+    hidden, weight, _ = inputs
+    ctx.save_for_backward(hidden, weight, output[1])
+
+
+def _backward(ctx, grad_loss: torch.Tensor, _grad_of_gradient: torch.Tensor):
+    hidden, weight, grad_logits = ctx.saved_tensors
+    # Scaled in fp32 after the matmuls: grad_loss (a loss weight, a loss scale) need not be exact in bf16.
+    grad_hidden = ((grad_logits @ weight).float() * grad_loss).to(hidden.dtype)
+    grad_weight = ((grad_logits.t() @ hidden).float() * grad_loss).to(weight.dtype)
+    return grad_hidden, grad_weight, None
+
+
+_linear_cross_entropy.register_autograd(_backward, setup_context=_save_for_backward)
+
+
+def cross_entropy_and_gradient_twin_(logits: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
+    """The Triton kernel's twin: per-row losses (fp32); logits become (softmax - one_hot) * scale."""
+    x = logits.float()
+    losses = F.cross_entropy(x, targets, reduction="none")
+    gradient = torch.softmax(x, dim=-1)
+    gradient[torch.arange(len(targets), device=targets.device), targets] -= 1.0
+    logits.copy_(gradient * scale)
+    return losses

@@ -1,0 +1,65 @@
+"""The fused loss's Triton kernel against its twin on a GPU, and the fused loss against the plain
+one in a compiled model (run by `make test-gpu`)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import triton_loss
+from kernels.loss import cross_entropy_and_gradient_twin_, linear_cross_entropy
+from orchestrator.config import ModelConfig
+from workers.models.gpt import GPT
+
+pytestmark = pytest.mark.gpu
+
+
+def test_kernel_matches_the_twin_on_gpt2_sized_logits():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(4096, 50304, device="cuda", generator=g) * 4).to(torch.bfloat16)
+    targets = torch.randint(0, 50304, (4096,), device="cuda", generator=g)
+    got, want = logits.clone(), logits.clone()
+    got_losses = triton_loss.cross_entropy_and_gradient_(got, targets, 1 / 4096)
+    want_losses = cross_entropy_and_gradient_twin_(want, targets, 1 / 4096)
+    assert torch.allclose(got_losses, want_losses, rtol=1e-5, atol=0)
+    # The gradient is rounded to bf16 once in both: at most one rounding apart.
+    assert torch.allclose(got.float(), want.float(), rtol=torch.finfo(torch.bfloat16).eps, atol=1e-12)
+
+
+def test_out_of_range_target_gives_a_nan_loss():
+    losses = triton_loss.cross_entropy_and_gradient_(torch.zeros(2, 50304, device="cuda"),
+                                                     torch.tensor([3, 50304], device="cuda"), 0.5)
+    assert torch.isfinite(losses[0]) and torch.isnan(losses[1])
+
+
+def test_compiled_model_with_the_fused_loss_matches_the_plain_loss():
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(n_layer=2, n_head=4, n_embd=256, seq_len=256, vocab_size=50304)).cuda()
+    tokens = torch.randint(0, 50304, (8, 257), device="cuda")
+    results = {}
+    for kernel in ("plain", "fused"):
+        torch._dynamo.reset()
+        step = torch.compile(lambda x, y, k=kernel: model(x, y, loss_kernel=k), fullgraph=True)
+        with torch.autocast("cuda", torch.bfloat16):
+            loss = step(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        results[kernel] = loss.item(), [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+    (plain, plain_grads), (fused, fused_grads) = results["plain"], results["fused"]
+    assert fused == pytest.approx(plain, rel=1e-3)
+    for a, b in zip(fused_grads, plain_grads):
+        assert (a - b).abs().max() <= 2e-2 * b.abs().max() + 1e-8
+
+
+def test_linear_cross_entropy_under_autocast_on_cuda():
+    torch.manual_seed(1)
+    hidden = torch.randn(2048, 768, device="cuda", requires_grad=True)
+    weight = (torch.randn(50304, 768, device="cuda") * 0.02).requires_grad_()
+    targets = torch.randint(0, 50304, (2048,), device="cuda")
+    with torch.autocast("cuda", torch.bfloat16):
+        plain = F.cross_entropy((hidden @ weight.t()).float(), targets)
+        fused = linear_cross_entropy(hidden, weight, targets)
+    want = torch.autograd.grad(plain, (hidden, weight))
+    got = torch.autograd.grad(fused, (hidden, weight))
+    assert fused.item() == pytest.approx(plain.item(), rel=1e-3)
+    for g, w in zip(got, want):
+        assert (g - w).abs().max() <= 1e-2 * w.abs().max()

@@ -1,0 +1,119 @@
+"""The fused linear + cross-entropy (kernels.loss): its torch twin against the plain loss on CPU,
+inside a compiled graph, and its Triton kernel in Triton's interpreter against the twin."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.loss import cross_entropy_and_gradient_twin_, linear_cross_entropy
+
+
+def case(rows=300, width=64, vocab=257, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(rows, width, generator=g).requires_grad_()
+    weight = (torch.randn(vocab, width, generator=g) * 0.3).requires_grad_()
+    return hidden, weight, torch.randint(0, vocab, (rows,), generator=g)
+
+
+def plain_loss_and_gradients(hidden, weight, targets, times=1.0):
+    loss = F.cross_entropy((hidden @ weight.t()).float(), targets)
+    grads = torch.autograd.grad(times * loss, (hidden, weight))
+    return loss.item(), grads
+
+
+def test_fused_loss_matches_the_plain_loss_and_gradients():
+    hidden, weight, targets = case()
+    want, (want_hidden, want_weight) = plain_loss_and_gradients(hidden, weight, targets, times=3.0)
+    fused = linear_cross_entropy(hidden, weight, targets)
+    got_hidden, got_weight = torch.autograd.grad(3.0 * fused, (hidden, weight))  # a loss weight reaches both
+    assert fused.item() == pytest.approx(want, rel=1e-6)
+    assert torch.allclose(got_hidden, want_hidden, rtol=1e-4, atol=1e-7)
+    assert torch.allclose(got_weight, want_weight, rtol=1e-4, atol=1e-7)
+    with torch.no_grad():
+        assert linear_cross_entropy(hidden, weight, targets).item() == pytest.approx(want, rel=1e-6)
+
+
+def test_fused_loss_under_autocast_matches_the_plain_loss_to_1e3():
+    # The matmuls run in bf16 as the plain loss's would under autocast; the loss in fp32.
+    hidden, weight, targets = case(seed=1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = F.cross_entropy((hidden @ weight.t()).float(), targets)
+        fused = linear_cross_entropy(hidden, weight, targets)
+    want = torch.autograd.grad(plain, (hidden, weight))
+    got = torch.autograd.grad(fused, (hidden, weight))
+    assert fused.item() == pytest.approx(plain.item(), rel=1e-3)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype == torch.float32
+        assert (g - w).abs().max() <= 1e-3 * w.abs().max()
+
+
+def test_fused_loss_compiles_into_one_graph():
+    hidden, weight, targets = case(seed=2)
+    want, _ = plain_loss_and_gradients(hidden, weight, targets)
+    torch._dynamo.reset()
+    compiled = torch.compile(linear_cross_entropy, fullgraph=True)  # a graph break would raise here
+    loss = compiled(hidden, weight, targets)
+    loss.backward()
+    assert loss.item() == pytest.approx(want, rel=1e-5) and hidden.grad is not None
+
+
+def test_twin_leaves_the_gradient_in_the_logits():
+    logits = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]])
+    losses = cross_entropy_and_gradient_twin_(logits, torch.tensor([2, 0]), 0.5)
+    softmax = torch.softmax(torch.tensor([1.0, 2.0, 3.0]), 0)
+    assert torch.allclose(losses, torch.tensor([-torch.log(softmax[2]).item(), torch.log(torch.tensor(3.0)).item()]))
+    assert torch.allclose(logits[0], 0.5 * (softmax - torch.tensor([0.0, 0.0, 1.0])))
+    assert torch.allclose(logits[1], 0.5 * torch.tensor([1 / 3 - 1, 1 / 3, 1 / 3]))
+
+
+INTERPRETED = r"""
+import json, torch
+import triton.runtime.interpreter as interpreter
+# Triton 3.6's interpreter turns a loop bound into an int with int(array of shape (1,)), which
+# numpy >= 2.3 refuses.
+_patch = interpreter._patch_lang_tensor
+def _patch_index(tensor, scope):
+    _patch(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+interpreter._patch_lang_tensor = _patch_index
+from kernels import triton_loss
+from kernels.loss import cross_entropy_and_gradient_twin_
+
+triton_loss.LOSS_TUNING = triton_loss.LossTuning(block=256, warps=4)   # several blocks a row
+results = []
+for rows, vocab, dtype in [(7, 1000, torch.float32), (5, 3001, torch.bfloat16)]:
+    g = torch.Generator().manual_seed(rows)
+    logits = (torch.randn(rows, vocab, generator=g) * 3).to(dtype)
+    targets = torch.randint(0, vocab, (rows,), generator=g)
+    got, want = logits.clone(), logits.clone()
+    got_losses = triton_loss.cross_entropy_and_gradient_(got, targets, 1.0 / rows)
+    want_losses = cross_entropy_and_gradient_twin_(want, targets, 1.0 / rows)
+    # One rounding of the dtype apart (fp32: a few of exp's last bits, through the log-sum).
+    results.append({"losses": torch.allclose(got_losses, want_losses, rtol=1e-6, atol=0),
+                    "gradient": torch.allclose(got.float(), want.float(), rtol=max(1e-5, torch.finfo(dtype).eps),
+                                               atol=1e-7)})
+bad = torch.zeros(2, 300)
+losses = triton_loss.cross_entropy_and_gradient_(bad, torch.tensor([1, 300]), 0.5)
+results.append({"in range": bool(torch.isfinite(losses[0])), "out of range is NaN": bool(torch.isnan(losses[1]))})
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="triton is not installed; install it to check the loss kernel in its interpreter")
+def test_interpreted_loss_kernel_matches_the_twin():
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, cwd=root, capture_output=True, text=True,
+                           timeout=600)
+    assert child.returncode == 0, child.stderr[-3000:]
+    import json
+    for row in json.loads(child.stdout.strip().splitlines()[-1]):
+        assert all(row.values()), row
