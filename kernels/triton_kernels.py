@@ -137,7 +137,7 @@ class SumTuning:
     added from a loop."""
     warps: int
     """Sets the programs in flight: at 16 warps (40 registers a thread) 3 fit on a multiprocessor,
-    ~400 segments (26 MB) in flight, which L2 holds; at 8 warps 6 fit, and their segments spill
+    ~400 segments (26 MB) in flight, which L2 holds; at 8 warps 8 fit, and their segments spill
     to DRAM before their last rank is added (2x slower for 8 ranks, measured on an H200)."""
 
 
