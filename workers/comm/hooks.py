@@ -37,21 +37,19 @@ class HookState:
     warmup_steps: int = 0
     steps_done: int = 0
     """Optimizer steps whose last bucket this hook has reduced."""
-    step: int = 0
-    """The step the bucket being reduced belongs to (0 is the first)."""
 
     def check(self) -> None:
         """Raises what a hook found but did not stop to report (called once per metrics window)."""
 
-    def in_warmup(self, bucket: dist.GradBucket) -> bool:
-        """Whether this bucket's step is one of the first warmup_steps. Steps are counted by DDP's
-        last bucket of each, as torch's PowerSGD counts them: DDP regroups its buckets after the
-        first step, and counting calls per bucket index gave an index first seen then a warm-up
-        of its own, a dense all-reduce a step late."""
-        self.step = self.steps_done
+    def step_of(self, bucket: dist.GradBucket) -> int:
+        """The step `bucket` belongs to (0 is the first); call once per bucket. Steps are counted by
+        DDP's last bucket of each, as torch's PowerSGD counts them: DDP regroups its buckets after
+        the first step, and counting calls per bucket index gave an index first seen then a
+        warm-up of its own, a dense all-reduce a step late."""
+        step = self.steps_done
         if bucket.is_last():
             self.steps_done += 1
-        return self.step < self.warmup_steps
+        return step
 
 
 def _future(work: dist.Work, value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -156,9 +154,9 @@ class TopkHookState(HookState):
             self.residuals[bucket.index()] = residual
         return residual
 
-    def k_ratio_for(self) -> float:
-        """The share to send for the bucket in_warmup has just counted."""
-        return ramped_k_ratio(self.k_ratio, self.step - self.warmup_steps, self.ramp_steps)
+    def k_ratio_for(self, step: int) -> float:
+        """The share to send at `step` (one past the warm-up or later)."""
+        return ramped_k_ratio(self.k_ratio, step - self.warmup_steps, self.ramp_steps)
 
     def check(self) -> None:
         if self.nonfinite is not None and (count := int(self.nonfinite)):
@@ -168,10 +166,11 @@ class TopkHookState(HookState):
 
 
 def topk_hook(state: TopkHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    if state.in_warmup(bucket):
+    step = state.step_of(bucket)
+    if step < state.warmup_steps:
         return _allreduce(state, bucket.buffer())
     buffer = bucket.buffer()
-    mine = compress(buffer, state.residual_for(bucket), state.k_ratio_for(), check_finite=False)
+    mine = compress(buffer, state.residual_for(bucket), state.k_ratio_for(step), check_finite=False)
     payload = mine.payload
     state.stats.add(payload.numel())
     gathered = torch.empty(state.world_size * payload.numel(), dtype=payload.dtype, device=payload.device)
