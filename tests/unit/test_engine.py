@@ -80,8 +80,8 @@ def distributed_runs(rank: int, world: int, data_dir: str, out_path: str) -> Non
     text_job = {"model": {"n_layer": 2, "n_head": 2, "n_embd": 64, "seq_len": 32},
                 "train": {"global_batch_size": 16, "micro_batch_size": 8, "lr": 3e-3, "min_lr": 3e-3,
                           "warmup_steps": 0}, "cluster": {"num_workers": 2}}
-    for name, parallel in {"text_allreduce": {}, "text_topk": {"comm_hook": "topk", "topk_ratio": 0.2,
-                                                                "comm_warmup_steps": 2}}.items():
+    for name, parallel in {"text_allreduce": {}, "text_topk": {"comm_hook": "topk", "topk_ratio": 0.06,
+                                                                "topk_ramp_steps": 100, "comm_warmup_steps": 2}}.items():
         engine = Engine(JobConfig.from_dict({**text_job, "parallel": parallel}), uniform_plan(world, 8, 1), rank,
                         torch.device("cpu"))
         results[name] = {"losses": text_losses(engine, data_dir, rank, world, TEXT_STEPS),
@@ -124,8 +124,18 @@ def test_ddp_reports_communication(runs):
 
 
 def test_topk_with_error_feedback_tracks_uncompressed_training(runs):
-    """On real text, sending 20% of the entries (k + 10% slots: 17% of the bytes at 3 bytes an
-    entry, 18% with the 2 dense steps) ends within 5% of uncompressed training.
+    """On real text, top-k with its sparsity ramp (25% of the entries falling to 6% over 100 steps,
+    after 2 dense steps: 10.4% of the bytes over the run) ends within 5% of uncompressed training
+    (+2.3% when measured; 150 steps on 2 ranks, 3-byte entries, fused loss). The same runs at other
+    settings, final 10-step mean loss over plain all-reduce's 2.488, and bytes of the run:
+
+        entries, ramp        top-k    gap     bytes        entries, ramp        top-k    gap     bytes
+        20%, none            2.613   +5.0%   18%           10%, none            2.760   +10.9%   9.6%
+        20%, 30 steps        2.497   +0.4%   18.1%         6%, 100 steps        2.546   +2.3%   10.4%
+        10%, 100 steps       2.515   +1.1%   13.1%         3%, 100 steps        2.604   +4.7%    8.0%
+
+    (20% without a ramp, the setting this test used before, sat at +4.93% with the plain loss and
+    +5.03% with the fused one: too close to the bound to say anything.)
 
     Not yet the issue's target (within 5% at <= 5% of the bytes: at most 3.5% of entries at 5 bytes
     an entry, 5.9% at 3). Final 10-step mean loss, top-k over plain all-reduce, this setup unless
@@ -168,7 +178,7 @@ def test_topk_with_error_feedback_tracks_uncompressed_training(runs):
     final = lambda losses: sum(losses[-10:]) / 10  # noqa: E731
     assert final(topk["losses"]) <= 1.05 * final(plain["losses"])
     assert final(plain["losses"]) < plain["losses"][0] - 2.0
-    assert topk["comm_bytes"] <= 0.2 * plain["comm_bytes"]
+    assert topk["comm_bytes"] <= 0.11 * plain["comm_bytes"]
 
 
 def test_compiled_ddp_takes_compiled_autograd_only_when_asked():
