@@ -71,10 +71,16 @@ _linear_cross_entropy.register_autograd(_backward, setup_context=_save_for_backw
 
 
 def cross_entropy_and_gradient_twin_(logits: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
-    """The Triton kernel's twin: per-row losses (fp32); logits become (softmax - one_hot) * scale."""
-    x = logits.float()
-    losses = F.cross_entropy(x, targets, reduction="none")
-    gradient = torch.softmax(x, dim=-1)
-    gradient[torch.arange(len(targets), device=targets.device), targets] -= 1.0
-    logits.copy_(gradient * scale)
+    """The Triton kernel's twin: per-row losses (fp32); logits become (softmax - one_hot) * scale.
+    fp32 logits are worked on in place, as the kernel does, so no (rows x vocab) temporary is made
+    (the memory estimator counts none); others through one fp32 copy."""
+    x = logits.float()  # logits themselves when they are fp32
+    log_sum = torch.logsumexp(x, dim=-1)
+    rows = torch.arange(len(targets), device=targets.device)
+    losses = log_sum - x[rows, targets]
+    x.sub_(log_sum[:, None]).exp_()
+    x[rows, targets] -= 1.0
+    x.mul_(scale)
+    if x is not logits:
+        logits.copy_(x)
     return losses
