@@ -2,16 +2,13 @@
 inside a compiled graph, and its Triton kernel in Triton's interpreter against the twin."""
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kernels.loss import cross_entropy_and_gradient_twin_, linear_cross_entropy
+from tests.interpreter_support import run_interpreted
 
 
 def case(rows=300, width=64, vocab=257, seed=0):
@@ -74,14 +71,6 @@ def test_twin_leaves_the_gradient_in_the_logits():
 
 INTERPRETED = r"""
 import json, torch
-import triton.runtime.interpreter as interpreter
-# Triton 3.6's interpreter turns a loop bound into an int with int(array of shape (1,)), which
-# numpy >= 2.3 refuses.
-_patch = interpreter._patch_lang_tensor
-def _patch_index(tensor, scope):
-    _patch(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-interpreter._patch_lang_tensor = _patch_index
 from kernels import triton_loss
 from kernels.loss import cross_entropy_and_gradient_twin_
 
@@ -108,12 +97,5 @@ print(json.dumps(results))
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                     reason="triton is not installed; install it to check the loss kernel in its interpreter")
 def test_interpreted_loss_kernel_matches_the_twin():
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    child = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, cwd=root, capture_output=True, text=True,
-                           timeout=600)
-    assert child.returncode == 0, child.stderr[-3000:]
-    import json
-    for row in json.loads(child.stdout.strip().splitlines()[-1]):
+    for row in run_interpreted(INTERPRETED):
         assert all(row.values()), row

@@ -6,34 +6,23 @@ another, in id order, so every wait of the selection kernel's phases is over whe
 payloads compare whole. A second run starts every program in a thread of its own, highest id
 first, so a program that waits runs before the programs it waits for: one that reads what
 another writes before waiting for it reads garbage, and one that forgets a wait sees nothing.
-Neither finds what only a GPU's memory ordering or speed shows: tests/gpu does that. Each runs
-in a child process because TRITON_INTERPRET must be set before the kernels are defined, and
-must not leak into compiled runs in this process.
+Neither finds what only a GPU's memory ordering or speed shows (nor what Triton's GPU compiler
+passes do, which the interpreter skips): tests/gpu does that. Each runs in a child process
+(tests/interpreter_support.py).
 """
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+
+from tests.interpreter_support import run_interpreted
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed; install it to check the kernels in its interpreter")
 
 PRELUDE = r"""
 import inspect, json, sys, threading, time, types, torch
-import triton.runtime.interpreter as interpreter
-
-# Triton 3.6's interpreter turns a scalar into an int with int(array of shape (1,)), which numpy
-# >= 2.3 refuses; loops with run-time bounds need it.
-_patch_tensor = interpreter._patch_lang_tensor
-def _patch_tensor_index(tensor, scope):
-    _patch_tensor(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-interpreter._patch_lang_tensor = _patch_tensor_index
 
 from kernels import reference, triton_kernels
 from kernels.payload import PayloadLayout, allocate
@@ -176,17 +165,11 @@ TUNINGS = {
 
 
 def run_child(script: str, tuning: dict | None) -> list[dict]:
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     if tuning is None:
         from kernels import triton_kernels
         tuning = {"compress": _fields(triton_kernels.COMPRESS_TUNING), "topk": _fields(triton_kernels.TOPK_TUNING),
                   "sum": _fields(triton_kernels.SUM_TUNING)}
-    child = subprocess.run([sys.executable, "-c", script, json.dumps(tuning)], env=env, cwd=root,
-                           capture_output=True, text=True, timeout=600)
-    assert child.returncode == 0, child.stderr[-3000:]
-    return json.loads(child.stdout.strip().splitlines()[-1])
+    return run_interpreted(script, json.dumps(tuning))
 
 
 def _fields(tuning) -> dict:
