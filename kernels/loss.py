@@ -24,12 +24,15 @@ import torch.nn.functional as F
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of `hidden @ weight.T` against `targets`; hidden is (rows, C), weight
     (vocab, C), targets (rows,) class indices. Matches `F.cross_entropy((hidden @ weight.T).float(),
-    targets)` and its gradients, the matmuls in the autocast dtype where autocast is on."""
+    targets)` and its gradients, the matmuls in the autocast dtype where autocast is on; in fp16 it
+    is that plain loss."""
     if torch.is_autocast_enabled(hidden.device.type):
         dtype = torch.get_autocast_dtype(hidden.device.type)
         hidden, weight = hidden.to(dtype), weight.to(dtype)
-    if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
-        # Evaluation: no gradient to make.
+    evaluating = not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad))
+    # fp16 takes the plain loss: the fused gradient is made before the loss scale is known, and
+    # fp16 cannot hold it unscaled (probabilities / rows fall below its range).
+    if evaluating or hidden.dtype == torch.float16:
         return F.cross_entropy((hidden @ weight.t()).float(), targets)
     loss, _ = _linear_cross_entropy(hidden, weight, targets)
     return loss

@@ -144,7 +144,8 @@ class TrainConfig:
     loss_kernel: Literal["fused", "plain", "chunked"] = "fused"
     """How the output projection and cross-entropy run. fused: one kernel makes each row's loss and
     its gradient in the forward pass (kernels.loss; 4.4 -> 2.3 ms for GPT-2 124M's logits on an
-    H200). plain: F.cross_entropy over fp32 logits. chunked: in row chunks, so the full (tokens ×
+    H200; fp16 takes the plain loss, its gradient would underflow before the loss scale). plain:
+    F.cross_entropy over fp32 logits. chunked: in row chunks, so the full (tokens ×
     vocab) logits never exist: saves about 1 GiB at GPT-2 124M, B=32, but cost 5 % of the step
     there (benchmarks/RESULTS.md)."""
 

@@ -50,6 +50,19 @@ def test_fused_loss_under_autocast_matches_the_plain_loss_to_1e3():
         assert (g - w).abs().max() <= 1e-3 * w.abs().max()
 
 
+def test_fp16_takes_the_plain_loss():
+    # A GradScaler's scale is applied after the forward, so an fp16 gradient made in the forward
+    # would underflow: fp16 gets exactly the plain loss and its gradients.
+    hidden, weight, targets = case(seed=3)
+    half_hidden = hidden.detach().half().requires_grad_()
+    half_weight = weight.detach().half().requires_grad_()
+    plain = F.cross_entropy((half_hidden @ half_weight.t()).float(), targets)
+    want = torch.autograd.grad(plain, (half_hidden, half_weight))
+    fused = linear_cross_entropy(half_hidden, half_weight, targets)
+    got = torch.autograd.grad(fused, (half_hidden, half_weight))
+    assert torch.equal(fused, plain) and all(torch.equal(g, w) for g, w in zip(got, want))
+
+
 def test_fused_loss_compiles_into_one_graph():
     hidden, weight, targets = case(seed=2)
     want, _ = plain_loss_and_gradients(hidden, weight, targets)
