@@ -9,7 +9,8 @@ is two matmuls scaled by the incoming gradient. Against `F.cross_entropy(logits.
 compiled by Inductor, that is one read of the logits and one write of their gradient instead
 of several passes (GPT-2 124M's 32768 x 50304 logits on an H200: 4.4 ms fwd + bwd down to 2.3;
 benchmarks/RESULTS.md), with the same memory: the bf16 gradient is kept where the plain loss
-keeps the bf16 logits.
+keeps the bf16 logits. Evaluation runs the kernel's first read alone, so no fp32 logits exist then
+either.
 
 CUDA tensors run the Triton kernel (kernels/triton_loss.py), anything else the torch twin below.
 It is a torch custom op, so torch.compile keeps it whole in the graph instead of breaking it.
@@ -29,10 +30,12 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     if torch.is_autocast_enabled(hidden.device.type):
         dtype = torch.get_autocast_dtype(hidden.device.type)
         hidden, weight = hidden.to(dtype), weight.to(dtype)
-    evaluating = not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad))
-    # fp16 takes the plain loss: the fused gradient is made before the loss scale is known, and
-    # fp16 cannot hold it unscaled (probabilities / rows fall below its range).
-    if evaluating or hidden.dtype == torch.float16:
+    if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
+        # Evaluation: the losses alone, without fp32 logits (twice the bf16 logits' size).
+        return _cross_entropy_rows(hidden @ weight.t(), targets).mean()
+    if hidden.dtype == torch.float16:
+        # The fused gradient is made before a loss scale is known, and fp16 cannot hold it
+        # unscaled (probabilities / rows fall below its range): fp16 takes the plain loss.
         return F.cross_entropy((hidden @ weight.t()).float(), targets)
     loss, _ = _linear_cross_entropy(hidden, weight, targets)
     return loss
@@ -44,11 +47,7 @@ def _linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
     """(mean loss, gradient of the mean loss with respect to the logits)."""
     logits = hidden @ weight.t()
     scale = 1.0 / logits.shape[0]
-    if logits.is_cuda:
-        from kernels import triton_loss  # needs triton, which only CUDA machines have
-        losses = triton_loss.cross_entropy_and_gradient_(logits, targets, scale)
-    else:
-        losses = cross_entropy_and_gradient_twin_(logits, targets, scale)
+    losses = _rows(logits, targets, scale)
     return losses.sum() * scale, logits
 
 
@@ -73,17 +72,39 @@ def _backward(ctx, grad_loss: torch.Tensor, _grad_of_gradient: torch.Tensor):
 _linear_cross_entropy.register_autograd(_backward, setup_context=_save_for_backward)
 
 
-def cross_entropy_and_gradient_twin_(logits: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
-    """The Triton kernel's twin: per-row losses (fp32); logits become (softmax - one_hot) * scale.
-    fp32 logits are worked on in place, as the kernel does, so no (rows x vocab) temporary is made
-    (the memory estimator counts none); others through one fp32 copy."""
+@torch.library.custom_op("archipelago::cross_entropy_rows", mutates_args=())
+def _cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-row losses (fp32), for evaluation: the logits are left as they are."""
+    return _rows(logits, targets, None)
+
+
+@_cross_entropy_rows.register_fake
+def _(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return logits.new_empty((logits.shape[0],), dtype=torch.float32)
+
+
+def _rows(logits: torch.Tensor, targets: torch.Tensor, gradient_scale: float | None) -> torch.Tensor:
+    if logits.is_cuda:
+        from kernels import triton_loss  # needs triton, which only CUDA machines have
+        return triton_loss.cross_entropy_rows(logits, targets, gradient_scale)
+    return cross_entropy_rows_twin(logits, targets, gradient_scale)
+
+
+def cross_entropy_rows_twin(logits: torch.Tensor, targets: torch.Tensor,
+                            gradient_scale: float | None = None) -> torch.Tensor:
+    """The Triton kernel's twin: per-row losses (fp32); with gradient_scale, logits become
+    (softmax - one_hot) * gradient_scale. fp32 logits are worked on in place, as the kernel does,
+    so no (rows x vocab) temporary is made (the memory estimator counts none); others through one
+    fp32 copy."""
     x = logits.float()  # logits themselves when they are fp32
     log_sum = torch.logsumexp(x, dim=-1)
     rows = torch.arange(len(targets), device=targets.device)
     losses = log_sum - x[rows, targets]
+    if gradient_scale is None:
+        return losses
     x.sub_(log_sum[:, None]).exp_()
     x[rows, targets] -= 1.0
-    x.mul_(scale)
+    x.mul_(gradient_scale)
     if x is not logits:
         logits.copy_(x)
     return losses

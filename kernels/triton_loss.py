@@ -3,7 +3,7 @@
 Imported only when CUDA logits arrive (kernels.loss imports it lazily). A program per row reads
 the row twice: once for its running max and sum of exponentials, once more (from L2, while the
 row is still there) to write (softmax - one_hot) * scale in the logits' own dtype. DRAM sees the
-logits read once and the gradient written once.
+logits read once and the gradient written once. Evaluation takes the first read alone.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ LOSS_TUNING = LossTuning(block=4096, warps=8)
 
 
 @triton.jit
-def _cross_entropy_kernel(logits_ptr, targets_ptr, losses_ptr, vocab, stride, scale, BLOCK: tl.constexpr):
+def _cross_entropy_kernel(logits_ptr, targets_ptr, losses_ptr, vocab, stride, scale, GRADIENT: tl.constexpr,
+                          BLOCK: tl.constexpr):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride
     target = tl.load(targets_ptr + row).to(tl.int32)
@@ -48,6 +49,8 @@ def _cross_entropy_kernel(logits_ptr, targets_ptr, losses_ptr, vocab, stride, sc
     valid = (target >= 0) & (target < vocab)
     target_logit = tl.load(row_ptr + target, mask=valid, other=float("nan")).to(tl.float32)
     tl.store(losses_ptr + row, log_sum - target_logit)
+    if not GRADIENT:
+        return
     for start in range(0, vocab, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         inside = cols < vocab
@@ -57,13 +60,14 @@ def _cross_entropy_kernel(logits_ptr, targets_ptr, losses_ptr, vocab, stride, sc
         tl.store(row_ptr + cols, (p * scale).to(logits_ptr.dtype.element_ty), mask=inside)
 
 
-def cross_entropy_and_gradient_(logits: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
-    """Per-row losses (fp32); logits (rows, vocab, unit stride along vocab) become their gradient times scale."""
+def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, gradient_scale: float | None = None) -> torch.Tensor:
+    """Per-row losses (fp32) of logits (rows, vocab, unit stride along vocab); with gradient_scale,
+    the logits become their gradient times it, in place."""
     rows, vocab = logits.shape
     losses = torch.empty(rows, dtype=torch.float32, device=logits.device)
     tuning = LOSS_TUNING
     # On the logits' GPU, not merely the current one; CPU tensors arrive only under TRITON_INTERPRET=1.
     with torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext():
-        _cross_entropy_kernel[(rows,)](logits, targets, losses, vocab, logits.stride(0), scale, BLOCK=tuning.block,
-                                       num_warps=tuning.warps)
+        _cross_entropy_kernel[(rows,)](logits, targets, losses, vocab, logits.stride(0), gradient_scale or 0.0,
+                                       GRADIENT=gradient_scale is not None, BLOCK=tuning.block, num_warps=tuning.warps)
     return losses

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton", reason="triton is not installed: it comes with CUDA builds of torch, so no CUDA here")
 
 from kernels import triton_loss  # noqa: E402
-from kernels.loss import cross_entropy_and_gradient_twin_, linear_cross_entropy  # noqa: E402
+from kernels.loss import cross_entropy_rows_twin, linear_cross_entropy  # noqa: E402
 from orchestrator.config import ModelConfig  # noqa: E402
 from workers.models.gpt import GPT  # noqa: E402
 
@@ -20,15 +20,18 @@ def test_kernel_matches_the_twin_on_gpt2_sized_logits():
     logits = (torch.randn(4096, 50304, device="cuda", generator=g) * 4).to(torch.bfloat16)
     targets = torch.randint(0, 50304, (4096,), device="cuda", generator=g)
     got, want = logits.clone(), logits.clone()
-    got_losses = triton_loss.cross_entropy_and_gradient_(got, targets, 1 / 4096)
-    want_losses = cross_entropy_and_gradient_twin_(want, targets, 1 / 4096)
+    got_losses = triton_loss.cross_entropy_rows(got, targets, 1 / 4096)
+    want_losses = cross_entropy_rows_twin(want, targets, 1 / 4096)
     assert torch.allclose(got_losses, want_losses, rtol=1e-5, atol=0)
     # The gradient is rounded to bf16 once in both: at most one rounding apart.
     assert torch.allclose(got.float(), want.float(), rtol=torch.finfo(torch.bfloat16).eps, atol=1e-12)
+    untouched = logits.clone()
+    assert torch.equal(triton_loss.cross_entropy_rows(untouched, targets), got_losses)  # evaluation
+    assert torch.equal(untouched, logits)
 
 
 def test_out_of_range_target_gives_a_nan_loss():
-    losses = triton_loss.cross_entropy_and_gradient_(torch.zeros(2, 50304, device="cuda"),
+    losses = triton_loss.cross_entropy_rows(torch.zeros(2, 50304, device="cuda"),
                                                      torch.tensor([3, 50304], device="cuda"), 0.5)
     assert torch.isfinite(losses[0]) and torch.isnan(losses[1])
 
@@ -65,3 +68,5 @@ def test_linear_cross_entropy_under_autocast_on_cuda():
     assert fused.item() == pytest.approx(plain.item(), rel=1e-3)
     for g, w in zip(got, want):
         assert (g - w).abs().max() <= 1e-2 * w.abs().max()
+    with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):  # evaluation: the kernel's losses alone
+        assert linear_cross_entropy(hidden, weight, targets).item() == pytest.approx(plain.item(), rel=1e-3)

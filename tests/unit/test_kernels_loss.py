@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.loss import cross_entropy_and_gradient_twin_, linear_cross_entropy
+from kernels.loss import cross_entropy_rows_twin, linear_cross_entropy
 from tests.interpreter_support import run_interpreted
 
 
@@ -75,7 +75,9 @@ def test_fused_loss_compiles_into_one_graph():
 
 def test_twin_leaves_the_gradient_in_the_logits():
     logits = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]])
-    losses = cross_entropy_and_gradient_twin_(logits, torch.tensor([2, 0]), 0.5)
+    assert torch.equal(cross_entropy_rows_twin(logits.clone(), torch.tensor([2, 0])),
+                       cross_entropy_rows_twin(logits.clone(), torch.tensor([2, 0]), 0.5))
+    losses = cross_entropy_rows_twin(logits, torch.tensor([2, 0]), 0.5)
     softmax = torch.softmax(torch.tensor([1.0, 2.0, 3.0]), 0)
     assert torch.allclose(losses, torch.tensor([-torch.log(softmax[2]).item(), torch.log(torch.tensor(3.0)).item()]))
     assert torch.allclose(logits[0], 0.5 * (softmax - torch.tensor([0.0, 0.0, 1.0])))
@@ -85,7 +87,7 @@ def test_twin_leaves_the_gradient_in_the_logits():
 INTERPRETED = r"""
 import json, torch
 from kernels import triton_loss
-from kernels.loss import cross_entropy_and_gradient_twin_
+from kernels.loss import cross_entropy_rows_twin
 
 triton_loss.LOSS_TUNING = triton_loss.LossTuning(block=256, warps=4)   # several blocks a row
 results = []
@@ -94,14 +96,17 @@ for rows, vocab, dtype in [(7, 1000, torch.float32), (5, 3001, torch.bfloat16)]:
     logits = (torch.randn(rows, vocab, generator=g) * 3).to(dtype)
     targets = torch.randint(0, vocab, (rows,), generator=g)
     got, want = logits.clone(), logits.clone()
-    got_losses = triton_loss.cross_entropy_and_gradient_(got, targets, 1.0 / rows)
-    want_losses = cross_entropy_and_gradient_twin_(want, targets, 1.0 / rows)
+    got_losses = triton_loss.cross_entropy_rows(got, targets, 1.0 / rows)
+    want_losses = cross_entropy_rows_twin(want, targets, 1.0 / rows)
+    untouched = logits.clone()
+    eval_losses = triton_loss.cross_entropy_rows(untouched, targets)  # evaluation: losses only
     # One rounding of the dtype apart (fp32: a few of exp's last bits, through the log-sum).
     results.append({"losses": torch.allclose(got_losses, want_losses, rtol=1e-6, atol=0),
+                    "evaluation": torch.equal(eval_losses, got_losses) and torch.equal(untouched, logits),
                     "gradient": torch.allclose(got.float(), want.float(), rtol=max(1e-5, torch.finfo(dtype).eps),
                                                atol=1e-7)})
 bad = torch.zeros(2, 300)
-losses = triton_loss.cross_entropy_and_gradient_(bad, torch.tensor([1, 300]), 0.5)
+losses = triton_loss.cross_entropy_rows(bad, torch.tensor([1, 300]), 0.5)
 results.append({"in range": bool(torch.isfinite(losses[0])), "out of range is NaN": bool(torch.isnan(losses[1]))})
 print(json.dumps(results))
 """
