@@ -62,7 +62,7 @@ def test_the_map_keeps_only_what_ray_granted():
     assert slots == 6 and [n.cpu_count for n in slots_map.nodes] == [4, 1, 1]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def state_and_nodes():
     config = job()
     memory = profile(config, device_type="cpu")
@@ -101,7 +101,7 @@ def test_a_lost_worker_is_recorded_once_and_the_smaller_group_is_replanned(state
 
 def test_the_same_workers_keep_the_plan_and_a_planner_refusal_names_the_group(state_and_nodes):
     state, (a, b, c) = state_and_nodes
-    plan = state.plan
+    plan, _ = state.group_started(reports(a, c))
     assert matches(plan, reports(a, c)) and not matches(plan, reports(a, b))
     same, rows = state.group_started(reports(c, a)[::-1])
     assert same is plan and rows == []
