@@ -32,14 +32,12 @@ are persistent tensors. What holds for every call:
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import warnings
 from types import ModuleType
 
 import torch
 
 from kernels import reference
+from kernels.backend import use_triton
 from kernels.errors import NonFiniteGradientError
 from kernels.payload import CompressedBucket, PayloadLayout, allocate
 from kernels.plan import SelectionPlan, check_k_ratio
@@ -164,16 +162,7 @@ def _check_residual(flat: torch.Tensor, residual: torch.Tensor) -> None:
 
 
 def _backend(t: torch.Tensor) -> ModuleType:
-    if t.is_cuda and _triton_available():
+    if use_triton(t):
         from kernels import triton_kernels
         return triton_kernels
     return reference
-
-
-@functools.cache
-def _triton_available() -> bool:
-    if importlib.util.find_spec("triton") is None:
-        warnings.warn("triton is not installed: CUDA tensors are compressed by the torch twins, several times "
-                      "slower; install triton (it ships with Linux CUDA builds of torch)", stacklevel=3)
-        return False
-    return True

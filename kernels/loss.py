@@ -12,7 +12,8 @@ benchmarks/RESULTS.md), with the same memory: the bf16 gradient is kept where th
 keeps the bf16 logits. Evaluation runs the kernel's first read alone, so no fp32 logits exist then
 either.
 
-CUDA tensors run the Triton kernel (kernels/triton_loss.py), anything else the torch twin below.
+CUDA tensors run the Triton kernel (kernels/triton_loss.py), anything else the torch twin below
+(kernels.backend decides, as for the compression kernels).
 It is a torch custom op, so torch.compile keeps it whole in the graph instead of breaking it.
 """
 
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kernels.backend import use_triton
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -84,8 +87,8 @@ def _(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def _rows(logits: torch.Tensor, targets: torch.Tensor, gradient_scale: float | None) -> torch.Tensor:
-    if logits.is_cuda:
-        from kernels import triton_loss  # needs triton, which only CUDA machines have
+    if use_triton(logits):
+        from kernels import triton_loss
         return triton_loss.cross_entropy_rows(logits, targets, gradient_scale)
     return cross_entropy_rows_twin(logits, targets, gradient_scale)
 
