@@ -1,5 +1,6 @@
 import math
 
+import pytest
 import torch
 
 from orchestrator.config import ModelConfig, TrainConfig
@@ -60,3 +61,10 @@ def test_schedule_warms_up_then_decays_to_min_lr():
     assert lr_at(9, cfg) == 1e-3
     assert abs(lr_at(55, cfg) - 5.5e-4) < 1e-9  # cosine midpoint
     assert abs(lr_at(100, cfg) - 1e-4) < 1e-12
+
+
+def test_an_unknown_loss_kernel_is_refused_not_taken_as_plain():
+    model = GPT(ModelConfig(n_layer=1, n_head=2, n_embd=16, seq_len=8, vocab_size=32))
+    tokens = torch.randint(0, 32, (2, 9))
+    with pytest.raises(ValueError, match="loss_kernel must be"):
+        model(tokens[:, :-1], tokens[:, 1:], loss_kernel="fuzed")
