@@ -62,6 +62,8 @@ VARIANTS = {  # name: (JobConfig sections to override, SDPA backends in priority
     "cudnn attention": ({}, "cudnn"),
     "flash attention": ({}, "flash"),
     "reduce-overhead": ({"compile": {"mode": "reduce-overhead"}}, None),
+    "max-autotune": ({"compile": {"mode": "max-autotune"}}, None),
+    "max-autotune-no-cudagraphs": ({"compile": {"mode": "max-autotune-no-cudagraphs"}}, None),
     "constant lr": ({"train": {"warmup_steps": 0, "min_lr": LR}}, None),  # the plain loop's schedule
     "no clip": ({"train": {"grad_clip": 0.0}}, None),
     "fp8": ({"train": {"precision": "fp8"}}, None),

@@ -167,7 +167,7 @@ class TrainConfig:
 class CompileConfig:
     enable: bool = False
     """Compile the model with torch.compile (needs a C++ compiler on CPU)."""
-    mode: Literal["default", "max-autotune", "reduce-overhead"] = "default"
+    mode: Literal["default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead"] = "default"
     """torch.compile mode."""
     fullgraph: bool = True
     """Demand one graph where the wrapping allows it (one worker, or FSDP2's per-block compile);
