@@ -30,46 +30,55 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     (vocab, C), targets (rows,) class indices. Matches `F.cross_entropy((hidden @ weight.T).float(),
     targets)` and its gradients, the matmuls in the autocast dtype where autocast is on; in fp16 it
     is that plain loss."""
-    if torch.is_autocast_enabled(hidden.device.type):
-        dtype = torch.get_autocast_dtype(hidden.device.type)
-        hidden, weight = hidden.to(dtype), weight.to(dtype)
+    dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) else None
     if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
         # Evaluation: the losses alone, without fp32 logits (twice the bf16 logits' size).
-        return _cross_entropy_rows(hidden @ weight.t(), targets).mean()
-    if hidden.dtype == torch.float16:
+        return _cross_entropy_rows(_cast(hidden, dtype) @ _cast(weight, dtype).t(), targets).mean()
+    if (dtype or hidden.dtype) == torch.float16:
         # The fused gradient is made before a loss scale is known, and fp16 cannot hold it
         # unscaled (probabilities / rows fall below its range): fp16 takes the plain loss.
-        return F.cross_entropy((hidden @ weight.t()).float(), targets)
-    loss, _ = _linear_cross_entropy(hidden, weight, targets)
+        return F.cross_entropy((_cast(hidden, dtype) @ _cast(weight, dtype).t()).float(), targets)
+    loss, _ = _linear_cross_entropy(hidden, weight, targets, dtype or hidden.dtype)
     return loss
 
 
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t if dtype is None else t.to(dtype)
+
+
+# The op takes hidden and weight as they are (fp32 under autocast) and casts them itself. With
+# the casts outside, torch 2.11's Inductor, compiling GPT at n_embd 2048 on a GPU, handed the op
+# a wrong bf16 copy of the final norm's output (a different one each run: the loss 0.4 % off,
+# the 1.3B model diverging; tests/gpu/test_loss_gpu.py keeps that case). Saving the fp32 inputs
+# also keeps no bf16 copy of the weight for backward.
 @torch.library.custom_op("archipelago::linear_cross_entropy", mutates_args=())
-def _linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
-                          targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean loss, gradient of the mean loss with respect to the logits)."""
-    logits = hidden @ weight.t()
+def _linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean loss, gradient of the mean loss with respect to the logits, in dtype)."""
+    logits = hidden.to(dtype) @ weight.to(dtype).t()
     scale = 1.0 / logits.shape[0]
     losses = _rows(logits, targets, scale)
     return losses.sum() * scale, logits
 
 
 @_linear_cross_entropy.register_fake
-def _(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return hidden.new_empty((), dtype=torch.float32), hidden.new_empty((hidden.shape[0], weight.shape[0]))
+def _(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return hidden.new_empty((), dtype=torch.float32), hidden.new_empty((hidden.shape[0], weight.shape[0]), dtype=dtype)
 
 
 def _save_for_backward(ctx, inputs, output) -> None:
-    hidden, weight, _ = inputs
+    hidden, weight, _, _ = inputs
     ctx.save_for_backward(hidden, weight, output[1])
 
 
 def _backward(ctx, grad_loss: torch.Tensor, _grad_of_gradient: torch.Tensor):
     hidden, weight, grad_logits = ctx.saved_tensors
-    # Scaled in fp32 after the matmuls: grad_loss (a loss weight, a loss scale) need not be exact in bf16.
-    grad_hidden = ((grad_logits @ weight).float() * grad_loss).to(hidden.dtype)
-    grad_weight = ((grad_logits.t() @ hidden).float() * grad_loss).to(weight.dtype)
-    return grad_hidden, grad_weight, None
+    # The matmuls in the logits' dtype; scaled in fp32 after them: grad_loss (a loss weight, a
+    # loss scale) need not be exact in bf16.
+    grad_hidden = ((grad_logits @ weight.to(grad_logits.dtype)).float() * grad_loss).to(hidden.dtype)
+    grad_weight = ((grad_logits.t() @ hidden.to(grad_logits.dtype)).float() * grad_loss).to(weight.dtype)
+    return grad_hidden, grad_weight, None, None
 
 
 _linear_cross_entropy.register_autograd(_backward, setup_context=_save_for_backward)
