@@ -3,6 +3,7 @@
     python3 benchmarks/step.py                                  # GPT-2 124M (B=32, T=1024) and 1.3B (B=8, T=2048)
     python3 benchmarks/step.py --models gpt2-124m --steps 20 --json step.json
     python3 benchmarks/step.py --models gpt-1.3b --curve-steps 200      # engine bf16 and fp8, loss curves compared
+    python3 benchmarks/step.py --models gpt-1.3b --curve-steps 200 --skip-plain --variants fp8 "seed 1"
     python3 benchmarks/step.py --variants "chunked loss" "cudnn attention+plain loss" --profile --json step.json
     python3 benchmarks/step.py --models gpt2-124m --ddp-modes           # compile + DDP on a 1-rank NCCL group
 
@@ -65,6 +66,7 @@ VARIANTS = {  # name: (JobConfig sections to override, SDPA backends in priority
     "max-autotune": ({"compile": {"mode": "max-autotune"}}, None),
     "max-autotune-no-cudagraphs": ({"compile": {"mode": "max-autotune-no-cudagraphs"}}, None),
     "constant lr": ({"train": {"warmup_steps": 0, "min_lr": LR}}, None),  # the plain loop's schedule
+    "seed 1": ({"train": {"seed": 1}}, None),  # other initial weights: how far bf16 runs drift apart alone
     "no clip": ({"train": {"grad_clip": 0.0}}, None),
     "fp8": ({"train": {"precision": "fp8"}}, None),
     "fp8 rowwise": ({"train": {"precision": "fp8", "float8_recipe": "rowwise"}}, None),
@@ -342,22 +344,29 @@ def print_profile(row: dict) -> None:
         print(f"    {k['ms']:8.3f} ms x{k['calls']:<4} {k['group']:<28} {k['name'][:90]}", flush=True)
 
 
-def compare_curves(rows: list[dict]) -> dict | None:
-    """Smoothed (10-step mean) loss of the fp8 engine against the bf16 engine over the same steps."""
+def compare_curves(rows: list[dict]) -> list[dict]:
+    """Smoothed (10-step mean) loss of every other engine row that kept its losses (fp8; "seed 1",
+    which says how far two bf16 runs differing only in their initial weights drift apart) against
+    the bf16 engine's over the same steps."""
     bf16 = next((r for r in rows if r.get("config") == "engine" and r.get("losses")), None)
-    fp8 = next((r for r in rows if r.get("config") == "engine fp8" and r.get("losses")), None)
-    if not (bf16 and fp8):
-        return None
-    a, b = bf16["losses"], fp8["losses"]
-    n = min(len(a), len(b)) // 10 * 10
-    if n == 0:
-        return None
-    means = [(sum(a[i:i + 10]) / 10, sum(b[i:i + 10]) / 10) for i in range(0, n, 10)]
-    diffs = [abs(y - x) / x for x, y in means]
-    return {"model": bf16["model"], "steps": n, "bf16_windows": [round(x, 4) for x, _ in means],
-            "fp8_windows": [round(y, 4) for _, y in means], "max_rel_diff": round(max(diffs), 4),
-            "final_rel_diff": round(diffs[-1], 4), "fp8_over_bf16_tokens_per_s":
-            round(fp8["tokens_per_s"] / bf16["tokens_per_s"], 3)}
+    if not bf16:
+        return []
+    out = []
+    for other in rows:
+        if other is bf16 or not other.get("losses") or not other.get("config", "").startswith("engine"):
+            continue
+        a, b = bf16["losses"], other["losses"]
+        n = min(len(a), len(b)) // 10 * 10
+        if n == 0:
+            continue
+        means = [(sum(a[i:i + 10]) / 10, sum(b[i:i + 10]) / 10) for i in range(0, n, 10)]
+        diffs = [abs(y - x) / x for x, y in means]
+        out.append({"model": bf16["model"], "config": f"{other['config']} vs engine loss curve", "steps": n,
+                    "bf16_windows": [round(x, 4) for x, _ in means], "other_windows": [round(y, 4) for _, y in means],
+                    "max_rel_diff": round(max(diffs), 4), "final_rel_diff": round(diffs[-1], 4),
+                    "windows_within_2pct": sum(d <= 0.02 for d in diffs), "windows": len(diffs),
+                    "tokens_per_s_over_bf16": round(other["tokens_per_s"] / bf16["tokens_per_s"], 3)})
+    return out
 
 
 def torchao_available() -> bool:
@@ -410,12 +419,11 @@ def run_model(name: str, args, out: list[dict]) -> None:
         ratios = ", ".join(f"/ {base} = {ours['tokens_per_s'] / by[base]['tokens_per_s']:.2f}x"
                            for base in ("plain eager", "plain compile", "plain compile (repeat)") if base in by)
         print(f"{name}: {label}: {ours['tokens_per_s']:,} tok/s, MFU {ours['mfu']:.1%} {ratios}", flush=True)
-    curve = compare_curves(group)
-    if curve:
-        out.append({"model": name, "config": "fp8 vs bf16 loss curve", **curve})
-        print(json.dumps(out[-1]), flush=True)
-        if args.json:
-            Path(args.json).write_text(json.dumps(out, indent=1))
+    for curve in compare_curves(group):
+        out.append(curve)
+        print(json.dumps(curve), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
 
 
 _COUNTED: dict[str, GPT] = {}
