@@ -257,7 +257,7 @@ def parse_calibration(data: object, *, where: str) -> dict[LinkClass, LinkCalibr
 MFU_ANCHORS = ((768, 0.34), (2048, 0.53))
 """(n_embd, model FLOPs utilisation) measured in eager bf16 on one H200 (shared/bench, DESIGN.md):
 GPT-2 124M at B=32, T=1024 and GPT 1.3B at B=8, T=2048. Wider models keep tensor cores busier."""
-COMPILED_MFU_ANCHORS = ((768, 0.483), (2048, 0.587))
+COMPILED_MFU_ANCHORS = ((768, 0.483), (2048, 0.584))
 """The same for the compiled engine (fused loss, clipping): benchmarks/step.py on one H200,
 benchmarks/RESULTS.md, 2026-11-30 (plain torch.compile: 0.478 / 0.596)."""
 
