@@ -261,7 +261,16 @@ def result(what: str, name: str, model: GPT, timing: dict, data: TextBatches) ->
             "step_ms": round(timing["seconds"] * 1e3, 2), "host_ms": round(timing["host_seconds"] * 1e3, 2),
             "tokens_per_s": round(tok_s), "mfu": round(tok_s * model.flops_per_token() / peak_bf16_flops(), 4),
             "warmup_s": round(timing["warm"], 1), "peak_mem_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-            "losses": [round(x, 4) for x in timing["losses"]]}
+            **loss_summary(timing["losses"]), "losses": [round(x, 4) for x in timing["losses"]]}
+
+
+def loss_summary(losses: list[float]) -> dict:
+    """The first loss timed and the mean of the last five: a step time is only worth printing for a
+    run that trains (a fused loss once diverged at 1.3B while its step time looked fine)."""
+    if len(losses) < 6:
+        return {}
+    last = sum(losses[-5:]) / 5
+    return {"loss_first": round(losses[0], 3), "loss_last5": round(last, 3), "loss_fell": last < losses[0]}
 
 
 GROUPS = (  # first match wins; names as CUDA, cuBLAS, cuDNN, flash-attention and Inductor give them
@@ -418,7 +427,8 @@ def run_model(name: str, args, out: list[dict]) -> None:
             continue
         ratios = ", ".join(f"/ {base} = {ours['tokens_per_s'] / by[base]['tokens_per_s']:.2f}x"
                            for base in ("plain eager", "plain compile", "plain compile (repeat)") if base in by)
-        print(f"{name}: {label}: {ours['tokens_per_s']:,} tok/s, MFU {ours['mfu']:.1%} {ratios}", flush=True)
+        warning = "" if ours.get("loss_fell", True) else " | LOSS DID NOT FALL: this run does not train"
+        print(f"{name}: {label}: {ours['tokens_per_s']:,} tok/s, MFU {ours['mfu']:.1%} {ratios}{warning}", flush=True)
     for curve in compare_curves(group):
         out.append(curve)
         print(json.dumps(curve), flush=True)
