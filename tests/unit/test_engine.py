@@ -175,8 +175,8 @@ def test_topk_with_error_feedback_tracks_uncompressed_training(runs):
         15% -> 2%, R 100     +11.2%      4.3%        25% -> 2%, R 40      +12.4%      3.4%
         20% -> 2.5%, R 80    +6.5%       4.8%        25% -> 3%, R 100     +3.2%       6.7%
 
-    (25% -> 3% over 100 steps after 2 dense steps measured +4.1% in that sweep against +2.2%
-    before it: single runs of this test move by about 2 points.) No closer near 3% of entries: 3 dense warm-up steps, top-k per parameter (3% each, gains
+    (25% -> 3% over 100 steps after 2 dense steps, +2.2% in the table above, measured +4.1% in
+    this sweep, run after the loss became the fused one: read single runs to about 2 points.) No closer near 3% of entries: 3 dense warm-up steps, top-k per parameter (3% each, gains
     sent dense: +29% at 300 steps, the embeddings starve instead), selecting by |value| over each
     entry's local gradient RMS (+28%), an AdamW that spreads a late gradient over the steps it
     waited, no gradient clipping (+27%), DGC's momentum correction with momentum factor masking
