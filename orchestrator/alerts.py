@@ -1,5 +1,5 @@
-"""Alerts on the bill rows: a run that costs more per step, stops learning, idles its GPUs, skips
-steps or recompiles.
+"""Alerts on the bill rows: a run that costs more per step, stops learning, unlearns, idles its
+GPUs, skips steps or recompiles.
 
     monitor = AlertMonitor(config.bill.alerts, gpu=plan.uses_gpus)
     for alert in monitor.observe(bill_rows):      # the new ones only
@@ -15,6 +15,7 @@ that adds some: each is new damage).
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import asdict, dataclass
 
 from orchestrator.config import AlertsConfig
@@ -23,7 +24,7 @@ from orchestrator.config import AlertsConfig
 @dataclass(frozen=True, slots=True)
 class Alert:
     kind: str
-    """cost_rise, val_plateau, mfu_floor, skipped_steps or recompilations."""
+    """cost_rise, val_plateau, loss_rise, mfu_floor, skipped_steps or recompilations."""
     step: int
     message: str
 
@@ -36,11 +37,13 @@ class AlertMonitor:
         self.config = config
         self.gpu = gpu
         self.fired: list[Alert] = []
-        self._armed = {"cost_rise": True, "mfu_floor": True}
+        self._armed = {"cost_rise": True, "mfu_floor": True, "loss_rise": True}
         self._dollars_at: dict[int, float] = {}
         self._first_step: int | None = None
         self._best_val: tuple[float, int] | None = None
         self._plateau_reported_for: tuple[float, int] | None = None
+        self._losses: deque[float] = deque(maxlen=config.loss_window_steps)
+        self._best_loss_mean: tuple[float, int] | None = None
         self._windows = 0
         self._skipped: int | None = None
         self._recompilations: int | None = None
@@ -48,7 +51,7 @@ class AlertMonitor:
     def observe(self, bill_rows: list[dict]) -> list[Alert]:
         new: list[Alert] = []
         for row in bill_rows:
-            for check in (self._cost_rise, self._val_plateau, self._mfu_floor, self._skipped_steps,
+            for check in (self._cost_rise, self._val_plateau, self._loss_rise, self._mfu_floor, self._skipped_steps,
                           self._recompiled):
                 alert = check(row)
                 if alert is not None:
@@ -98,6 +101,22 @@ class AlertMonitor:
         self._plateau_reported_for = self._best_val
         return Alert("val_plateau", row["step"], f"validation loss has not improved for {row['step'] - best_step:,} "
                      f"steps (best {best:.4f} at step {best_step}, now {val:.4f})")
+
+    def _loss_rise(self, row: dict) -> Alert | None:
+        if not self.config.loss_rise_percent or not math.isfinite(row["loss"]):  # non-finite: skipped_steps says so
+            return None
+        self._losses.append(row["loss"])
+        if len(self._losses) < self._losses.maxlen:
+            return None
+        mean = sum(self._losses) / len(self._losses)
+        if self._best_loss_mean is None or mean < self._best_loss_mean[0]:
+            self._best_loss_mean = (mean, row["step"])
+        best, best_step = self._best_loss_mean
+        rise = (mean / best - 1) * 100
+        return self._edge("loss_rise", rise > self.config.loss_rise_percent, row,
+                          f"training loss rose {rise:.0f}% above its best: mean {mean:.4f} over the last "
+                          f"{len(self._losses)} steps against {best:.4f} for the {len(self._losses)} steps to "
+                          f"{best_step}; the run may be diverging (learning rate, precision, a kernel)")
 
     def _mfu_floor(self, row: dict) -> Alert | None:
         if not row.get("window_end"):

@@ -353,6 +353,12 @@ class AlertsConfig:
     """Steps in each of the two windows the cost alert compares."""
     val_patience_steps: int = 1000
     """Alert when the validation loss has not improved on its best for this many steps."""
+    loss_rise_percent: float = 20.0
+    """Alert when the mean training loss over the last `loss_window_steps` steps is more than this
+    percentage above the lowest such mean so far: a diverging run (a learning rate too high, a
+    faulty kernel) keeps its speed, and its bill, while it unlearns."""
+    loss_window_steps: int = 50
+    """Steps the training-loss alert averages over (one step's loss on real text moves by ~15 %)."""
     mfu_floor: float = 0.2
     """Alert when a log window's model FLOPs utilisation on GPUs falls below this share of peak
     (CPU workers' MFU is against a nominal peak and is not held to it)."""
@@ -364,12 +370,12 @@ class AlertsConfig:
     mid-run cost a compile each time)."""
 
     def __post_init__(self) -> None:
-        for name in ("cost_rise_percent", "mfu_floor"):
+        for name in ("cost_rise_percent", "mfu_floor", "loss_rise_percent"):
             _check(getattr(self, name) >= 0, f"[bill.alerts] {name}", f"must be 0 or more, got {getattr(self, name)}",
                    f"set {name} = 0 to turn this alert off")
         _check(self.mfu_floor < 1, "[bill.alerts] mfu_floor", f"is a share of peak below 1, got {self.mfu_floor}",
                "write a share, e.g. mfu_floor = 0.2 for 20%")
-        _positive("bill.alerts", cost_window_steps=self.cost_window_steps)
+        _positive("bill.alerts", cost_window_steps=self.cost_window_steps, loss_window_steps=self.loss_window_steps)
         _check(self.val_patience_steps >= 0, "[bill.alerts] val_patience_steps",
                f"must be 0 or more, got {self.val_patience_steps}", "set val_patience_steps = 0 to turn this alert off")
 

@@ -91,3 +91,19 @@ def test_impossible_thresholds_are_refused(key, value):
     from orchestrator.errors import ConfigError
     with pytest.raises(ConfigError, match=rf"\[bill.alerts\] {key}"):
         AlertsConfig(**{key: value})
+
+
+def test_training_loss_rising_above_its_best_window_fires_once():
+    # Falls from 4.0 to 2.0 at step 200, then climbs 0.01 a step. The lowest 50-step mean is 2.125
+    # (steps 176-225); a window ending at step e >= 250 averages 2 + 0.01 (e - 224.5), which first
+    # exceeds 1.2 x 2.125 = 2.55 at e = 280 (2.555).
+    diverging = series(loss=lambda step: 4.0 - step / 100 if step <= 200 else 2.0 + 0.01 * (step - 200))
+    (alert,) = fired(diverging, loss_rise_percent=20, loss_window_steps=50)
+    assert alert.kind == "loss_rise" and alert.step == 280
+    assert "mean 2.5550 over the last 50 steps against 2.1250 for the 50 steps to 225" in alert.message
+    assert fired(diverging, loss_rise_percent=0) == []
+
+
+def test_noisy_but_falling_training_loss_raises_nothing():
+    noisy = series(loss=lambda step: 3.0 - step / 400 + 0.5 * math.sin(step * 1.7))
+    assert [a.kind for a in fired(noisy)] == []

@@ -22,8 +22,8 @@ def test_defaults_turn_every_alert_and_export_on():
     bill = JobConfig().bill
     assert bill.targets == [] and bill.tensorboard and bill.prometheus and bill.prices_file == ""
     alerts = bill.alerts
-    assert (alerts.cost_rise_percent, alerts.cost_window_steps, alerts.val_patience_steps, alerts.mfu_floor) == (
-        25.0, 100, 1000, 0.2)
+    assert (alerts.cost_rise_percent, alerts.cost_window_steps, alerts.val_patience_steps, alerts.mfu_floor,
+            alerts.loss_rise_percent, alerts.loss_window_steps) == (25.0, 100, 1000, 0.2, 20.0, 50)
     assert alerts.skipped_steps and alerts.recompilations
 
 
@@ -43,6 +43,8 @@ def test_targets_alerts_and_exports_load_from_toml(tmp_path):
     ("[bill]\nalerts = 3\n", "bill.alerts: must be a table, got int — write it as a [bill.alerts] section"),
     ("[bill.alerts]\nmfu_floor = 20\n", "[bill.alerts] mfu_floor: is a share of peak below 1, got 20.0"),
     ("[bill.alerts]\nskipped_steps = 1\n", "[bill.alerts] skipped_steps: must be true or false"),
+    ("[bill.alerts]\nloss_window_steps = 0\n", "[bill.alerts] loss_window_steps"),
+    ("[bill.alerts]\nloss_rise_percent = -5\n", "set loss_rise_percent = 0 to turn this alert off"),
 ])
 def test_bad_values_name_the_key_and_the_fix(tmp_path, text, message):
     assert message in refusal(tmp_path, text)
