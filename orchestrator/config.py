@@ -172,10 +172,20 @@ class CompileConfig:
     fullgraph: bool = True
     """Demand one graph where the wrapping allows it (one worker, or FSDP2's per-block compile);
     DDP's optimizer splits the graph at bucket boundaries by design."""
+    check_tolerance: float = 1e-3
+    """Largest relative difference allowed between the first micro-batch's loss from the compiled
+    model and from the same model run eagerly; a larger one stops the run with a CompileError
+    before any weight changes (torch 2.11's Inductor once fed the fused loss a wrong input at
+    n_embd 2048: 0.4 % off at the first step, the 1.3B model diverging). 0 skips the check; it is
+    not made with dropout (the masks differ) or float8."""
     ddp_mode: Literal["auto", "ddp_optimizer", "compiled_autograd"] = "auto"
     """How compile meets DDP: Dynamo's DDPOptimizer (graph split per bucket, comm hooks work) or
     compiled autograd (one backward graph, comm captured in it; no comm hooks). auto takes
     DDPOptimizer: compiled autograd failed over two NCCL ranks in torch 2.11 (benchmarks/RESULTS.md)."""
+
+    def __post_init__(self) -> None:
+        _check(self.check_tolerance >= 0, "[compile] check_tolerance", f"must be 0 or more, got {self.check_tolerance}",
+               "set check_tolerance = 0 to skip the check, or e.g. 1e-3")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -50,6 +50,11 @@ class TopologyError(ArchipelagoError):
     """A topology file, nvidia-smi text or probe result is malformed or contradicts itself."""
 
 
+class CompileError(ArchipelagoError):
+    """torch.compile made a training step that computes something else than the same model run
+    eagerly: training on it would be silently wrong."""
+
+
 class PlacementError(ArchipelagoError):
     """A job cannot be placed on the cluster: which constraint failed and what would make it fit."""
 

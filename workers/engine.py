@@ -11,10 +11,11 @@ worker. Everything it decides comes from the JobConfig and this worker's entry i
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from orchestrator.config import JobConfig
-from orchestrator.errors import PlacementError
+from orchestrator.errors import CompileError, PlacementError
 from orchestrator.placement.plan import Plan
 from workers.comm.stats import CommStats
 from workers.compiler import compile_stats
@@ -57,6 +58,10 @@ class Engine:
         self.micro_batch_weight = replicas * self.worker.micro_batch_size / plan.global_batch_size
         # Evaluation passes are collective under FSDP: every rank cuts the same number of chunks.
         self.eval_batch_size = min(plan.replica_micro_batch_sizes())
+        # The first micro-batch's compiled loss is checked against eager PyTorch's (check_compiled_loss).
+        self.compile_check_pending = (config.compile.enable and config.compile.check_tolerance > 0
+                                      and config.model.dropout == 0 and self.precision.name != "fp8")
+        self.compile_check: dict | None = None
 
     def __call__(self, micro_batches: list[torch.Tensor], lr: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Trains on `micro_batches` (each (B, seq_len + 1) tokens); returns (this rank's weighted loss,
@@ -67,9 +72,12 @@ class Engine:
         total_loss = torch.zeros((), device=self.device)
         for i, batch in enumerate(micro_batches):
             inputs, targets = batch[:, :-1], batch[:, 1:]
+            eager_loss = self._eager_loss(inputs, targets) if self.compile_check_pending else None
             with self.wrapped.sync_gradients(i == len(micro_batches) - 1):
                 with self.precision.autocast(self.device):
                     loss = self.wrapped.forward(inputs, targets, loss_kernel=self.config.train.loss_kernel)
+                    if eager_loss is not None:
+                        self._check_compiled_loss(loss, eager_loss)
                     loss = loss * self.micro_batch_weight
                 with self.wrapped.backward_context():
                     self.scaler.scale(loss).backward()
@@ -77,6 +85,25 @@ class Engine:
         grad_norm = self._clip_and_step()
         self.optimizer.zero_grad(set_to_none=True)
         return total_loss, grad_norm
+
+    @torch.no_grad()
+    def _eager_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """This micro-batch's loss with every compiled function run eagerly (collective under DDP
+        and FSDP as the step is: every rank makes it)."""
+        with torch.compiler.set_stance("force_eager"), self.precision.autocast(self.device):
+            return self.wrapped.forward(inputs, targets, loss_kernel=self.config.train.loss_kernel)
+
+    def _check_compiled_loss(self, compiled: torch.Tensor, eager: torch.Tensor) -> None:
+        """Stops the run, on every rank at once, if the compiled step computes another loss than eager
+        PyTorch on the same weights and tokens; records both otherwise. Once: a miscompiled graph
+        shows at the first step, before any weight changes."""
+        self.compile_check_pending = False
+        apart = ((compiled.detach().float() - eager.float()).abs() / eager.float().abs().clamp_min(1e-12)).reshape(1)
+        if dist.is_initialized():
+            dist.all_reduce(apart, op=dist.ReduceOp.MAX)
+        self.compile_check = {"compiled_loss": float(compiled.detach()), "eager_loss": float(eager),
+                              "relative_difference": float(apart)}
+        check_compiled_loss(self.compile_check, self.config.compile.check_tolerance)
 
     def _clip_and_step(self) -> torch.Tensor:
         """Clips the global gradient norm to max_grad_norm and applies the optimizer step; returns the norm."""
@@ -121,9 +148,24 @@ class Engine:
             metrics["loss_scale"] = self.scaler.scaler.get_scale()
         if self.config.compile.enable:
             metrics["compile"] = compile_stats().as_metrics()
+            if self.compile_check is not None:
+                metrics["compile"]["eager_check"] = self.compile_check
         if self.float8_layers:
             metrics["float8_layers"] = self.float8_layers
         return metrics
+
+
+def check_compiled_loss(check: dict, tolerance: float) -> None:
+    """Raises CompileError when the compiled and eager losses of `check` (the largest relative
+    difference over the ranks) are further apart than `tolerance`."""
+    if check["relative_difference"] > tolerance:
+        raise CompileError(
+            f"the compiled training step's loss on the first micro-batch is {check['compiled_loss']:.6g}, the same "
+            f"model run eagerly gives {check['eager_loss']:.6g} ({check['relative_difference']:.3%} apart on the "
+            f"worst rank, more than the {tolerance:g} allowed): torch.compile made a step that computes something "
+            "else, and training on it would be silently wrong", where="[compile] check_tolerance",
+            fix="set [compile] enable = false to train eagerly; if the difference is expected rounding "
+                "(a model resumed in low precision), raise check_tolerance")
 
 
 def _ddp_timing(ddp) -> dict:

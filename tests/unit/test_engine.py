@@ -12,7 +12,8 @@ from orchestrator.config import JobConfig
 from storage.sampler import BatchLayout, DeterministicSampler
 from storage.shards import TokenDataset
 from tests.engine_support import uniform_plan, run_ranks
-from workers.engine import Engine
+from orchestrator.errors import CompileError
+from workers.engine import Engine, check_compiled_loss
 from workers.models.gpt import GPT
 from workers.models.loss import chunked_cross_entropy
 from workers.parallel import uses_compiled_autograd
@@ -247,3 +248,24 @@ def test_compile_runs_on_cpu_and_matches_eager():
     stats = compiled.window_metrics()["compile"]
     assert stats["frames_compiled"] >= 1 and stats["graph_breaks"] == 0 and stats["compile_seconds"] > 0
     assert math.isfinite(ours[-1])
+    # The first micro-batch was also run eagerly, and the two losses agreed.
+    check = stats["eager_check"]
+    assert check["compiled_loss"] == pytest.approx(check["eager_loss"], rel=1e-5) and check["relative_difference"] < 1e-5
+
+
+def test_a_compiled_step_apart_from_eager_stops_before_any_weight_changes(monkeypatch):
+    """A compiler fault injected: the model's loss is 1 % higher only when traced by torch.compile."""
+    plain_forward = GPT.forward
+    monkeypatch.setattr(GPT, "forward", lambda self, *args, **kwargs: plain_forward(self, *args, **kwargs)
+                        * (1.01 if torch.compiler.is_compiling() else 1.0))
+    config = JobConfig.from_dict({**job().to_dict(), "compile": {"enable": True}, "cluster": {"num_workers": 1}})
+    engine = Engine(config, uniform_plan(1, MICRO, 2), 0, torch.device("cpu"))
+    before = [p.detach().clone() for p in engine.model.parameters()]
+    with pytest.raises(CompileError) as refused:
+        train(engine, 0, 1, 2, steps=1)
+    message = str(refused.value)
+    assert message.startswith("[compile] check_tolerance: the compiled training step's loss on the first micro-batch")
+    assert "(1.000% apart on the worst rank, more than the 0.001 allowed)" in message
+    assert "set [compile] enable = false" in message
+    assert all(torch.equal(a, b) for a, b in zip(before, engine.model.parameters()))
+    check_compiled_loss({"compiled_loss": 5.5, "eager_loss": 5.5, "relative_difference": 0.0009}, 1e-3)  # within
