@@ -98,7 +98,7 @@ class Engine:
         PyTorch on the same weights and tokens; records both otherwise. Once: a miscompiled graph
         shows at the first step, before any weight changes."""
         self.compile_check_pending = False
-        apart = ((compiled.detach().float() - eager.float()).abs() / eager.float().abs().clamp_min(1e-12)).reshape(1)
+        apart = relative_difference(compiled.detach(), eager).reshape(1)
         if dist.is_initialized():
             dist.all_reduce(apart, op=dist.ReduceOp.MAX)
         self.compile_check = {"compiled_loss": float(compiled.detach()), "eager_loss": float(eager),
@@ -153,6 +153,15 @@ class Engine:
         if self.float8_layers:
             metrics["float8_layers"] = self.float8_layers
         return metrics
+
+
+def relative_difference(compiled: torch.Tensor, eager: torch.Tensor) -> torch.Tensor:
+    """|compiled - eager| / |eager|; infinite when only the compiled loss is NaN or infinite, and 0
+    when the eager one is (then the model or data is at fault, not the compiler)."""
+    compiled, eager = compiled.float(), eager.float()
+    apart = (compiled - eager).abs() / eager.abs().clamp_min(1e-12)
+    apart = torch.nan_to_num(apart, nan=float("inf"), posinf=float("inf"))
+    return torch.where(torch.isfinite(eager), apart, torch.zeros_like(apart))
 
 
 def check_compiled_loss(check: dict, tolerance: float) -> None:

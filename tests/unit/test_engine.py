@@ -13,7 +13,7 @@ from storage.sampler import BatchLayout, DeterministicSampler
 from storage.shards import TokenDataset
 from tests.engine_support import uniform_plan, run_ranks
 from orchestrator.errors import CompileError
-from workers.engine import Engine, check_compiled_loss
+from workers.engine import Engine, check_compiled_loss, relative_difference
 from workers.models.gpt import GPT
 from workers.models.loss import chunked_cross_entropy
 from workers.parallel import uses_compiled_autograd
@@ -269,3 +269,11 @@ def test_a_compiled_step_apart_from_eager_stops_before_any_weight_changes(monkey
     assert "set [compile] enable = false" in message
     assert all(torch.equal(a, b) for a, b in zip(before, engine.model.parameters()))
     check_compiled_loss({"compiled_loss": 5.5, "eager_loss": 5.5, "relative_difference": 0.0009}, 1e-3)  # within
+
+
+def test_a_nan_compiled_loss_is_infinitely_apart_unless_eager_is_nan_too():
+    nan, one = torch.tensor(float("nan")), torch.tensor(1.0)
+    assert relative_difference(nan, one).item() == float("inf")
+    assert relative_difference(torch.tensor(float("inf")), one).item() == float("inf")
+    assert relative_difference(nan, nan).item() == 0.0  # the model or data, not the compiler
+    assert relative_difference(torch.tensor(1.01), one).item() == pytest.approx(0.01)
