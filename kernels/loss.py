@@ -2,9 +2,9 @@
 
     loss = linear_cross_entropy(hidden, weight, targets)   # mean of CE(hidden @ weight.T, targets)
 
-The logits are made by one matmul in hidden's dtype (bf16 under autocast). One kernel then
-writes each row's loss and turns the logits, in place, into their gradient (softmax - one_hot)
-/ rows, computed in fp32 and rounded once, as the plain loss's backward would round it. Backward
+The logits are made by one matmul in the autocast dtype (bf16; the op casts its fp32 inputs
+itself, see below). One kernel then writes each row's loss and turns the logits, in place, into
+their gradient (softmax - one_hot) / rows, computed in fp32 and rounded once, as the plain loss's backward would round it. Backward
 is two matmuls scaled by the incoming gradient. Against `F.cross_entropy(logits.float(), targets)`
 compiled by Inductor, that is one read of the logits and one write of their gradient instead
 of several passes (GPT-2 124M's 32768 x 50304 logits on an H200: 4.4 ms fwd + bwd down to 2.3;
@@ -33,17 +33,20 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) else None
     if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
         # Evaluation: the losses alone, without fp32 logits (twice the bf16 logits' size).
-        return _cross_entropy_rows(_cast(hidden, dtype) @ _cast(weight, dtype).t(), targets).mean()
+        return _cross_entropy_rows(_logits(hidden, weight, dtype), targets).mean()
     if (dtype or hidden.dtype) == torch.float16:
         # The fused gradient is made before a loss scale is known, and fp16 cannot hold it
         # unscaled (probabilities / rows fall below its range): fp16 takes the plain loss.
-        return F.cross_entropy((_cast(hidden, dtype) @ _cast(weight, dtype).t()).float(), targets)
+        return F.cross_entropy(_logits(hidden, weight, dtype).float(), targets)
     loss, _ = _linear_cross_entropy(hidden, weight, targets, dtype or hidden.dtype)
     return loss
 
 
-def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    return t if dtype is None else t.to(dtype)
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """hidden @ weight.T, both first cast to dtype unless it is None."""
+    if dtype is not None:
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+    return hidden @ weight.t()
 
 
 # The op takes hidden and weight as they are (fp32 under autocast) and casts them itself. With
@@ -55,7 +58,7 @@ def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 def _linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                           dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean loss, gradient of the mean loss with respect to the logits, in dtype)."""
-    logits = hidden.to(dtype) @ weight.to(dtype).t()
+    logits = _logits(hidden, weight, dtype)
     scale = 1.0 / logits.shape[0]
     losses = _rows(logits, targets, scale)
     return losses.sum() * scale, logits
