@@ -2,15 +2,15 @@
 
     loss = linear_cross_entropy(hidden, weight, targets)   # mean of CE(hidden @ weight.T, targets)
 
-The logits are made by one matmul in the autocast dtype (bf16; the op casts its fp32 inputs
-itself, see below). One kernel then writes each row's loss and turns the logits, in place, into
-their gradient (softmax - one_hot) / rows, computed in fp32 and rounded once, as the plain loss's backward would round it. Backward
-is two matmuls scaled by the incoming gradient. Against `F.cross_entropy(logits.float(), targets)`
-compiled by Inductor, that is one read of the logits and one write of their gradient instead
-of several passes (GPT-2 124M's 32768 x 50304 logits on an H200: 4.4 ms fwd + bwd down to 2.3;
-benchmarks/RESULTS.md), with the same memory: the bf16 gradient is kept where the plain loss
-keeps the bf16 logits. Evaluation runs the kernel's first read alone, so no fp32 logits exist then
-either.
+The logits are made by one matmul in the autocast dtype (bf16; the op casts its fp32 inputs itself,
+see below). One kernel then writes each row's loss and turns the logits, in place, into their
+gradient (softmax - one_hot) / rows, computed in fp32 and rounded once, as the plain loss's backward
+would round it. Backward is two matmuls scaled by the incoming gradient. Against
+`F.cross_entropy(logits.float(), targets)` compiled by Inductor, that is one read of the logits and
+one write of their gradient instead of several passes (GPT-2 124M's 32768 x 50304 logits on an H200:
+4.4 ms fwd + bwd down to 2.3; benchmarks/RESULTS.md), with the same memory: the bf16 gradient is
+kept where the plain loss keeps the bf16 logits. Evaluation runs the kernel's first read alone, so
+no fp32 logits exist then either.
 
 CUDA tensors run the Triton kernel (kernels/triton_loss.py), anything else the torch twin below
 (kernels.backend decides, as for the compression kernels).
