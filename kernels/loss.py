@@ -67,11 +67,9 @@ def _linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
 @_linear_cross_entropy.register_fake
 def _(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    # The op's casts, made here too and alive beside the logits as in the op, so that the memory
-    # estimator (orchestrator/memory.py), which runs this on fake tensors, counts them.
-    cast_hidden, cast_weight = hidden.to(dtype), weight.to(dtype)
-    logits = cast_hidden.new_empty((cast_hidden.shape[0], cast_weight.shape[0]))
-    return hidden.new_empty((), dtype=torch.float32), logits
+    # The op's own casts and matmul on fake tensors: the memory estimator (orchestrator/memory.py),
+    # which runs this, sees the casts alive beside the logits as they are in the op.
+    return hidden.new_empty((), dtype=torch.float32), _logits(hidden, weight, dtype)
 
 
 def _save_for_backward(ctx, inputs, output) -> None:
