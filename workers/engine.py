@@ -10,15 +10,18 @@ worker. Everything it decides comes from the JobConfig and this worker's entry i
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from orchestrator.config import JobConfig
-from orchestrator.errors import CompileError, PlacementError
+from orchestrator.errors import CompileError, ConfigError, PlacementError
 from orchestrator.placement.plan import Plan
 from workers.comm.stats import CommStats
 from workers.compiler import compile_stats
+from workers.compute_copy import Bf16ComputeCopy
 from workers.models.gpt import GPT
 from workers.optim import build_optimizer, set_lr
 from workers.parallel import wrap
@@ -32,11 +35,14 @@ class Engine:
         self.worker = plan.worker(rank)
         self.precision = resolve_precision(config.train.precision, device)
         torch.manual_seed(config.train.seed)  # every rank builds identical weights
+        # The model the optimizer updates, checkpoints save and evaluation runs.
         self.model = GPT(config.model).to(device)
         self.float8_layers = (convert_to_float8(self.model, config.train.float8_recipe)
                               if self.precision.name == "fp8" else 0)
+        self.compute_copy = self._compute_copy(config)
         self.comm_stats = CommStats()
-        self.wrapped = wrap(self.model, config, plan, self.precision, device, self.comm_stats)
+        trained = self.compute_copy.model if self.compute_copy else self.model
+        self.wrapped = wrap(trained, config, plan, self.precision, device, self.comm_stats)
         # After wrapping: FSDP2 replaces parameters with sharded DTensors the optimizer must see.
         self.optimizer = build_optimizer(self.model, config.train, device)
         self.scaler = LossScaler(self.precision, device)
@@ -69,12 +75,14 @@ class Engine:
 
         With fp16, a step whose gradients hold inf/NaN is skipped (and counted) instead of applied."""
         set_lr(self.optimizer, lr)
+        if self.compute_copy:
+            self.compute_copy.pull_weights()
         total_loss = torch.zeros((), device=self.device)
         for i, batch in enumerate(micro_batches):
             inputs, targets = batch[:, :-1], batch[:, 1:]
             eager_loss = self._eager_loss(inputs, targets) if self.compile_check_pending else None
             with self.wrapped.sync_gradients(i == len(micro_batches) - 1):
-                with self.precision.autocast(self.device):
+                with self._training_autocast():
                     loss = self.wrapped.forward(inputs, targets, loss_kernel=self.config.train.loss_kernel)
                     if eager_loss is not None:
                         self._check_compiled_loss(loss, eager_loss)
@@ -82,6 +90,8 @@ class Engine:
                 with self.wrapped.backward_context():
                     self.scaler.scale(loss).backward()
             total_loss += loss.detach()
+        if self.compute_copy:
+            self.compute_copy.push_gradients()
         grad_norm = self._clip_and_step()
         self.optimizer.zero_grad(set_to_none=True)
         return total_loss, grad_norm
@@ -90,8 +100,22 @@ class Engine:
     def _eager_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """This micro-batch's loss with every compiled function run eagerly (collective under DDP
         and FSDP as the step is: every rank makes it)."""
-        with torch.compiler.set_stance("force_eager"), self.precision.autocast(self.device):
+        with torch.compiler.set_stance("force_eager"), self._training_autocast():
             return self.wrapped.forward(inputs, targets, loss_kernel=self.config.train.loss_kernel)
+
+    def _compute_copy(self, config: JobConfig) -> Bf16ComputeCopy | None:
+        if not config.train.bf16_weights:
+            return None
+        if self.precision.name != "bf16":
+            raise ConfigError(f"bf16_weights needs bf16 training; precision resolved to {self.precision.name} "
+                              f"on this {self.device.type} worker", where="[train] bf16_weights",
+                              fix='set precision = "bf16" (on a GPU that has it), or bf16_weights = false')
+        return Bf16ComputeCopy(self.model, GPT(config.model).to(self.device, torch.bfloat16))
+
+    def _training_autocast(self):
+        """Autocast for the training forward; none on a bf16 compute copy: its weights are bf16
+        already, and autocast would run its layer norms, and so the residual stream, in fp32."""
+        return contextlib.nullcontext() if self.compute_copy else self.precision.autocast(self.device)
 
     def _check_compiled_loss(self, compiled: torch.Tensor, eager: torch.Tensor) -> None:
         """Stops the run, on every rank at once, if the compiled step computes another loss than eager
