@@ -68,6 +68,8 @@ class StepSpec:
     loss_kernel: Literal["fused", "plain", "chunked"] = "fused"
     device_type: DeviceType = "cuda"
     """What the step will run on: cuda rounds to allocator blocks and uses the fused AdamW."""
+    bf16_weights: bool = False
+    """[train] bf16_weights: a bf16 copy of the model trains and the fp32 masters take the step."""
 
     @classmethod
     def for_job(cls, config: JobConfig, *, device_type: DeviceType) -> StepSpec:
@@ -76,7 +78,7 @@ class StepSpec:
             precision = "bf16" if device_type == "cuda" else "fp32"
         return cls(model=config.model, precision=precision, device_type=device_type,
                    activation_checkpointing=config.parallel.activation_checkpointing,
-                   loss_kernel=config.train.loss_kernel)
+                   loss_kernel=config.train.loss_kernel, bf16_weights=config.train.bf16_weights)
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +176,7 @@ def _measure(spec: StepSpec, micro_batch_sizes: tuple[int, ...]) -> list[StepMem
     at the first `step()`), then one tracked steady-state step per micro-batch."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from workers.compute_copy import Bf16ComputeCopy
     from workers.models.gpt import GPT
     from workers.optim import build_optimizer
 
@@ -188,12 +191,14 @@ def _measure(spec: StepSpec, micro_batch_sizes: tuple[int, ...]) -> list[StepMem
             model.set_activation_checkpointing(spec.activation_checkpointing)
         # Same optimizer as the worker builds for the target device (fused AdamW on CUDA).
         optimizer = build_optimizer(model, TrainConfig(), torch.device(spec.device_type))
-        params = list(model.parameters())
-        _train_step(model, optimizer, _batch(spec, 1), spec, dtype)
-        sizes = _parameter_sizes(model, round_to)
+        compute = Bf16ComputeCopy(model, _bf16_model(spec.model)) if spec.bf16_weights else None
+        trained = compute.model if compute else model  # the one whose gradients backward makes
+        params = list(trained.parameters())
+        _train_step(model, optimizer, _batch(spec, 1), spec, dtype, compute)
+        sizes = _parameter_sizes(trained, round_to)
         for micro_batch_size in micro_batch_sizes:
             timeline = _StorageTimeline(round_to)
-            for p in params:
+            for p in (*model.parameters(), *(compute.params if compute else ())):
                 timeline.add(p, "param")
             for state in optimizer.state.values():
                 for value in state.values():
@@ -201,11 +206,23 @@ def _measure(spec: StepSpec, micro_batch_sizes: tuple[int, ...]) -> list[StepMem
                         timeline.add(value, "optimizer")
             hooks = [p.register_post_accumulate_grad_hook(lambda p: timeline.add(p.grad, "grad")) for p in params]
             with timeline:
-                _train_step(model, optimizer, _batch(spec, micro_batch_size), spec, dtype)
+                _train_step(model, optimizer, _batch(spec, micro_batch_size), spec, dtype, compute)
             for hook in hooks:
                 hook.remove()
             results.append(_summarise(timeline, spec, micro_batch_size, *sizes))
     return results
+
+
+def _bf16_model(config: ModelConfig):
+    """A GPT made in bf16 (converting a fake model's parameters with .to() would swap them)."""
+    from workers.models.gpt import GPT
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        return GPT(config)
+    finally:
+        torch.set_default_dtype(default)
 
 
 def _batch(spec: StepSpec, micro_batch_size: int) -> torch.Tensor:
@@ -221,12 +238,18 @@ def _parameter_sizes(model, round_to: int) -> tuple[int, int, int]:
     return total, largest_block, root
 
 
-def _train_step(model, optimizer, batch: torch.Tensor, spec: StepSpec, dtype: torch.dtype | None) -> None:
-    """What workers/engine.py Engine.__call__ does for one optimizer step, minus the collectives."""
+def _train_step(model, optimizer, batch: torch.Tensor, spec: StepSpec, dtype: torch.dtype | None,
+                compute=None) -> None:
+    """What workers/engine.py Engine.__call__ does for one optimizer step, minus the collectives.
+    With a bf16 compute copy its fp32 master gradients are made after backward, as the engine's."""
     inputs, targets = batch[:, :-1], batch[:, 1:]
-    with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-        loss = model(inputs, targets, loss_kernel=spec.loss_kernel)
+    if compute is not None:
+        compute.pull_weights()
+    with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None and compute is None):
+        loss = (compute.model if compute else model)(inputs, targets, loss_kernel=spec.loss_kernel)
     loss.backward()
+    if compute is not None:
+        compute.push_gradients()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -16,6 +16,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from orchestrator import memory
 from orchestrator.config import ModelConfig, TrainConfig
+from workers.compute_copy import Bf16ComputeCopy
 from workers.models.gpt import GPT
 from workers.optim import build_optimizer
 
@@ -25,28 +26,36 @@ TINY = ModelConfig(n_layer=4, n_head=4, n_embd=128, seq_len=128, vocab_size=257)
 class RealStep:
     """One real training step of TINY on this CPU, set up (and warmed: AdamW's states exist) ahead."""
 
-    def __init__(self, micro_batch: int, *, accum: int = 1, loss_kernel: str = "chunked", ddp: bool = False):
+    def __init__(self, micro_batch: int, *, accum: int = 1, loss_kernel: str = "chunked", ddp: bool = False,
+                 bf16_weights: bool = False):
         torch.manual_seed(0)
         self.model = GPT(TINY)
-        self.wrapped = DistributedDataParallel(self.model, gradient_as_bucket_view=True) if ddp else self.model
+        self.copy = Bf16ComputeCopy(self.model, GPT(TINY).to(torch.bfloat16)) if bf16_weights else None
+        trained = self.copy.model if self.copy else self.model
+        self.wrapped = DistributedDataParallel(trained, gradient_as_bucket_view=True) if ddp else trained
         self.optimizer = build_optimizer(self.model, TrainConfig(), torch.device("cpu"))
         self.batch = torch.randint(0, TINY.vocab_size, (micro_batch, TINY.seq_len + 1))
         self.accum, self.loss_kernel, self.ddp = accum, loss_kernel, ddp
         self.step()
 
     def step(self) -> None:
+        if self.copy:
+            self.copy.pull_weights()
         for i in range(self.accum):
             sync = self.wrapped.no_sync() if self.ddp and i < self.accum - 1 else contextlib.nullcontext()
             with sync:
                 loss = self.wrapped(self.batch[:, :-1], self.batch[:, 1:], loss_kernel=self.loss_kernel)
                 (loss / self.accum).backward()
+        if self.copy:
+            self.copy.push_gradients()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
     def live_bytes(self) -> int:
         """What lives between steps: parameters, AdamW states and (DDP) the gradient buckets."""
-        tensors = [*self.model.parameters(), *(v for s in self.optimizer.state.values() for v in s.values())]
+        tensors = [*self.model.parameters(), *(v for s in self.optimizer.state.values() for v in s.values()),
+                   *(self.copy.params if self.copy else ())]
         if self.ddp:
             tensors += [p.grad for p in self.model.parameters() if p.grad is not None]
         return sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}.values())
@@ -77,7 +86,8 @@ def measure_peaks(steps: dict[str, RealStep]) -> dict[str, int]:
 def measured(gloo_world_of_one) -> dict[str, int]:
     # The CPU demo's micro-batch; the variants at 4 samples, since every real step here costs compute.
     return measure_peaks({"m16": RealStep(16), "m4-plain-loss": RealStep(4, loss_kernel="plain"),
-                          "m4-accum2": RealStep(4, accum=2), "m4-ddp": RealStep(4, ddp=True)})
+                          "m4-accum2": RealStep(4, accum=2), "m4-ddp": RealStep(4, ddp=True),
+                          "m4-bf16-weights": RealStep(4, bf16_weights=True)})
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +129,15 @@ def test_accumulation_keeps_the_gradients(tiny_profile, measured):
 def test_ddp_buckets_hold_every_gradient(tiny_profile, measured):
     estimate = tiny_profile.peak_bytes(4, data_parallel="ddp", world_size=2, exact=True)
     assert within_ten_percent(estimate, measured["m4-ddp"]), (estimate, measured["m4-ddp"])
+
+
+def test_a_bf16_compute_copy_and_its_fp32_masters(measured):
+    spec = memory.StepSpec(model=TINY, precision="bf16", device_type="cpu", loss_kernel="chunked", bf16_weights=True)
+    step = memory.measure_step(spec, 4)
+    params = sum(p.numel() for p in GPT(TINY).parameters())
+    assert step.parameter_bytes == params * (4 + 2)  # the masters and their bf16 copy
+    assert step.gradient_bytes == params * 2  # backward makes bf16 gradients
+    assert within_ten_percent(step.peak_bytes, measured["m4-bf16-weights"]), (step.peak_bytes, measured["m4-bf16-weights"])
 
 
 def test_interpolation_between_measured_micro_batches(tiny_profile):
