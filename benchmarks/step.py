@@ -68,6 +68,7 @@ VARIANTS = {  # name: (JobConfig sections to override, SDPA backends in priority
     "constant lr": ({"train": {"warmup_steps": 0, "min_lr": LR}}, None),  # the plain loop's schedule
     "seed 1": ({"train": {"seed": 1}}, None),  # other initial weights: how far bf16 runs drift apart alone
     "no clip": ({"train": {"grad_clip": 0.0}}, None),
+    "bf16 weights": ({"train": {"bf16_weights": True}}, None),  # a bf16 compute copy, fp32 masters
     "fp8": ({"train": {"precision": "fp8"}}, None),
     "fp8 rowwise": ({"train": {"precision": "fp8", "float8_recipe": "rowwise"}}, None),
 }

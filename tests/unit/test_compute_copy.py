@@ -1,0 +1,107 @@
+"""bf16 weights with fp32 masters ([train] bf16_weights): the engine trains a bf16 copy and steps the
+fp32 model, alone and under DDP on 2 gloo ranks; what it refuses, and how it restores."""
+
+import copy
+import json
+
+import pytest
+import torch
+
+from orchestrator.config import JobConfig
+from orchestrator.errors import ConfigError
+from tests.engine_support import run_ranks, uniform_plan
+from tests.unit.test_engine import MICRO, batches_for, job, train
+from workers.engine import Engine
+
+CPU = torch.device("cpu")
+
+
+def config(**train_settings) -> JobConfig:
+    sections = job().to_dict()
+    sections["train"].update(train_settings)
+    return JobConfig.from_dict(sections)
+
+
+def bf16_weights_engine(world: int = 1, accum: int = 2, rank: int = 0) -> Engine:
+    return Engine(config(precision="bf16", bf16_weights=True), uniform_plan(world, MICRO, accum), rank, CPU)
+
+
+def test_tracks_bf16_autocast_training_and_keeps_fp32_masters():
+    autocast = Engine(config(precision="bf16"), uniform_plan(1, MICRO, 2), 0, CPU)
+    ours = bf16_weights_engine()
+    theirs_losses, our_losses = train(autocast, 0, 1, 2), train(ours, 0, 1, 2)
+    for a, b in zip(our_losses, theirs_losses):
+        assert a == pytest.approx(b, rel=2e-3)
+    assert our_losses[-1] < our_losses[0] - 0.5
+    assert {p.dtype for p in ours.model.parameters()} == {torch.float32}
+    assert {p.dtype for p in ours.compute_copy.model.parameters()} == {torch.bfloat16}
+    states = [t for s in ours.optimizer.state.values() for t in s.values() if t.dim() > 0]
+    assert states and {t.dtype for t in states} == {torch.float32}
+    assert all(p.grad is None for p in ours.compute_copy.model.parameters())
+
+
+def test_the_copy_is_the_masters_rounded_to_bf16_at_every_step():
+    engine = bf16_weights_engine()
+    train(engine, 0, 1, 2, steps=2)
+    stale = [p.detach().clone() for p in engine.compute_copy.model.parameters()]
+    engine.compute_copy.pull_weights()
+    pulled = list(engine.compute_copy.model.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(stale, pulled))  # the step moved the masters
+    for master, bf16 in zip(engine.model.parameters(), pulled):
+        assert torch.equal(master.detach().to(torch.bfloat16), bf16)
+    embedding, head = engine.compute_copy.model.tok_emb.weight, engine.compute_copy.model.lm_head.weight
+    assert embedding is head  # tied in the copy as in the model
+
+
+def test_a_restored_engine_continues_exactly_from_the_saved_masters():
+    """Checkpoints hold the fp32 model and optimizer only: the copy is rebuilt from them at the next step."""
+    original = bf16_weights_engine()
+    train(original, 0, 1, 2, steps=3)
+    saved = copy.deepcopy((original.model.state_dict(), original.optimizer.state_dict()))
+    expected = original(batches_for(3, 0, 1, 2), lr=3e-3)[0]
+    restored = bf16_weights_engine()
+    restored.model.load_state_dict(saved[0])
+    restored.optimizer.load_state_dict(saved[1])
+    assert torch.equal(restored(batches_for(3, 0, 1, 2), lr=3e-3)[0], expected)
+
+
+def ddp_run(rank: int, world: int, out_path: str) -> None:
+    engine = bf16_weights_engine(world=world, accum=1, rank=rank)
+    losses = train(engine, rank, world, 1)
+    grads = {p.grad.dtype for p in engine.model.parameters() if p.grad is not None}
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"losses": losses, "comm_bytes": engine.window_metrics()["comm_bytes"],
+                       "master_grad_dtypes": sorted(map(str, grads))}, f)
+
+
+def test_ddp_on_two_ranks_tracks_one_process_and_all_reduces_bf16(tmp_path):
+    out = tmp_path / "ddp.json"
+    run_ranks(2, ddp_run, str(out))
+    ddp = json.loads(out.read_text())
+    single = train(bf16_weights_engine(), 0, 1, 2)
+    for ours, theirs in zip(ddp["losses"], single):
+        assert ours == pytest.approx(theirs, rel=5e-3)
+    params = sum(p.numel() for p in bf16_weights_engine().model.parameters())
+    assert ddp["comm_bytes"] == len(single) * params * 2  # bf16 gradients: half of fp32's bytes
+
+
+@pytest.mark.parametrize("sections, where", [
+    ({"train": {"precision": "fp16"}}, "[train] bf16_weights"),
+    ({"parallel": {"strategy": "fsdp"}}, "[train] bf16_weights"),
+    ({"parallel": {"comm_hook": "topk"}}, "[parallel] comm_hook"),
+])
+def test_settings_it_cannot_train_with_are_refused_by_name(sections, where):
+    raw = job().to_dict()
+    raw["train"]["bf16_weights"] = True
+    for section, values in sections.items():
+        raw[section].update(values)
+    with pytest.raises(ConfigError) as error:
+        JobConfig.from_dict(raw)
+    assert error.value.where == where
+
+
+def test_a_worker_without_bf16_training_refuses_it():
+    with pytest.raises(ConfigError, match="precision resolved to fp32") as error:
+        Engine(config(bf16_weights=True), uniform_plan(1, MICRO, 2), 0, CPU)  # "auto" is fp32 on CPU
+    assert error.value.where == "[train] bf16_weights"
