@@ -260,6 +260,8 @@ GPT-2 124M at B=32, T=1024 and GPT 1.3B at B=8, T=2048. Wider models keep tensor
 COMPILED_MFU_ANCHORS = ((768, 0.483), (2048, 0.584))
 """The same for the compiled engine (fused loss, clipping): benchmarks/step.py on one H200,
 benchmarks/RESULTS.md, 2026-11-30 (plain torch.compile: 0.478 / 0.596)."""
+BF16_WEIGHTS_MFU_ANCHORS = ((768, 0.499), (2048, 0.594))
+"""The compiled engine with [train] bf16_weights (a bf16 copy, fp32 masters), same benchmark and day."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,8 +282,9 @@ class ComputeModel:
     cpu_overhead_s_per_layer: float = 5e-4
 
     @classmethod
-    def compiled(cls) -> ComputeModel:
-        return cls(mfu_anchors=COMPILED_MFU_ANCHORS, micro_step_overhead_s_per_layer=2e-5)
+    def compiled(cls, *, bf16_weights: bool = False) -> ComputeModel:
+        anchors = BF16_WEIGHTS_MFU_ANCHORS if bf16_weights else COMPILED_MFU_ANCHORS
+        return cls(mfu_anchors=anchors, micro_step_overhead_s_per_layer=2e-5)
 
     def utilisation(self, n_embd: int) -> float:
         return _interpolate_log(self.mfu_anchors, n_embd)

@@ -68,7 +68,8 @@ class Planner:
         self.config = config
         self.job = PlanningJob.from_config(config)
         self.collectives = collectives or CollectiveCostModel.for_job(config)  # defaults and a measured table
-        self.compute = compute or (ComputeModel.compiled() if config.compile.enable else ComputeModel())
+        self.compute = compute or (ComputeModel.compiled(bf16_weights=config.train.bf16_weights)
+                                   if config.compile.enable else ComputeModel())
         prices = prices or PriceTable.for_job(config)  # defaults and [bill] prices_file
         self.prices = prices.with_overrides(config.placement.prices, spot=self.job.spot)
         self.exact_memory = exact_memory

@@ -50,6 +50,13 @@ def test_the_cpu_demo_goes_through_the_planner():
     assert Plan.from_json(plan.to_json()) == plan
 
 
+def test_a_bf16_compute_copy_is_planned_at_its_own_measured_speed():
+    autocast = planner("1xH200:1", job(compile={"enable": True}))
+    copy = planner("1xH200:1", job(compile={"enable": True}, train={"bf16_weights": True}))
+    assert copy.compute.utilisation(768) / autocast.compute.utilisation(768) == pytest.approx(0.499 / 0.483)
+    assert copy.plan().predicted.compute_seconds < autocast.plan().predicted.compute_seconds
+
+
 def test_heterogeneous_split_sums_to_the_global_batch_in_proportion_to_speed():
     config = job(placement={"min_gpus": 16}, train={"global_batch_size": 512, "micro_batch_size": 64})
     plan = planner("8xH100-SXM:1,8xL40S:1", config, compute=NO_OVERHEAD).plan()
