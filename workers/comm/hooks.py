@@ -5,7 +5,8 @@
     powersgd       torch's PowerSGD (low-rank, error feedback), after `warmup_steps` plain steps
     topk           top-k by magnitude + int8 codes with error feedback (kernels.compression),
                    exchanged with one all-gather; after `warmup_steps` plain steps, sending a
-                   share that falls from 25% to k_ratio over `ramp_steps` steps when asked
+                   share that falls from 25% to k_ratio over `ramp_steps` steps when asked;
+                   places go as int16 offsets, or as a bitmap where that is smaller (kernels.bitmap)
     hierarchical   reduce-scatter inside each NVLink island, all-reduce across islands,
                    all-gather inside the island: the slow links carry 1/island_size of the bytes
 
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
+from kernels.bitmap import bitmap_nbytes, decode_bitmap, encode_bitmap
 from kernels.compression import compress, decompress_accumulate, decompress_sum
 from kernels.errors import NonFiniteGradientError
 from workers.comm.groups import IslandGroups
@@ -171,18 +173,23 @@ def topk_hook(state: TopkHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         return _allreduce(state, bucket.buffer())
     buffer = bucket.buffer()
     mine = compress(buffer, state.residual_for(bucket), state.k_ratio_for(step), check_finite=False)
-    payload = mine.payload
-    state.stats.add(payload.numel())
-    gathered = torch.empty(state.world_size * payload.numel(), dtype=payload.dtype, device=payload.device)
+    # Dense steps (a sparsity ramp's first) send a bitmap of the entries' places: smaller than their offsets there.
+    as_bitmap = bitmap_nbytes(mine.layout) < mine.layout.nbytes
+    wire = encode_bitmap(mine) if as_bitmap else mine.payload
+    state.stats.add(wire.numel())
+    gathered = torch.empty(state.world_size * wire.numel(), dtype=wire.dtype, device=wire.device)
 
     def accumulate(fut: torch.futures.Future) -> torch.Tensor:
-        rows = [mine.with_payload(row) for row in gathered.view(state.world_size, -1)]
+        payloads = gathered.view(state.world_size, -1)
+        if as_bitmap:
+            payloads = torch.stack([decode_bitmap(row, mine.layout).payload for row in payloads])
+        rows = [mine.with_payload(row) for row in payloads]
         # Every rank sees every payload's NaN count, so a poisoned bucket anywhere stops all ranks
         # at the next check(); counted on the device, the hook never waits for it.
         seen = torch.stack([row.header[1] for row in rows]).sum()
         state.nonfinite = seen if state.nonfinite is None else state.nonfinite + seen
         if buffer.dtype == torch.float32:  # one pass writes the average straight into DDP's bucket
-            decompress_sum(buffer, gathered.view(state.world_size, -1), mine, state.world_size)
+            decompress_sum(buffer, payloads, mine, state.world_size)
             return buffer
         total = torch.zeros(buffer.numel(), dtype=torch.float32, device=buffer.device)
         for row in rows:
@@ -190,7 +197,7 @@ def topk_hook(state: TopkHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         buffer.copy_(total.div_(state.world_size))
         return buffer
 
-    work = dist.all_gather_into_tensor(gathered, payload, async_op=True)
+    work = dist.all_gather_into_tensor(gathered, wire, async_op=True)
     return _future(work, gathered).then(accumulate)
 
 
