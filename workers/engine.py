@@ -41,7 +41,7 @@ class Engine:
                               if self.precision.name == "fp8" else 0)
         self.compute_copy = self._compute_copy(config)
         self.comm_stats = CommStats()
-        trained = self.compute_copy.model if self.compute_copy else self.model
+        trained = self.compute_copy.model if self.compute_copy is not None else self.model
         self.wrapped = wrap(trained, config, plan, self.precision, device, self.comm_stats)
         # After wrapping: FSDP2 replaces parameters with sharded DTensors the optimizer must see.
         self.optimizer = build_optimizer(self.model, config.train, device)
@@ -75,7 +75,7 @@ class Engine:
 
         With fp16, a step whose gradients hold inf/NaN is skipped (and counted) instead of applied."""
         set_lr(self.optimizer, lr)
-        if self.compute_copy:
+        if self.compute_copy is not None:
             self.compute_copy.pull_weights()
         total_loss = torch.zeros((), device=self.device)
         for i, batch in enumerate(micro_batches):
@@ -90,7 +90,7 @@ class Engine:
                 with self.wrapped.backward_context():
                     self.scaler.scale(loss).backward()
             total_loss += loss.detach()
-        if self.compute_copy:
+        if self.compute_copy is not None:
             self.compute_copy.push_gradients()
         grad_norm = self._clip_and_step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -115,7 +115,7 @@ class Engine:
     def _training_autocast(self):
         """Autocast for the training forward; none on a bf16 compute copy: its weights are bf16
         already, and autocast would run its layer norms, and so the residual stream, in fp32."""
-        return contextlib.nullcontext() if self.compute_copy else self.precision.autocast(self.device)
+        return contextlib.nullcontext() if self.compute_copy is not None else self.precision.autocast(self.device)
 
     def _check_compiled_loss(self, compiled: torch.Tensor, eager: torch.Tensor) -> None:
         """Stops the run, on every rank at once, if the compiled step computes another loss than eager
