@@ -126,8 +126,24 @@ def test_ddp_reports_communication(runs):
 
 def test_topk_with_error_feedback_tracks_uncompressed_training(runs):
     """On real text, top-k with its sparsity ramp (25% of the entries falling to 6% over 100 steps,
-    after 2 dense steps: 10.4% of the bytes over the run) ends within 5% of uncompressed training
-    (+2.3% when measured; 150 steps on 2 ranks, 3-byte entries, fused loss). The same runs at other
+    after 2 dense steps) ends within 5% of uncompressed training (+2.1% when measured; 150 steps
+    on 2 ranks, fused loss) with 7.5% of the bytes: the ramp's dense steps send their places as a
+    bitmap (kernels.bitmap); 10.4% with 3-byte entries throughout.
+
+    With the bitmap the issue's byte budget is reachable: 25% -> 3% over 100 steps, no dense steps,
+    sends 4.78% of the bytes (6.70% before). Its loss gap is not reliably inside 5%: +3.2% at
+    seed 0 but +6.3%, +6.6% and +8.4% at seeds 1-3 (another initialisation, plain all-reduce
+    re-run at each). Other ramps within 5% of the bytes, gaps at seeds 0-3:
+
+        start -> final, R    bytes    seed 0   seed 1   seed 2   seed 3
+        50% -> 3%, 50        4.32%    +6.5%    +5.8%    +5.3%    +7.4%
+        50% -> 2.5%, 80      4.97%    +4.6%    +6.7%    +5.6%    +8.0%
+        100% -> 3%, 40       4.82%    +8.9%    +7.3%    +8.0%      -
+        35% -> 3%, 80        4.76%    +5.0%    +8.5%    +5.2%      -
+
+    (seed 0 only: 25% -> 3.5% over 100, +3.0% at 5.08%; 25% -> 3% over 120, +4.2% at 5.21%;
+    30% -> 3% over 100, +2.3% at 5.04%.) The tables below were measured with 3-byte entries
+    throughout, before the bitmap; losses do not depend on the encoding. The same runs at other
     settings, final 10-step mean loss over plain all-reduce's 2.488, and bytes of the run:
 
         entries, ramp        top-k    gap     bytes        entries, ramp        top-k    gap     bytes
@@ -191,7 +207,7 @@ def test_topk_with_error_feedback_tracks_uncompressed_training(runs):
     final = lambda losses: sum(losses[-10:]) / 10  # noqa: E731
     assert final(topk["losses"]) <= 1.05 * final(plain["losses"])
     assert final(plain["losses"]) < plain["losses"][0] - 2.0
-    assert topk["comm_bytes"] <= 0.11 * plain["comm_bytes"]
+    assert topk["comm_bytes"] <= 0.08 * plain["comm_bytes"]
 
 
 def test_compiled_ddp_takes_compiled_autograd_only_when_asked():
