@@ -92,7 +92,7 @@ def decode_bitmap(wire: torch.Tensor, layout: PayloadLayout) -> CompressedBucket
     device = wire.device
     shifts = torch.arange(8, dtype=torch.uint8, device=device)
     mask = ((views.bits.unsqueeze(1) >> shifts) & 1).view(-1)
-    padded = torch.zeros(layout.num_segments * SEGMENT, dtype=torch.int32, device=device)
+    padded = torch.zeros(layout.num_segments * SEGMENT, dtype=torch.uint8, device=device)
     padded[:layout.numel] = mask[:layout.numel]
     element = torch.nonzero_static(padded, size=layout.capacity, fill_value=-1).squeeze(1)
     out, _ = allocate(layout, None, device)
@@ -100,6 +100,6 @@ def decode_bitmap(wire: torch.Tensor, layout: PayloadLayout) -> CompressedBucket
     out.values.copy_(views.values)
     out.scales.copy_(views.scales)
     out.indices.copy_(torch.where(element >= 0, element % SEGMENT, 0).to(torch.int16))
-    per_segment = padded.view(layout.num_segments, SEGMENT).sum(1)
+    per_segment = padded.view(layout.num_segments, SEGMENT).sum(1, dtype=torch.int32)
     out.segment_starts.copy_((torch.cumsum(per_segment, 0) - per_segment).clamp(max=layout.capacity))
     return out
