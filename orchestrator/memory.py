@@ -192,13 +192,13 @@ def _measure(spec: StepSpec, micro_batch_sizes: tuple[int, ...]) -> list[StepMem
         # Same optimizer as the worker builds for the target device (fused AdamW on CUDA).
         optimizer = build_optimizer(model, TrainConfig(), torch.device(spec.device_type))
         compute = Bf16ComputeCopy(model, _bf16_model(spec.model)) if spec.bf16_weights else None
-        trained = compute.model if compute else model  # the one whose gradients backward makes
+        trained = compute.model if compute is not None else model  # the one whose gradients backward makes
         params = list(trained.parameters())
         _train_step(model, optimizer, _batch(spec, 1), spec, dtype, compute)
         sizes = _parameter_sizes(trained, round_to)
         for micro_batch_size in micro_batch_sizes:
             timeline = _StorageTimeline(round_to)
-            for p in (*model.parameters(), *(compute.params if compute else ())):
+            for p in (*model.parameters(), *(compute.params if compute is not None else ())):
                 timeline.add(p, "param")
             for state in optimizer.state.values():
                 for value in state.values():
