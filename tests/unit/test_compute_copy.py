@@ -22,8 +22,12 @@ def config(**train_settings) -> JobConfig:
     return JobConfig.from_dict(sections)
 
 
-def bf16_weights_engine(world: int = 1, accum: int = 2, rank: int = 0) -> Engine:
-    return Engine(config(precision="bf16", bf16_weights=True), uniform_plan(world, MICRO, accum), rank, CPU)
+def bf16_weights_engine(world: int = 1, accum: int = 2, rank: int = 0, **parallel) -> Engine:
+    cfg = config(precision="bf16", bf16_weights=True)
+    if parallel:
+        cfg = JobConfig.from_dict({**cfg.to_dict(), "parallel": parallel})
+    islands = [list(range(world))] if parallel.get("comm_hook") == "hierarchical" else None
+    return Engine(cfg, uniform_plan(world, MICRO, accum, islands=islands), rank, CPU)
 
 
 def test_tracks_bf16_autocast_training_and_keeps_fp32_masters():
@@ -65,25 +69,30 @@ def test_a_restored_engine_continues_exactly_from_the_saved_masters():
     assert torch.equal(restored(batches_for(3, 0, 1, 2), lr=3e-3)[0], expected)
 
 
-def ddp_run(rank: int, world: int, out_path: str) -> None:
-    engine = bf16_weights_engine(world=world, accum=1, rank=rank)
-    losses = train(engine, rank, world, 1)
-    grads = {p.grad.dtype for p in engine.model.parameters() if p.grad is not None}
+def ddp_runs(rank: int, world: int, out_path: str) -> None:
+    results = {}
+    for hook in ("allreduce", "hierarchical"):
+        engine = bf16_weights_engine(world=world, accum=1, rank=rank, comm_hook=hook)
+        results[hook] = {"losses": train(engine, rank, world, 1), "comm_bytes": engine.window_metrics()["comm_bytes"]}
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"losses": losses, "comm_bytes": engine.window_metrics()["comm_bytes"],
-                       "master_grad_dtypes": sorted(map(str, grads))}, f)
+            json.dump(results, f)
 
 
-def test_ddp_on_two_ranks_tracks_one_process_and_all_reduces_bf16(tmp_path):
+def test_ddp_on_two_ranks_tracks_one_process_and_reduces_bf16(tmp_path):
     out = tmp_path / "ddp.json"
-    run_ranks(2, ddp_run, str(out))
-    ddp = json.loads(out.read_text())
+    run_ranks(2, ddp_runs, str(out))
+    runs = json.loads(out.read_text())
     single = train(bf16_weights_engine(), 0, 1, 2)
-    for ours, theirs in zip(ddp["losses"], single):
+    for ours, theirs in zip(runs["allreduce"]["losses"], single):
+        assert ours == pytest.approx(theirs, rel=5e-3)
+    # The island's reduce-scatter and all-gather sum the same bf16 gradients in another order.
+    for ours, theirs in zip(runs["hierarchical"]["losses"], runs["allreduce"]["losses"]):
         assert ours == pytest.approx(theirs, rel=5e-3)
     params = sum(p.numel() for p in bf16_weights_engine().model.parameters())
-    assert ddp["comm_bytes"] == len(single) * params * 2  # bf16 gradients: half of fp32's bytes
+    assert runs["allreduce"]["comm_bytes"] == len(single) * params * 2  # bf16 gradients: half of fp32's bytes
+    # Reduce-scatter of the bucket, then all-gather of a half-size shard, in bf16.
+    assert runs["hierarchical"]["comm_bytes"] == pytest.approx(1.5 * runs["allreduce"]["comm_bytes"], rel=0.01)
 
 
 @pytest.mark.parametrize("sections, where", [
