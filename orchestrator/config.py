@@ -469,6 +469,10 @@ class JobConfig:
         _check(self.train.precision in ("auto", "bf16"), "[train] bf16_weights",
                f'keeps a bf16 copy of the model, which precision = "{self.train.precision}" does not train in',
                'set precision = "bf16", or bf16_weights = false')
+        # Said here, not by the first worker after Ray has started: "auto" is fp32 on CPU workers.
+        _check(self.cluster.use_gpu or self.train.precision == "bf16", "[train] bf16_weights",
+               'keeps a bf16 copy of the model, and precision = "auto" trains CPU workers in fp32',
+               'set precision = "bf16" to train the CPU workers in bf16 (slow without bf16 units), or bf16_weights = false')
         _check(self.parallel.strategy == "ddp", "[train] bf16_weights",
                "FSDP2 already gathers bf16 weights from fp32 shards (its mixed-precision policy)",
                "set bf16_weights = false with strategy = \"fsdp\"")

@@ -97,12 +97,13 @@ def test_ddp_on_two_ranks_tracks_one_process_and_reduces_bf16(tmp_path):
 
 @pytest.mark.parametrize("sections, where", [
     ({"train": {"precision": "fp16"}}, "[train] bf16_weights"),
+    ({"train": {"precision": "auto"}}, "[train] bf16_weights"),  # CPU workers: "auto" is fp32
     ({"parallel": {"strategy": "fsdp"}}, "[train] bf16_weights"),
     ({"parallel": {"comm_hook": "topk"}}, "[parallel] comm_hook"),
 ])
 def test_settings_it_cannot_train_with_are_refused_by_name(sections, where):
     raw = job().to_dict()
-    raw["train"]["bf16_weights"] = True
+    raw["train"].update(bf16_weights=True, precision="bf16")  # each case breaks one thing
     for section, values in sections.items():
         raw[section].update(values)
     with pytest.raises(ConfigError) as error:
@@ -111,6 +112,10 @@ def test_settings_it_cannot_train_with_are_refused_by_name(sections, where):
 
 
 def test_a_worker_without_bf16_training_refuses_it():
+    """A GPU job's config passes with precision "auto"; a worker on a device without bf16 still refuses."""
+    raw = config(bf16_weights=False).to_dict()
+    raw["train"]["bf16_weights"], raw["cluster"]["use_gpu"] = True, True
+    gpu_job = JobConfig.from_dict(raw)
     with pytest.raises(ConfigError, match="precision resolved to fp32") as error:
-        Engine(config(bf16_weights=True), uniform_plan(1, MICRO, 2), 0, CPU)  # "auto" is fp32 on CPU
+        Engine(gpu_job, uniform_plan(1, MICRO, 2), 0, CPU)
     assert error.value.where == "[train] bf16_weights"
