@@ -86,8 +86,9 @@ def encode_bitmap(bucket: CompressedBucket) -> torch.Tensor:
     return wire
 
 
-def decode_bitmap(wire: torch.Tensor, layout: PayloadLayout) -> CompressedBucket:
-    """The payload (offsets, codes, scales, segment starts) that `wire` encodes, in a new tensor."""
+def decode_bitmap(wire: torch.Tensor, layout: PayloadLayout, out: torch.Tensor | None = None) -> CompressedBucket:
+    """The payload (offsets, codes, scales, segment starts) that `wire` encodes: in `out` (a zeroed
+    uint8 tensor of layout.nbytes, e.g. a row of the payloads decompress_sum reads) or a new one."""
     views = _views(wire, layout)
     device = wire.device
     shifts = torch.arange(8, dtype=torch.uint8, device=device)
@@ -95,11 +96,11 @@ def decode_bitmap(wire: torch.Tensor, layout: PayloadLayout) -> CompressedBucket
     padded = torch.zeros(layout.num_segments * SEGMENT, dtype=torch.uint8, device=device)
     padded[:layout.numel] = mask[:layout.numel]
     element = torch.nonzero_static(padded, size=layout.capacity, fill_value=-1).squeeze(1)
-    out, _ = allocate(layout, None, device)
-    out.header.copy_(views.header)
-    out.values.copy_(views.values)
-    out.scales.copy_(views.scales)
-    out.indices.copy_(torch.where(element >= 0, element % SEGMENT, 0).to(torch.int16))
+    payload = allocate(layout, None, device)[0] if out is None else CompressedBucket(out, layout)
+    payload.header.copy_(views.header)
+    payload.values.copy_(views.values)
+    payload.scales.copy_(views.scales)
+    payload.indices.copy_(torch.where(element >= 0, element % SEGMENT, 0).to(torch.int16))
     per_segment = padded.view(layout.num_segments, SEGMENT).sum(1, dtype=torch.int32)
-    out.segment_starts.copy_((torch.cumsum(per_segment, 0) - per_segment).clamp(max=layout.capacity))
-    return out
+    payload.segment_starts.copy_((torch.cumsum(per_segment, 0) - per_segment).clamp(max=layout.capacity))
+    return payload

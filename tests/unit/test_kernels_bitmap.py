@@ -59,3 +59,11 @@ def test_a_wire_of_the_wrong_size_is_refused():
     mine = compress(torch.randn(10_000), torch.zeros(10_000), 0.2)
     with pytest.raises(ValueError, match=f"{bitmap_nbytes(mine.layout)} bytes"):
         decode_bitmap(torch.zeros(bitmap_nbytes(mine.layout) - 16, dtype=torch.uint8), mine.layout)
+
+
+def test_decoding_into_a_row_of_the_gathered_payloads():
+    mine = compress(layered_gradient(40_000, seed=5), torch.zeros(40_000), 0.3)
+    rows = torch.zeros(2, mine.layout.nbytes, dtype=torch.uint8)
+    decoded = decode_bitmap(encode_bitmap(mine), mine.layout, out=rows[1])
+    assert decoded.payload.data_ptr() == rows[1].data_ptr()
+    assert torch.equal(rows[1], mine.payload) and not rows[0].any()

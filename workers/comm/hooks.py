@@ -181,8 +181,11 @@ def topk_hook(state: TopkHookState, bucket: dist.GradBucket) -> torch.futures.Fu
 
     def accumulate(fut: torch.futures.Future) -> torch.Tensor:
         payloads = gathered.view(state.world_size, -1)
-        if as_bitmap:
-            payloads = torch.stack([decode_bitmap(row, mine.layout).payload for row in payloads])
+        if as_bitmap:  # each rank's wire decoded straight into its row of the payloads decompress_sum reads
+            wires, payloads = payloads, torch.zeros(state.world_size, mine.layout.nbytes, dtype=torch.uint8,
+                                                    device=buffer.device)
+            for wire, row in zip(wires, payloads):
+                decode_bitmap(wire, mine.layout, out=row)
         rows = [mine.with_payload(row) for row in payloads]
         # Every rank sees every payload's NaN count, so a poisoned bucket anywhere stops all ranks
         # at the next check(); counted on the device, the hook never waits for it.
