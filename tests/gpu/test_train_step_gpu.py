@@ -52,10 +52,15 @@ def test_engine_learns_on_the_gpu(dataset_dir, precision):
 
 def test_bf16_weights_learn_as_autocast_does_compiled(dataset_dir):
     """The bf16 compute copy under torch.compile: the same loss curve as bf16 autocast's within 2 %
-    at every 10-step mean, fp32 masters and fp32 AdamW states."""
+    at every 10-step mean, fp32 masters and fp32 AdamW states.
+
+    At lr 1e-3: at the other tests' 3e-3 this tiny model's curve forks on any rounding change. There,
+    on one H200 over seeds 0-4, bf16 weights ended +4.0 %, +0.1 %, -1.0 %, +0.1 %, -0.0 % from
+    autocast, and autocast with the plain loss kernel moved seed 2's end by 0.8 % on its own. At 1e-3
+    every seed's every window was within 0.9 % (largest, seed 4) and the plain kernel within 0.02 %."""
     curves = {}
     for bf16_weights in (False, True):
-        cfg = JobConfig.from_dict({**config(precision="bf16", bf16_weights=bf16_weights).to_dict(),
+        cfg = JobConfig.from_dict({**config(precision="bf16", bf16_weights=bf16_weights, lr=1e-3).to_dict(),
                                    "compile": {"enable": True}})
         engine = Engine(cfg, uniform_plan(1, 16, 2, seq_len=64), 0, torch.device("cuda", 0))
         curves[bf16_weights] = train(engine, cfg, dataset_dir)
