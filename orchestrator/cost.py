@@ -279,6 +279,10 @@ class ComputeModel:
     """fp32 peak of one core (2 AVX2/AVX-512 FMA units at ~3 GHz)."""
     cpu_utilisation: float = 0.25
     """Share of that peak a small transformer reaches in torch on CPU (the CPU demo measures ~27 GFLOP/s a core)."""
+    cpu_bf16_utilisation: float = 0.0315
+    """The same in bf16: the CPU demo's model trained at 1,078 tok/s in bf16 against 8,557 predicted at
+    the fp32 share on a 2-core AMD EPYC without bf16 units (no AVX512-BF16 or AMX), so torch emulates
+    it. CPUs with AMX would be faster; the run's measured step time, not this, is what the bill uses."""
     cpu_overhead_s_per_layer: float = 5e-4
 
     @classmethod
@@ -292,8 +296,10 @@ class ComputeModel:
     def gpu_samples_per_second(self, peak_tflops: float, flops_per_sample: float, n_embd: int) -> float:
         return peak_tflops * 1e12 * self.utilisation(n_embd) / flops_per_sample
 
-    def cpu_samples_per_second(self, cores: int, flops_per_sample: float) -> float:
-        return cores * self.cpu_gflops_per_core * 1e9 * self.cpu_utilisation / flops_per_sample
+    def cpu_samples_per_second(self, cores: int, flops_per_sample: float, dtype: str = "fp32") -> float:
+        """dtype: the job's compute dtype, fp32 or bf16."""
+        utilisation = self.cpu_bf16_utilisation if dtype == "bf16" else self.cpu_utilisation
+        return cores * self.cpu_gflops_per_core * 1e9 * utilisation / flops_per_sample
 
     def overhead_s(self, n_layer: int, *, cpu: bool) -> float:
         return n_layer * (self.cpu_overhead_s_per_layer if cpu else self.micro_step_overhead_s_per_layer)

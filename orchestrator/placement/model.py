@@ -225,7 +225,8 @@ class Costing:
     def _replica_group(self, device: DeviceType, count: int, cap: int, tp_hop: Hop | None) -> ReplicaGroup:
         job, t = self.job, self.job.tensor_parallel_size
         if device.kind == DeviceKind.CPU:
-            per_sample = 1 / self.compute.cpu_samples_per_second(device.cores, job.flops_per_sample)
+            per_sample = 1 / self.compute.cpu_samples_per_second(device.cores, job.flops_per_sample,
+                                                                 job.compute_dtype)
         else:
             per_sample = 1 / self.compute.gpu_samples_per_second(device.peak_tflops * t, job.flops_per_sample,
                                                                  job.n_embd)

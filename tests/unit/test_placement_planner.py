@@ -50,6 +50,17 @@ def test_the_cpu_demo_goes_through_the_planner():
     assert Plan.from_json(plan.to_json()) == plan
 
 
+def test_bf16_on_cpu_workers_is_planned_at_its_measured_speed_not_fp32s():
+    """torch emulates bf16 on CPUs without bf16 units: the demo model trained ~8x slower in it."""
+    cpu = {"use_gpu": False, "num_workers": 2, "cpus_per_worker": 1}
+    flops_only = ComputeModel(cpu_overhead_s_per_layer=0.0)
+    fp32, bf16 = (planner(laptop(), job(cluster=cpu, train={"precision": precision}), compute=flops_only).plan()
+                  for precision in ("auto", "bf16"))
+    ratio = bf16.predicted.compute_seconds / fp32.predicted.compute_seconds
+    assert ratio == pytest.approx(flops_only.cpu_utilisation / flops_only.cpu_bf16_utilisation)
+    assert 7 < ratio < 9
+
+
 def test_a_bf16_compute_copy_is_planned_at_its_own_measured_speed():
     autocast = planner("1xH200:1", job(compile={"enable": True}))
     copy = planner("1xH200:1", job(compile={"enable": True}, train={"bf16_weights": True}))
