@@ -69,6 +69,7 @@ VARIANTS = {  # name: (JobConfig sections to override, SDPA backends in priority
     "seed 1": ({"train": {"seed": 1}}, None),  # other initial weights: how far bf16 runs drift apart alone
     "no clip": ({"train": {"grad_clip": 0.0}}, None),
     "bf16 weights": ({"train": {"bf16_weights": True}}, None),  # a bf16 compute copy, fp32 masters
+    "unfused step": ({}, None),  # with bf16 weights: fp32 gradients, torch's fused AdamW, a separate pull
     "fp8": ({"train": {"precision": "fp8"}}, None),
     "fp8 rowwise": ({"train": {"precision": "fp8", "float8_recipe": "rowwise"}}, None),
 }
@@ -209,6 +210,8 @@ def _engine(name: str, label: str, data: TextBatches, args, steps: int, extra: d
     config = engine_config(name, B, overrides, args.warmup + steps)
     plan = Plan.uniform(job_name=name, world_size=1, micro_batch_size=B, grad_accum_steps=1, seq_len=seq_len)
     eng = Engine(config, plan, 0, torch.device(DEVICE, 0))
+    if "unfused step" in label.split("+"):
+        eng.fused_bf16_step = False  # the path before kernels.adamw, for comparison
 
     def step(tokens, i):
         return eng([tokens], lr_at(i, config.train))[0]
@@ -396,8 +399,8 @@ def run_model(name: str, args, out: list[dict]) -> None:
     labels = args.variants if args.variants is not None else (["fp8"] if name == "gpt-1.3b" else [])
     if not torchao_available():
         labels = [v for v in labels if "fp8" not in v]
-    runs = [] if args.skip_plain else [("plain eager", lambda: plain(name, False, data, args)),
-                                       ("plain compile", lambda: plain(name, True, data, args))]
+    runs = [] if args.skip_plain or args.skip_eager else [("plain eager", lambda: plain(name, False, data, args))]
+    runs += [] if args.skip_plain else [("plain compile", lambda: plain(name, True, data, args))]
     runs += [(f"engine {v}".strip(), lambda v=v: engine(name, v, data, args, engine_steps))
              for v in ([""] if not args.skip_engine else []) + labels]
     runs += [(f"ddp {m}", lambda m=m: ddp_engine(name, m, data, args))
@@ -458,6 +461,7 @@ def main() -> None:
     parser.add_argument("--variants", nargs="*", default=None,
                         help=f"engine variants, '+'-joined from: {', '.join(VARIANTS)} (default: fp8 for 1.3B)")
     parser.add_argument("--skip-plain", action="store_true", help="no plain eager / plain compile rows")
+    parser.add_argument("--skip-eager", action="store_true", help="no plain eager row")
     parser.add_argument("--skip-engine", action="store_true", help="no default engine row")
     parser.add_argument("--ddp-modes", action="store_true", help="also DDP (1 rank, NCCL) with each compile mode")
     parser.add_argument("--profile", action="store_true", help="add a torch.profiler summary to every row")

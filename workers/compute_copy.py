@@ -5,6 +5,11 @@
     copy.pull_weights()               # before the step's first forward: bf16(master) into the copy
     ... forward and backward on copy.model, outside autocast ...
     copy.push_gradients()             # after the last backward: the copy's gradients, as fp32, onto the master
+    ... clip, optimizer.step() ...
+
+or, in place of push_gradients, clip and step, with the optimizer's AdamW (the engine does on GPUs):
+
+    copy.step_masters(optimizer, grad_scale=clamp(copy.gradient_norm() / max_norm, min=1))
 
 Under autocast the fp32 weights are cast to bf16 at every forward, their bf16 gradients cast back
 to fp32, and the residual stream and norms run in fp32. Here weights, activations and gradients are
@@ -16,11 +21,17 @@ faster on GPT-2 124M and 2.5 % on 1.3B, its loss within 0.4 % of autocast's over
 The cost: gradients accumulate over micro-batches and are all-reduced in bf16. The copy holds 2
 bytes a parameter more, but bf16 activations hold less: peak memory fell 1.2 GiB (124M) and 3.1
 GiB (1.3B) there.
+
+step_masters() is push_gradients(), optimizer.step() and the next step's pull_weights() as one
+pass over the parameters (kernels.adamw): no fp32 master gradients are made, and the next
+pull_weights() has nothing to do unless a master changed since (a restored checkpoint).
 """
 
 from __future__ import annotations
 
 import torch
+
+from kernels.adamw import AdamWFromBf16
 
 
 class Bf16ComputeCopy:
@@ -34,12 +45,22 @@ class Bf16ComputeCopy:
         if ([(p.shape, p.dtype) for p in self.params]
                 != [(p.shape, torch.bfloat16) for p in self.master_params]):
             raise ValueError("the replica's parameters are not the master's shapes in bf16")
+        self._adamw: AdamWFromBf16 | None = None
+        # The masters' `_version`s when step_masters last wrote them into the copy. Every in-place
+        # torch op on a master advances its version (load_state_dict's and a checkpoint restore's
+        # copy_ too); the Triton kernel's writes do not, and versions are read after the step.
+        self._versions_in_copy: list[int] | None = None
         self.pull_weights()
 
     @torch.no_grad()
     def pull_weights(self) -> None:
-        """The masters, rounded to bf16, into the copy (the optimizer only updates the masters)."""
+        """The masters, rounded to bf16, into the copy (the optimizer only updates the masters);
+        nothing to do if step_masters wrote them and none has changed since."""
+        versions = self._versions_in_copy
+        if versions is not None and versions == [m._version for m in self.master_params]:
+            return
         torch._foreach_copy_(self.params, self.master_params)
+        self._versions_in_copy = None
 
     @torch.no_grad()
     def push_gradients(self) -> None:
@@ -48,3 +69,23 @@ class Bf16ComputeCopy:
         for master, param in zip(self.master_params, self.params):
             master.grad = None if param.grad is None else param.grad.float()
             param.grad = None
+
+    @torch.no_grad()
+    def gradient_norm(self) -> torch.Tensor:
+        """The L2 norm of all the copy's gradients, summed in fp32: what get_total_norm gives over the
+        fp32 gradients push_gradients would make (bf16 to fp32 is exact)."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return torch.zeros((), device=self.params[0].device)
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)), 2.0)
+
+    @torch.no_grad()
+    def step_masters(self, optimizer: torch.optim.AdamW, grad_scale: torch.Tensor | None = None) -> None:
+        """push_gradients(), optimizer.step() with each gradient divided by grad_scale, and the next
+        pull_weights(), with the same numbers, in one pass (kernels.adamw); drops the copy's gradients."""
+        if self._adamw is None or self._adamw.optimizer is not optimizer:
+            self._adamw = AdamWFromBf16(optimizer, self.master_params, self.params)
+        self._adamw.step([p.grad for p in self.params], grad_scale)
+        for param in self.params:
+            param.grad = None
+        self._versions_in_copy = [m._version for m in self.master_params]
