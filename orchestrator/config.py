@@ -144,9 +144,11 @@ class TrainConfig:
     bf16_weights: bool = False
     """With precision bf16: forward and backward run on a bf16 copy of the model (no autocast), and
     the fp32 weights are kept as masters that AdamW updates, checkpoints save and evaluation uses
-    (workers/compute_copy.py). On one H200 the engine's step was 3.4 % faster on GPT-2 124M and
-    2.5 % on 1.3B, with 1.2 / 3.1 GiB less peak memory (benchmarks/RESULTS.md); gradients accumulate
-    and all-reduce in bf16. DDP with the allreduce or hierarchical hook only."""
+    (workers/compute_copy.py); on GPUs the AdamW step runs from the bf16 gradients in one pass
+    (kernels/adamw.py). On one H200 the engine's step was 3.4 % faster than with autocast on GPT-2
+    124M and 2.5 % on 1.3B, with 1.2 / 3.1 GiB less peak memory, and the one-pass step 2.4 % / 2.5 %
+    faster again (benchmarks/RESULTS.md); gradients accumulate and all-reduce in bf16. DDP with the
+    allreduce or hierarchical hook only."""
     loss_kernel: Literal["fused", "plain", "chunked"] = "fused"
     """How the output projection and cross-entropy run. fused: one kernel makes each row's loss and
     its gradient in the forward pass (kernels.loss; 4.4 -> 2.3 ms for GPT-2 124M's logits on an
