@@ -88,6 +88,10 @@ class PlanningJob:
     cpus_per_worker: int
     spot: bool
     use_mig: bool
+    gradient_element_bytes: int = 4
+    """Bytes a gradient element costs on the wire: 2 where they are reduced in bf16 ([train]
+    bf16_weights, or the bf16 comm hook), else 4. The compressing hooks (powersgd, topk) are planned
+    at fp32's bytes: what they send depends on the run (rank, share, sparsity ramp)."""
 
     @classmethod
     def from_config(cls, config: JobConfig) -> PlanningJob:
@@ -107,12 +111,13 @@ class PlanningJob:
                    tensor_parallel_size=placement.tensor_parallel_size if config.cluster.use_gpu else 1,
                    strategies=(DataParallel(config.parallel.strategy),), use_gpu=config.cluster.use_gpu,
                    cpus_per_worker=config.cluster.cpus_per_worker,
-                   spot=placement.pricing == "spot", use_mig=placement.use_mig)
+                   spot=placement.pricing == "spot", use_mig=placement.use_mig,
+                   gradient_element_bytes=2 if config.train.bf16_weights or config.parallel.comm_hook == "bf16" else 4)
 
     @property
     def gradient_bytes(self) -> int:
-        """Gradients are reduced in fp32 (the parameters' dtype under autocast)."""
-        return self.parameters * 4
+        """Bytes of gradients reduced per step: fp32 (the parameters' dtype under autocast) unless bf16."""
+        return self.parameters * self.gradient_element_bytes
 
     @property
     def tokens_per_step(self) -> int:
