@@ -194,7 +194,7 @@ def _measure(spec: StepSpec, micro_batch_sizes: tuple[int, ...]) -> list[StepMem
         compute = Bf16ComputeCopy(model, _bf16_model(spec.model)) if spec.bf16_weights else None
         trained = compute.model if compute is not None else model  # the one whose gradients backward makes
         params = list(trained.parameters())
-        _train_step(model, optimizer, _batch(spec, 1), spec, dtype, compute)
+        _train_step(model, optimizer, _batch(spec, 1), spec, dtype, compute, one_pass=False)  # makes AdamW's states
         sizes = _parameter_sizes(trained, round_to)
         for micro_batch_size in micro_batch_sizes:
             timeline = _StorageTimeline(round_to)
@@ -239,15 +239,22 @@ def _parameter_sizes(model, round_to: int) -> tuple[int, int, int]:
 
 
 def _train_step(model, optimizer, batch: torch.Tensor, spec: StepSpec, dtype: torch.dtype | None,
-                compute=None) -> None:
+                compute=None, one_pass: bool = True) -> None:
     """What workers/engine.py Engine.__call__ does for one optimizer step, minus the collectives.
-    With a bf16 compute copy its fp32 master gradients are made after backward, as the engine's."""
+    With a bf16 compute copy on CUDA the engine steps the masters from the copy's bf16 gradients in
+    one kernel (kernels.adamw), in place, making nothing the size of a parameter; elsewhere, and
+    for the step that makes AdamW's states, fp32 master gradients are made after backward."""
     inputs, targets = batch[:, :-1], batch[:, 1:]
     if compute is not None:
         compute.pull_weights()
     with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None and compute is None):
         loss = (compute.model if compute else model)(inputs, targets, loss_kernel=spec.loss_kernel)
     loss.backward()
+    if compute is not None and one_pass and spec.device_type == "cuda":
+        compute.gradient_norm()
+        for param in compute.params:
+            param.grad = None
+        return
     if compute is not None:
         compute.push_gradients()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

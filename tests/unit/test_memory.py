@@ -140,6 +140,17 @@ def test_a_bf16_compute_copy_and_its_fp32_masters(measured):
     assert within_ten_percent(step.peak_bytes, measured["m4-bf16-weights"]), (step.peak_bytes, measured["m4-bf16-weights"])
 
 
+def test_on_gpus_a_bf16_compute_copy_steps_without_fp32_master_gradients():
+    """The engine's one-pass AdamW (kernels.adamw) makes no fp32 gradients: at micro-batch 1, where the
+    optimizer phase was the peak, no set of them is alive at the estimated peak."""
+    wide = ModelConfig(n_layer=4, n_head=4, n_embd=256, seq_len=128, vocab_size=257)  # parameters over activations
+    spec = memory.StepSpec(model=wide, precision="bf16", device_type="cuda", bf16_weights=True)
+    step = memory.measure_step(spec, 1)
+    fp32_gradients = sum(p.numel() for p in GPT(wide).parameters()) * 4
+    assert step.activation_bytes < fp32_gradients / 2, (step.activation_bytes, fp32_gradients)
+    assert step.gradient_bytes == fp32_gradients // 2
+
+
 def test_interpolation_between_measured_micro_batches(tiny_profile):
     assert [p.micro_batch_size for p in tiny_profile.points] == [1, 8, 16]
     exact = tiny_profile.peak_bytes(4, exact=True)
