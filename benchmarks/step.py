@@ -211,6 +211,8 @@ def _engine(name: str, label: str, data: TextBatches, args, steps: int, extra: d
     plan = Plan.uniform(job_name=name, world_size=1, micro_batch_size=B, grad_accum_steps=1, seq_len=seq_len)
     eng = Engine(config, plan, 0, torch.device(DEVICE, 0))
     if "unfused step" in label.split("+"):
+        if eng.compute_copy is None:
+            raise ValueError('"unfused step" is a variant of "bf16 weights": write "bf16 weights+unfused step"')
         eng.fused_bf16_step = False  # the path before kernels.adamw, for comparison
 
     def step(tokens, i):

@@ -82,8 +82,9 @@ class AdamWFromBf16:
         overwritten with the stepped master at every step."""
         if not isinstance(optimizer, torch.optim.AdamW):
             raise TypeError(f"AdamWFromBf16 steps a torch.optim.AdamW, not {type(optimizer).__name__}")
-        if [(m.shape, m.dtype) for m in masters] != [(c.shape, torch.float32) for c in copies]:
-            raise ValueError("masters must be fp32 and each copy the shape of its master")
+        if ([(m.shape, m.dtype) for m in masters] != [(c.shape, torch.float32) for c in copies]
+                or any(c.dtype != torch.bfloat16 for c in copies)):
+            raise ValueError("masters must be fp32 and each copy a bf16 tensor of its master's shape")
         self.optimizer = optimizer
         self.masters, self.copies = masters, copies
         self._index = {id(m): i for i, m in enumerate(masters)}
@@ -99,13 +100,13 @@ class AdamWFromBf16:
         tensors, hyper = self._gather(grads)
         if not tensors:
             return
-        torch._foreach_add_([t.step for t in tensors], 1)  # as fused AdamW does, before its kernel
         if use_triton(tensors[0].master):
             from kernels import triton_adamw
             if self._tables is None:
                 self._tables = triton_adamw.DeviceTables()
             triton_adamw.adamw_from_bf16(self._tables, tensors, hyper, grad_scale)
         else:
+            advance_steps(tensors)
             for t in tensors:
                 adamw_from_bf16_twin(t, hyper[t.group], grad_scale)
 
@@ -140,6 +141,12 @@ def _state(optimizer: torch.optim.Optimizer, group: dict, master: torch.Tensor) 
         state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
     return state
+
+
+def advance_steps(tensors: list[AdamWTensors]) -> None:
+    """Each step count += 1, as fused AdamW does before its kernel (once the inputs are checked, so
+    that a refused step leaves the state as it was)."""
+    torch._foreach_add_([t.step for t in tensors], 1)
 
 
 def adamw_from_bf16_twin(t: AdamWTensors, hyper: AdamWHyper, grad_scale: torch.Tensor | None) -> None:

@@ -8,12 +8,12 @@ through two tables on the GPU:
             bf16 weight, its element count and its param group (int64)
   chunks    a row per program: (tensor, chunk of that tensor) (int32)
 A third holds each group's lr, betas, eps and weight decay, in fp32 as the fused kernel takes
-them; a fourth, made on the GPU by torch before the launch, each tensor's beta1 ** step and beta2 **
-step (adamw_from_bf16 says why torch's).
+them; a fourth, each tensor's beta1 ** step and beta2 ** step, made on the GPU by torch's pow
+before the launch from an uploaded table of each tensor's betas (adamw_from_bf16 says why torch's).
 
 The tables are uploaded from pinned memory without waiting for the GPU, and only when they change.
 Masters, moments, step counts and weights keep their addresses; so do the gradients under DDP
-(views into its buckets), while without DDP each backward makes new ones and the tensor table is
+(views into its buckets, once it has rebuilt them after the first step), while without DDP each backward makes new ones and the tensor table is
 uploaded again (~8 KB for the 1.3B GPT). lr changes at most steps, so the group table does too.
 
 A chunk that lies wholly inside its tensor is stepped with unmasked loads and stores, which Triton
@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+from kernels.adamw import advance_steps
 
 _FIELDS = tl.constexpr(7)
 """int64 fields in a row of the tensor table."""
@@ -135,10 +137,12 @@ class DeviceTables:
 
 
 def adamw_from_bf16(tables: DeviceTables, tensors: list, hyper: list, grad_scale: torch.Tensor | None) -> None:
-    """Steps `tensors` (kernels.adamw.AdamWTensors, step counts already advanced) with the settings of
-    their groups (`hyper`, kernels.adamw.AdamWHyper per group), gradients divided by grad_scale if given."""
+    """Steps `tensors` (kernels.adamw.AdamWTensors; their step counts advance once they are checked)
+    with the settings of their groups (`hyper`, kernels.adamw.AdamWHyper per group), gradients divided
+    by grad_scale if given."""
     device = tensors[0].master.device
     rows = [_row(t, device) for t in tensors]
+    advance_steps(tensors)
     numels = tuple(t.master.numel() for t in tensors)
     chunk = ADAMW_TUNING.chunk
     tensor_table = tables.get("tensors", rows, lambda: rows, torch.int64, device)

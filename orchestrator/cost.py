@@ -263,7 +263,7 @@ benchmarks/RESULTS.md, 2026-11-30 (plain torch.compile: 0.478 / 0.596)."""
 BF16_WEIGHTS_MFU_ANCHORS = ((768, 0.511), (2048, 0.609))
 """The compiled engine with [train] bf16_weights (a bf16 copy, fp32 masters), same benchmark and day
 (0.499 / 0.594), times what the one-pass AdamW (kernels.adamw) gained over that path in one later run
-(1.024× / 1.025×; that run measured 0.522 / 0.621 on a faster day, plain compile 0.486 / 0.609)."""
+(1.024× / 1.025×; that call measured 0.522 / 0.621 with the GPU running faster, plain compile 0.486 / 0.609)."""
 
 
 @dataclass(frozen=True, slots=True)

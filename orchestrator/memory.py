@@ -243,7 +243,9 @@ def _train_step(model, optimizer, batch: torch.Tensor, spec: StepSpec, dtype: to
     """What workers/engine.py Engine.__call__ does for one optimizer step, minus the collectives.
     With a bf16 compute copy on CUDA the engine steps the masters from the copy's bf16 gradients in
     one kernel (kernels.adamw), in place, making nothing the size of a parameter; elsewhere, and
-    for the step that makes AdamW's states, fp32 master gradients are made after backward."""
+    for the step that makes AdamW's states, fp32 master gradients are made after backward. Assumes
+    the CUDA workers have triton, as CUDA builds of torch ship it: without it the engine takes the
+    old path, 4 bytes a parameter more at the step."""
     inputs, targets = batch[:, :-1], batch[:, 1:]
     if compute is not None:
         compute.pull_weights()

@@ -9,7 +9,7 @@
 
 or, in place of push_gradients, clip and step, with the optimizer's AdamW (the engine does on GPUs):
 
-    copy.step_masters(optimizer, grad_scale=clamp(copy.gradient_norm() / max_norm, min=1))
+    copy.step_masters(optimizer, grad_scale=clamp((copy.gradient_norm() + 1e-6) / max_norm, min=1))
 
 Under autocast the fp32 weights are cast to bf16 at every forward, their bf16 gradients cast back
 to fp32, and the residual stream and norms run in fp32. Here weights, activations and gradients are
@@ -49,15 +49,17 @@ class Bf16ComputeCopy:
         # The masters' `_version`s when step_masters last wrote them into the copy. Every in-place
         # torch op on a master advances its version (load_state_dict's and a checkpoint restore's
         # copy_ too); the Triton kernel's writes do not, and versions are read after the step.
+        # Writes through `.data` (p.data.copy_, vector_to_parameters) do not either: code that
+        # changes masters that way must follow with pull_weights(force=True).
         self._versions_in_copy: list[int] | None = None
         self.pull_weights()
 
     @torch.no_grad()
-    def pull_weights(self) -> None:
+    def pull_weights(self, force: bool = False) -> None:
         """The masters, rounded to bf16, into the copy (the optimizer only updates the masters);
-        nothing to do if step_masters wrote them and none has changed since."""
+        nothing to do, unless forced, if step_masters wrote them and none has changed since."""
         versions = self._versions_in_copy
-        if versions is not None and versions == [m._version for m in self.master_params]:
+        if not force and versions is not None and versions == [m._version for m in self.master_params]:
             return
         torch._foreach_copy_(self.params, self.master_params)
         self._versions_in_copy = None

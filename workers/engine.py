@@ -58,7 +58,8 @@ class Engine:
         # copy runs as one Triton pass (Bf16ComputeCopy.step_masters): the same numbers as pushing fp32
         # gradients and stepping fused AdamW, moving 30 bytes a parameter instead of 48, norm included
         # (1.3B step on an H200: 242.7 ms instead of 248.8). Without triton, torch's fused AdamW is
-        # faster than the kernel's torch twin. Tests set it on CPU to run the twin.
+        # faster than the kernel's torch twin. Tests (the twin on CPU) and benchmarks/step.py (the
+        # unfused path) override it; jobs do not.
         self.fused_bf16_step = (self.compute_copy is not None and self.clip_in_optimizer
                                 and use_triton(next(self.model.parameters())))
         # Each micro-batch's mean loss is weighted by its share of the global batch, times the number

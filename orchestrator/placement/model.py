@@ -89,9 +89,9 @@ class PlanningJob:
     spot: bool
     use_mig: bool
     gradient_element_bytes: int = 4
-    """Bytes a gradient element costs on the wire: 2 where they are reduced in bf16 ([train]
-    bf16_weights, or the bf16 comm hook), else 4. The compressing hooks (powersgd, topk) are planned
-    at fp32's bytes: what they send depends on the run (rank, share, sparsity ramp)."""
+    """Bytes of a gradient element in DDP's buckets and on the wire: 2 with [train] bf16_weights (the
+    copy's gradients are bf16), else 4. Comm hooks are not modelled: the bf16 hook would halve the
+    wire's bytes but not the buckets', and what powersgd and topk send depends on the run."""
 
     @classmethod
     def from_config(cls, config: JobConfig) -> PlanningJob:
@@ -112,7 +112,7 @@ class PlanningJob:
                    strategies=(DataParallel(config.parallel.strategy),), use_gpu=config.cluster.use_gpu,
                    cpus_per_worker=config.cluster.cpus_per_worker,
                    spot=placement.pricing == "spot", use_mig=placement.use_mig,
-                   gradient_element_bytes=2 if config.train.bf16_weights or config.parallel.comm_hook == "bf16" else 4)
+                   gradient_element_bytes=2 if config.train.bf16_weights else 4)
 
     @property
     def gradient_bytes(self) -> int:
