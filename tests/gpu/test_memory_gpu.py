@@ -3,8 +3,9 @@
     PYTHONPATH=. python3 -m pytest -m gpu tests/gpu/test_memory_gpu.py -s -p no:cacheprovider
 
 The measured step is the worker's own (workers/engine.py Engine: bf16 autocast, fused AdamW,
-chunked loss, clipping), the second one, so AdamW's states exist; the estimate is the fake-tensor
-step of orchestrator/memory.py, computed on the CPU without looking at the GPU.
+clipping; or, with bf16 weights, a bf16 compute copy stepped by the one-pass Triton AdamW), the
+second one, so AdamW's states exist; the estimate is the fake-tensor step of orchestrator/memory.py,
+computed on the CPU without looking at the GPU.
 """
 
 import pytest
@@ -22,9 +23,10 @@ CASES = {
 }
 
 
-def config_for(model: dict, micro_batch: int) -> JobConfig:
+def config_for(model: dict, micro_batch: int, bf16_weights: bool) -> JobConfig:
     return JobConfig.from_dict({"name": "memory", "model": model, "cluster": {"use_gpu": True, "num_workers": 1},
-                                "train": {"global_batch_size": micro_batch, "micro_batch_size": micro_batch}})
+                                "train": {"global_batch_size": micro_batch, "micro_batch_size": micro_batch,
+                                          "bf16_weights": bf16_weights}})
 
 
 def one_worker_plan(config: JobConfig) -> Plan:
@@ -59,13 +61,14 @@ def measure(config: JobConfig) -> tuple[int, int]:
     return between, peak
 
 
+@pytest.mark.parametrize("bf16_weights", [False, True], ids=["autocast", "bf16 weights"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_estimate_within_ten_percent_of_max_memory_allocated(name):
+def test_estimate_within_ten_percent_of_max_memory_allocated(name, bf16_weights):
     model, micro_batch = CASES[name]
-    config = config_for(model, micro_batch)
+    config = config_for(model, micro_batch, bf16_weights)
     step = memory.measure_step(memory.StepSpec.for_job(config, device_type="cuda"), micro_batch)
     between, peak = measure(config)
-    print(f"\n{name}: B={micro_batch} T={model['seq_len']}  estimate {step.peak_bytes / 2**30:.2f} GiB  "
+    print(f"\n{name}{' bf16 weights' if bf16_weights else ''}: B={micro_batch} T={model['seq_len']}  estimate {step.peak_bytes / 2**30:.2f} GiB  "
           f"measured {peak / 2**30:.2f} GiB  ({(step.peak_bytes - peak) / peak:+.1%}); between steps: estimated "
           f"{(step.parameter_bytes + step.optimizer_bytes) / 2**30:.2f} GiB, measured {between / 2**30:.2f} GiB")
     assert abs(step.peak_bytes - peak) / peak < 0.10
