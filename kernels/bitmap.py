@@ -53,6 +53,16 @@ def bitmap_nbytes(layout: PayloadLayout) -> int:
     return _offsets(layout)[3]
 
 
+def wire_nbytes(layout: PayloadLayout) -> int:
+    """Bytes a comm hook sends for a payload of this layout: the bitmap encoding where it is smaller
+    (dense steps), the payload itself otherwise."""
+    return min(layout.nbytes, bitmap_nbytes(layout))
+
+
+def sends_bitmap(layout: PayloadLayout) -> bool:
+    return bitmap_nbytes(layout) < layout.nbytes
+
+
 def _views(wire: torch.Tensor, layout: PayloadLayout) -> _BitmapViews:
     if not layout.block:
         raise ValueError("the bitmap encoding is for quantised payloads (compress), not top-k selections")

@@ -66,15 +66,25 @@ def compress(bucket: torch.Tensor, residual: torch.Tensor, k_ratio: float, block
     if not (isinstance(block, int) and MIN_BLOCK <= block <= MAX_BLOCK and block & (block - 1) == 0):
         raise ValueError(f"block must be a power of two from {MIN_BLOCK} to {MAX_BLOCK}, got {block!r}; "
                          f"{DEFAULT_BLOCK} is the default")
-    check_k_ratio(k_ratio)
-    plan = SelectionPlan.for_ratio(flat.numel(), k_ratio) if flat.numel() else None
-    layout = PayloadLayout(flat.numel(), plan.capacity if plan else 0, torch.int8, block)
+    plan, layout = _plan_and_layout(flat.numel(), k_ratio, block)
     out, workspace = allocate(layout, plan, flat.device)
     if plan:
         _backend(flat).select(flat, residual, plan, out, workspace)
     if check_finite:
         out.raise_if_nonfinite()
     return out
+
+
+def payload_layout(numel: int, k_ratio: float, block: int = DEFAULT_BLOCK) -> PayloadLayout:
+    """The layout compress() gives a bucket of `numel` elements: what its payload will hold, known
+    before any gradient exists (the planner costs the wire with it)."""
+    return _plan_and_layout(numel, k_ratio, block)[1]
+
+
+def _plan_and_layout(numel: int, k_ratio: float, block: int) -> tuple[SelectionPlan | None, PayloadLayout]:
+    check_k_ratio(k_ratio)
+    plan = SelectionPlan.for_ratio(numel, k_ratio) if numel else None
+    return plan, PayloadLayout(numel, plan.capacity if plan else 0, torch.int8, block)
 
 
 def decompress_accumulate(dense_out: torch.Tensor, compressed: CompressedBucket) -> None:

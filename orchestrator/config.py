@@ -206,7 +206,12 @@ class ParallelConfig:
     activation_checkpointing: Literal["off", "selective", "full"] = "off"
     """Recompute block activations in backward to fit larger micro-batches."""
     comm_hook: Literal["allreduce", "bf16", "powersgd", "topk", "hierarchical"] = "allreduce"
-    """How DDP averages gradients (see workers/comm/hooks.py); hierarchical follows NVLink islands."""
+    """How DDP averages gradients (see workers/comm/hooks.py); hierarchical follows NVLink islands.
+    The planner costs each hook's bytes on the wire and its own compute (orchestrator/placement/
+    comm_hooks.py), and where plain all-reduce leaves the step waiting, its notes say what each
+    compressing hook would do. Over a 3.4 GB/s link between two H200s, GPT-2 124M's step went from
+    174 ms (allreduce) to 116 (bf16), 85 (powersgd) and 62 (topk); over NVSwitch none beat allreduce
+    (benchmarks/RESULTS.md). powersgd needs nccl: over gloo it hangs, and is refused."""
     bucket_mb: float = 25.0
     """DDP gradient bucket size when the plan does not choose one."""
     comm_warmup_steps: int = 10
@@ -446,6 +451,10 @@ class JobConfig:
                     and self.parallel.comm_hook != "allreduce"), "[compile] ddp_mode",
                "compiled autograd captures DDP's all-reduce itself, so comm hooks cannot run",
                'use ddp_mode = "ddp_optimizer" with a comm hook, or comm_hook = "allreduce"')
+        gloo = self.parallel.backend == "gloo" or (self.parallel.backend == "auto" and not self.cluster.use_gpu)
+        _check(not (gloo and self.parallel.comm_hook == "powersgd"), "[parallel] comm_hook",
+               "powersgd hangs over gloo (CPU workers, or backend = \"gloo\"): torch's PowerSGD hook waits for one "
+               "all-reduce inside the callback of another", 'use comm_hook = "bf16" or "topk" with gloo')
         if self.train.bf16_weights:
             self._check_bf16_weights()
         _check(bool(self.name) and "/" not in self.name and self.name not in (".", ".."), "name",

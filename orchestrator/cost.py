@@ -267,6 +267,31 @@ BF16_WEIGHTS_MFU_ANCHORS = ((768, 0.511), (2048, 0.609))
 
 
 @dataclass(frozen=True, slots=True)
+class HookComputeRate:
+    """What a compressing comm hook's own kernels cost per gradient element per step."""
+
+    gpu_bytes_per_element: float
+    """Effective bytes of device memory traffic: seconds = elements × this / the GPU's memory bandwidth."""
+    cpu_core_ns_per_element: float
+    """Core-nanoseconds on CPU workers (the torch twins), divided among a worker's cores."""
+
+
+HOOK_COMPUTE = {
+    "bf16": HookComputeRate(gpu_bytes_per_element=35.6, cpu_core_ns_per_element=3.9),
+    "topk": HookComputeRate(gpu_bytes_per_element=60.3, cpu_core_ns_per_element=81.0),
+}
+"""Fitted to one-rank runs of GPT-2 124M's 124.4 M gradient elements (benchmarks/multigpu.py --only
+hooks, 2026-11-30): on an H200 (4.8 TB/s), bf16 0.92 ms and topk at 1 % 1.56 ms a step (earlier calls
+0.77–1.28 and 1.06–1.77 ms: read these to within about 1.5×); on this project's 2-core CPU machine,
+25 M elements: bf16 49 ms, topk (compress + decompress_sum of 2 payloads) 1.1 s."""
+
+POWERSGD_HOST_SECONDS_PER_MATRIX = 3.1e-4
+"""torch's PowerSGD hook steps each compressed matrix from Python (orthogonalisation column by
+column), so its cost follows the matrices, not the bytes: 15.4 ms a step for GPT-2 124M's 50 on an
+H200 host (28.6 ms in an earlier call on another host)."""
+
+
+@dataclass(frozen=True, slots=True)
 class ComputeModel:
     """Per-device step time: FLOPs / (peak × utilisation) + a fixed cost per micro-step.
 

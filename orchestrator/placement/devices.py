@@ -17,12 +17,19 @@ from dataclasses import dataclass, field
 
 from orchestrator.cost import CollectiveCostModel, Hop, LinkClass
 from orchestrator.placement.plan import DeviceKind
+from orchestrator.topology import catalog
 from orchestrator.topology.links import PCIE_PATHS, LinkKind
 from orchestrator.topology.model import ClusterTopology, Gpu, MigSlice, NicKind, NodeTopology
 from orchestrator.topology.sysfs import format_cpu_list, parse_cpu_list
 
 UNKNOWN_NETWORK_GB_PER_S = 1.25
 """A NIC whose speed the kernel does not report is planned as 10 Gbit/s Ethernet (and a note says so)."""
+
+
+UNKNOWN_GPU_MEMORY_BYTES_PER_S = 2.0e12
+"""A GPU the catalog does not know is costed at an A100's memory bandwidth."""
+CPU_MEMORY_BYTES_PER_S_PER_CORE = 5e9
+"""Nominal: a share of a server socket's ~200 GB/s."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +47,9 @@ class DeviceType:
     price_units: float
     """Multiples of the model's hourly price: 1 per GPU, the SM share of a MIG slice, cores of a CPU slot."""
     cores: int = 0
+    memory_bytes_per_s: float = UNKNOWN_GPU_MEMORY_BYTES_PER_S
+    """Device memory bandwidth (the catalog's; a MIG slice's SM share of it; CPU slots a nominal
+    rate per core): what a comm hook's passes over the gradients run at."""
 
 
 @dataclass(slots=True)
@@ -128,7 +138,8 @@ class DevicePool:
             memory = node.memory_bytes // len(slots) if node.memory_bytes else 0
             kind = DeviceType(kind=DeviceKind.CPU, model="cpu", label="cpu", cores=cores_per_worker,
                               peak_tflops=cores_per_worker * cpu_gflops_per_core / 1000, memory_bytes=memory,
-                              price_units=float(cores_per_worker))
+                              price_units=float(cores_per_worker),
+                              memory_bytes_per_s=cores_per_worker * CPU_MEMORY_BYTES_PER_S_PER_CORE)
             devices = [Device(uuid=None, type=kind, node=node, island_id=None, numa_node=numa, cpu_affinity=cpus)
                        for numa, cpus in slots]
             hop = collectives.hop(LinkClass.LOOPBACK) if len(devices) > 1 else None
@@ -156,12 +167,14 @@ def _peak(peaks: dict[str, float], dtype: str) -> float:
 def _gpu_type(gpu: Gpu | MigSlice, parent: Gpu, peak: float) -> DeviceType | None:
     if not peak:
         return None
+    known = catalog.find(parent.model or parent.name) if (parent.model or parent.name) else None
+    bandwidth = known.memory_gb_per_s * 1e9 if known else UNKNOWN_GPU_MEMORY_BYTES_PER_S
     if isinstance(gpu, MigSlice):
         return DeviceType(kind=DeviceKind.MIG, model=parent.model or parent.name, peak_tflops=peak,
                           label=f"{parent.model or parent.name} {gpu.profile}", memory_bytes=gpu.memory_bytes,
-                          price_units=gpu.sm_share or 1.0)
+                          price_units=gpu.sm_share or 1.0, memory_bytes_per_s=bandwidth * (gpu.sm_share or 1.0))
     return DeviceType(kind=DeviceKind.GPU, model=gpu.model or gpu.name, label=gpu.model or gpu.name, peak_tflops=peak,
-                      memory_bytes=gpu.memory_bytes, price_units=1.0)
+                      memory_bytes=gpu.memory_bytes, price_units=1.0, memory_bytes_per_s=bandwidth)
 
 
 def _gpu_domains(topology: ClusterTopology, collectives: CollectiveCostModel, networks: dict[str, Hop],

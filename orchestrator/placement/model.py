@@ -10,8 +10,9 @@
 
 from __future__ import annotations
 
+import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -20,6 +21,7 @@ from orchestrator.config import JobConfig, ModelConfig
 from orchestrator.cost import (Bucketing, CollectiveCostModel, ComputeModel, Hop, LinkClass, PriceTable, Reduction,
                                bucketing)
 from orchestrator.memory import MemoryProfile
+from orchestrator.placement.comm_hooks import Collective, CommHookCost
 from orchestrator.placement.devices import DevicePool, DeviceType, Domain
 from orchestrator.placement.plan import AllReduce, DataParallel, DeviceKind, Objective
 from orchestrator.placement.split import ReplicaGroup, Split, feasible_accum_steps, split_batch
@@ -89,9 +91,10 @@ class PlanningJob:
     spot: bool
     use_mig: bool
     gradient_element_bytes: int = 4
-    """Bytes of a gradient element in DDP's buckets and on the wire: 2 with [train] bf16_weights (the
-    copy's gradients are bf16), else 4. Comm hooks are not modelled: the bf16 hook would halve the
-    wire's bytes but not the buckets', and what powersgd and topk send depends on the run."""
+    """Bytes of a gradient element in DDP's buckets: 2 with [train] bf16_weights (the copy's
+    gradients are bf16), else 4."""
+    comm_hook: CommHookCost | None = None
+    """What DDP's comm hook puts on the wire and costs in compute; None is plain all-reduce of the buckets."""
 
     @classmethod
     def from_config(cls, config: JobConfig) -> PlanningJob:
@@ -112,7 +115,8 @@ class PlanningJob:
                    strategies=(DataParallel(config.parallel.strategy),), use_gpu=config.cluster.use_gpu,
                    cpus_per_worker=config.cluster.cpus_per_worker,
                    spot=placement.pricing == "spot", use_mig=placement.use_mig,
-                   gradient_element_bytes=2 if config.train.bf16_weights else 4)
+                   gradient_element_bytes=2 if config.train.bf16_weights else 4,
+                   comm_hook=CommHookCost.for_job(config))
 
     @property
     def gradient_bytes(self) -> int:
@@ -125,19 +129,31 @@ class PlanningJob:
 
 
 def model_size(model: ModelConfig) -> tuple[int, int]:
-    """(parameters, training FLOPs per token) of the GPT the workers build, counted on the meta
-    device; once per model config (initialising a 1.3B model's weights even on meta takes 0.4 s)."""
+    """(parameters, training FLOPs per token) of the GPT the workers build."""
+    parameters, flops_per_token, _ = _meta_model(model)
+    return parameters, flops_per_token
+
+
+def model_shapes(model: ModelConfig) -> tuple[tuple[int, ...], ...]:
+    """Shapes of the trained parameters (what DDP reduces gradients of), in the model's order."""
+    return _meta_model(model)[2]
+
+
+def _meta_model(model: ModelConfig) -> tuple[int, int, tuple[tuple[int, ...], ...]]:
+    """Counted on the meta device, once per model config (initialising a 1.3B model's weights even
+    on meta takes 0.4 s)."""
     key = repr(model)
-    if key not in _MODEL_SIZES:
+    if key not in _MODELS:
         from workers.models.gpt import GPT
 
         with torch.device("meta"):
             gpt = GPT(model)
-        _MODEL_SIZES[key] = (gpt.num_params(), gpt.flops_per_token())
-    return _MODEL_SIZES[key]
+        shapes = tuple(tuple(p.shape) for p in gpt.parameters() if p.requires_grad)
+        _MODELS[key] = (gpt.num_params(), gpt.flops_per_token(), shapes)
+    return _MODELS[key]
 
 
-_MODEL_SIZES: dict[str, tuple[int, int]] = {}
+_MODELS: dict[str, tuple[int, int, tuple[tuple[int, ...], ...]]] = {}
 
 
 @dataclass(slots=True)
@@ -162,6 +178,8 @@ class Outcome:
     dollars_per_hour: float
     backend: str
     devices: int
+    hook_compute_seconds: float = 0.0
+    """The comm hook's own work per step, included in compute_seconds."""
     score: tuple[float, ...] = field(default=())
 
     @property
@@ -200,6 +218,7 @@ class Costing:
         self.compute = compute
         self.prices = prices
         self.memory = memory
+        self.comm_hook = job.comm_hook or CommHookCost.plain(job.gradient_bytes)
         self._caps: dict[tuple, int] = {}
         self._groups: dict[tuple, ReplicaGroup] = {}
         self._limits: dict[DeviceType, int] = {}
@@ -219,6 +238,12 @@ class Costing:
         # slices of one GPU, and the reduction goes through gloo on the host.
         self._shared_parent_at = np.array([_shared_parent_at(d) for d in domains], dtype=np.int64)
         self._cpu = any(t.kind == DeviceKind.CPU for t in self._types)
+
+    def with_comm_hook(self, hook: CommHookCost) -> Costing:
+        """The same costing with another comm hook (the planner's what-if notes)."""
+        other = copy.copy(self)
+        other.comm_hook = hook
+        return other
 
     # ---- per device type --------------------------------------------------------------------------
     def replica_group(self, device: DeviceType, count: int, cap: int, tp_hop: Hop | None) -> ReplicaGroup:
@@ -374,16 +399,21 @@ class Costing:
         hops, world = footprint.hops, footprint.world
         ranks = world // t
         overhead = max(self.compute.overhead_s(job.n_layer, cpu=d.kind == DeviceKind.CPU) for d in types)
-        compute = split.compute_seconds
+        compute, hook_seconds = split.compute_seconds, 0.0
         buckets, algorithm = None, AllReduce.NONE
         backward = 2 / 3 * max(split.micro_step_seconds - overhead, 0.0)
         if ranks > 1 and strategy == DataParallel.DDP:
-            reduction = self._reduction(job.gradient_bytes / t, ranks, footprint, planned_comm)
+            hook = self.comm_hook
+            reduction = self._reduction(hook.wire_bytes / t, ranks, footprint, planned_comm)
             algorithm = reduction.algorithm
-            buckets = bucketing(reduction, job.gradient_bytes / t, overlap_s=backward,
+            # Sized in the buckets' bytes (DDP's bucket_cap_mb), timed by what the hook sends for them.
+            buckets = bucketing(reduction, hook.buffer_bytes / t, overlap_s=backward,
                                 last_ready_bytes=self.memory.root_parameter_bytes / t,
                                 bucket_bytes=None if planned_comm else DDP_DEFAULT_BUCKET_BYTES)
-            communication, exposed = buckets.seconds, buckets.exposed_seconds
+            communication = buckets.seconds
+            exposed = buckets.exposed_seconds if hook.overlaps_backward else communication
+            hook_seconds = max(hook.compute_seconds(d, ranks) for d in types)
+            compute += hook_seconds
         elif ranks > 1:
             gather, _ = self.collectives.all_gather(job.parameter_bytes_compute / t, ranks, hops["world"])
             scatter, _ = self.collectives.reduce_scatter(job.gradient_bytes / t, ranks, hops["world"])
@@ -397,19 +427,30 @@ class Costing:
                           bucketing=buckets, overlap_seconds=backward, hops=hops, compute_seconds=compute,
                           communication_seconds=communication, exposed_communication_seconds=exposed,
                           dollars_per_hour=dollars_per_hour, backend=footprint.backend,
-                          devices=world)
+                          devices=world, hook_compute_seconds=hook_seconds)
         outcome.score = self.score(outcome)
         return outcome
 
-    def _reduction(self, gradient_bytes: float, ranks: int, footprint: Footprint, planned: bool) -> Reduction:
+    def _reduction(self, wire_bytes: float, ranks: int, footprint: Footprint, planned: bool) -> Reduction:
+        """How one step's `wire_bytes` per rank are reduced: by the comm hook's collective, and for
+        an all-reduce the fastest algorithm the placement allows (flat only when unplanned)."""
         hops = footprint.hops
-        if not planned:
-            algorithm, seconds, latency = self.collectives.flat_allreduce(gradient_bytes, ranks, hops["world"])
-            return Reduction(algorithm, seconds - latency, latency)
+        if not planned or self.comm_hook.collective == Collective.ALL_GATHER:
+            return self._flat_reduction(wire_bytes, ranks, hops["world"])
         size = footprint.island_size
-        return self.collectives.gradient_reduction(
-            gradient_bytes, ranks, hops["world"], island_size=size, islands=len(footprint.domains) if size else 0,
+        reduction = self.collectives.gradient_reduction(
+            wire_bytes, ranks, hops["world"], island_size=size, islands=len(footprint.domains) if size else 0,
             intra=hops.get("intra"), inter=hops.get("inter"))
+        return replace(reduction, latency_s=reduction.latency_s * self.comm_hook.collectives_per_bucket)
+
+    def _flat_reduction(self, wire_bytes: float, ranks: int, hop: Hop) -> Reduction:
+        """The hook's collective over one hop: an all-gather of every rank's payload, or ring/tree all-reduce."""
+        per_bucket = self.comm_hook.collectives_per_bucket
+        if self.comm_hook.collective == Collective.ALL_GATHER:
+            seconds, latency = self.collectives.all_gather(ranks * wire_bytes, ranks, hop)
+            return Reduction(AllReduce.ALL_GATHER, seconds - latency, latency * per_bucket)
+        algorithm, seconds, latency = self.collectives.flat_allreduce(wire_bytes, ranks, hop)
+        return Reduction(algorithm, seconds - latency, latency * per_bucket)
 
     def score(self, outcome: Outcome) -> tuple[float, ...]:
         job = self.job
@@ -426,13 +467,12 @@ class Costing:
         if outcome.bucketing is None:
             return {}
         t = self.job.tensor_parallel_size
-        ranks, gradient = outcome.devices // t, self.job.gradient_bytes / t
+        ranks, hook = outcome.devices // t, self.comm_hook
         sizes = {}
         for hop in outcome.hops.values():
-            algorithm, seconds, latency = self.collectives.flat_allreduce(gradient, ranks, hop)
             sizes[hop.link_class.value] = bucketing(
-                Reduction(algorithm, seconds - latency, latency), gradient, overlap_s=outcome.overlap_seconds,
-                last_ready_bytes=self.memory.root_parameter_bytes / t).bucket_bytes
+                self._flat_reduction(hook.wire_bytes / t, ranks, hop), hook.buffer_bytes / t,
+                overlap_s=outcome.overlap_seconds, last_ready_bytes=self.memory.root_parameter_bytes / t).bucket_bytes
         sizes[outcome.hops["world"].link_class.value] = outcome.bucketing.bucket_bytes
         return sizes
 

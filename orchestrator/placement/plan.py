@@ -54,6 +54,8 @@ class AllReduce(StrEnum):
     HIERARCHICAL = "hierarchical"
     """Reduce-scatter inside each island, all-reduce of the shards across islands, all-gather inside
     each island: the inter-node links carry 1/island-size of the gradient per rank."""
+    ALL_GATHER = "all_gather"
+    """The topk comm hook: every rank's compressed gradients all-gathered, and summed by each rank."""
     NONE = "none"
     """One replica: nothing to reduce."""
 

@@ -30,6 +30,7 @@ from orchestrator.config import JobConfig
 from orchestrator.cost import CollectiveCostModel, ComputeModel, PriceTable
 from orchestrator.errors import PlacementError
 from orchestrator.memory import MemoryProfile, measure_steps, profile, usable_bytes
+from orchestrator.placement.comm_hooks import COMPRESSING_HOOKS, Collective, CommHookCost
 from orchestrator.placement.devices import Device, DevicePool, DeviceType, Domain
 from orchestrator.topology.sysfs import format_cpu_list, parse_cpu_list
 from orchestrator.placement.model import (DDP_DEFAULT_BUCKET_BYTES, Costing, Footprint, Outcome, PlanningJob, Refusal,
@@ -46,6 +47,9 @@ FINE_MOVES_UP_TO = 128
 EXACT_MEMORY_RETRIES = 3
 """Searches again, with an exactly measured micro-batch cap, when the exact memory check of a plan
 finds a micro-batch the interpolated profile let through too large."""
+HOOK_ADVICE_EXPOSED_SHARE = 0.10
+"""From this share of the step spent waiting on plain all-reduce, a plan's notes say what each
+compressing comm hook is predicted to do."""
 
 
 class _Overrun(Exception):
@@ -354,10 +358,35 @@ class Planner:
         if best.split.grad_accum_steps > 1:
             notes.append(f"{best.split.grad_accum_steps} accumulation steps: larger micro-batches do not fit "
                          f"(or exceed [train] micro_batch_size = {self.job.micro_batch_limit})")
+        hook = self.costing.comm_hook
+        if hook.compresses and best.bucketing is not None:
+            share = f"{hook.wire_bytes / 1e6:.1f} MB a step ({hook.wire_bytes / hook.buffer_bytes:.1%} of its " \
+                    f"{hook.buffer_bytes / 1e6:.1f} MB of gradient buckets)"
+            sends = (f"each rank sends {share} and receives as much from every other by all-gather"
+                     if hook.collective == Collective.ALL_GATHER else f"each rank all-reduces {share}")
+            notes.append(f"comm hook {hook.name}: {sends}; its own work adds {best.hook_compute_seconds * 1e3:.1f} ms "
+                         "a step (costed as after its plain all-reduce warm-up)")
+        notes.extend(self._hook_advice(best))
         if best.backend == "gloo" and self.job.use_gpu:
             notes.append("several MIG slices of one GPU: NCCL runs one rank per GPU, so gradients are reduced "
                          "with gloo through host memory")
         return notes
+
+    def _hook_advice(self, best: Outcome) -> list[str]:
+        """Where plain all-reduce leaves the step waiting on the wire, what each compressing hook is
+        predicted to do on the same devices. A hint, not a choice: compression changes the loss."""
+        exposed = best.exposed_communication_seconds / best.step_seconds if best.step_seconds else 0.0
+        if (self.costing.comm_hook.compresses or exposed < HOOK_ADVICE_EXPOSED_SHARE
+                or self.config.train.bf16_weights or best.data_parallel != DataParallel.DDP):
+            return []
+        steps = []
+        for name in COMPRESSING_HOOKS:
+            outcome = self.costing.with_comm_hook(CommHookCost.for_job(self.config, name)).evaluate(best.footprint)
+            if isinstance(outcome, Outcome):
+                steps.append(f"{name} {outcome.step_seconds * 1e3:.1f} ms")
+        return [f"the step waits {exposed:.0%} of its {best.step_seconds * 1e3:.1f} ms on gradient communication; "
+                f"predicted with [parallel] comm_hook = {', '.join(steps)} (compression costs loss: "
+                "benchmarks/RESULTS.md measures each hook's)"] if steps else []
 
     # ---- the plan --------------------------------------------------------------------------------
     def build(self, outcome: Outcome, *, notes: list[str], bucket_bytes: dict[str, int] | None = None) -> Plan:

@@ -34,8 +34,9 @@ def _headline(plan: Plan) -> str:
     tp = f", tensor parallel {plan.tensor_parallel_size}" if plan.tensor_parallel_size > 1 else ""
     buckets = ", ".join(f"{kind} {size / 2**20:.0f} MiB" for kind, size in plan.ddp_bucket_bytes.items())
     workers = f"{plan.world_size} worker{'s' * (plan.world_size != 1)}"
-    reduction = (f"{plan.allreduce.value} all-reduce over {plan.backend}" if plan.allreduce != AllReduce.NONE
-                 else "no gradient reduction")
+    reduction = {AllReduce.NONE: "no gradient reduction",
+                 AllReduce.ALL_GATHER: f"all-gather of compressed gradients over {plan.backend}"}.get(
+        plan.allreduce, f"{plan.allreduce.value} all-reduce over {plan.backend}")
     return (f"[bold]plan '{escape(plan.job_name)}'[/] ({plan.objective.value}): {workers}, "
             f"{plan.data_parallel.value}{tp}, {reduction}, global batch {plan.global_batch_size} = "
             f"micro-batches × {plan.grad_accum_steps} accumulation" + (f"; buckets {buckets}" if buckets else ""))

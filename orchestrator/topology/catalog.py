@@ -143,6 +143,11 @@ def by_key(key: str) -> GpuModel:
         raise TopologyError(f"unknown GPU model {key!r}", fix=f"use one of: {', '.join(_BY_KEY)}") from None
 
 
+def find(key_or_name: str) -> GpuModel | None:
+    """The entry for a catalog key ("H100-SXM5-80GB") or an NVML name; None when neither is known."""
+    return _BY_KEY.get(key_or_name) or lookup(key_or_name)
+
+
 def nvlink_generation(model: GpuModel | None, compute_capability: str) -> int:
     """NVLink generation of a GPU: the catalog's, else the one its architecture shipped with."""
     if model is not None and model.nvlink_generation:

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from kernels.plan import CAPACITY_SLACK_PERCENT
+from orchestrator.errors import ConfigError
 from orchestrator.placement.plan import cross_island_groups
 from tests.engine_support import run_ranks
 from workers.comm.groups import build_island_groups
@@ -133,3 +134,23 @@ def test_topk_sends_a_fraction_and_reduces_to_sparse_gradients(results):
     # slot is 5.9% of fp32, plus headers and scales (3-byte entries would be 8.25%)
     assert results["bytes"]["topk"] < 0.075 * sum(SIZES) * 4
     assert 0.1 <= results["topk_nonzero_share"] <= 4 * 0.1 + 0.01  # union of 4 ranks' selections
+
+
+def powersgd_on_gloo(rank: int, world: int, out_path: str) -> None:
+    try:
+        make_hook("powersgd", stats=CommStats(), world_size=world, islands=None, warmup_steps=0, powersgd_rank=2,
+                  topk_ratio=0.1)
+        outcome = "made"
+    except ConfigError as e:
+        outcome = str(e)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            f.write(outcome)
+
+
+def test_powersgd_is_refused_over_gloo_rather_than_left_to_hang(tmp_path):
+    """The planner reduces over gloo for several MIG slices of one GPU, past the config's own check."""
+    out = tmp_path / "outcome.txt"
+    run_ranks(1, powersgd_on_gloo, str(out))
+    message = out.read_text()
+    assert "[parallel] comm_hook" in message and "hangs over gloo" in message and '"topk"' in message

@@ -119,3 +119,10 @@ def test_grad_accum_from_batch_sizes():
 def test_round_trips_through_a_dict():
     config = JobConfig.from_toml(EXAMPLES / "cpu-tiny.toml")
     assert JobConfig.from_dict(config.to_dict()) == config
+
+
+def test_powersgd_over_gloo_is_refused_before_it_hangs(tmp_path):
+    message = error_for(tmp_path, '[parallel]\ncomm_hook = "powersgd"\n')  # CPU workers: gloo
+    assert "[parallel] comm_hook" in message and "hangs over gloo" in message and 'comm_hook = "bf16"' in message
+    message = error_for(tmp_path, '[cluster]\nuse_gpu = true\n[parallel]\ncomm_hook = "powersgd"\nbackend = "gloo"\n')
+    assert "hangs over gloo" in message

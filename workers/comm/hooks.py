@@ -14,16 +14,18 @@ Every hook adds the bytes this rank hands to collectives into `CommStats`, so a 
 show what each choice costs on the wire.
 """
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
-from kernels.bitmap import bitmap_nbytes, decode_bitmap, encode_bitmap
+from kernels.bitmap import decode_bitmap, encode_bitmap, sends_bitmap
 from kernels.compression import compress, decompress_accumulate, decompress_sum
 from kernels.errors import NonFiniteGradientError
+from orchestrator.errors import ConfigError
 from workers.comm.groups import IslandGroups
 from workers.comm.stats import CommStats
 
@@ -108,21 +110,37 @@ def powersgd_hook(state: PowerSgdHookState, bucket: dist.GradBucket) -> torch.fu
 
 
 def _powersgd_bytes(inner: powersgd.PowerSGDState, bucket: dist.GradBucket) -> int:
-    """What powerSGD_hook will hand to all-reduce for this bucket (it mirrors the hook's own rules)."""
+    """What powerSGD_hook will hand to all-reduce for this bucket."""
     if inner.iter < inner.start_powerSGD_iter:
         return bucket.buffer().numel() * bucket.buffer().element_size()
-    total = 0
-    for grad in bucket.gradients():
-        matrix = grad.view(grad.shape[0], -1) if grad.dim() > 1 else None
-        if matrix is not None:
-            rows, cols = matrix.shape
-            rank = min(rows, cols, inner.matrix_approximation_rank)
-            compress_it, _, _ = powersgd._should_compress(rows, cols, rank, inner.min_compression_rate)
+    wire_bytes, _ = powersgd_wire([grad.shape for grad in bucket.gradients()], inner.matrix_approximation_rank,
+                                  inner.min_compression_rate, bucket.buffer().element_size())
+    return wire_bytes
+
+
+def powersgd_wire(shapes: Iterable[Sequence[int]], rank: int, min_compression_rate: float = 2.0,
+                  element_bytes: int = 4) -> tuple[int, int]:
+    """(bytes all-reduced, matrices compressed) by torch's PowerSGD hook, once it compresses, for
+    gradients of these shapes: P and Q, (rows + cols) × rank values, for each matrix it compresses
+    (by its own rule), the other gradients as they are. The planner costs the hook with it too."""
+    total = matrices = 0
+    for shape in shapes:
+        numel = math.prod(shape)
+        if len(shape) > 1:
+            rows, cols = shape[0], numel // shape[0]
+            matrix_rank = min(rows, cols, rank)
+            compress_it, _, _ = powersgd._should_compress(rows, cols, matrix_rank, min_compression_rate)
             if compress_it:
-                total += (rows + cols) * rank * 4
+                total += (rows + cols) * matrix_rank * element_bytes
+                matrices += 1
                 continue
-        total += grad.numel() * grad.element_size()
-    return total
+        total += numel * element_bytes
+    return total, matrices
+
+
+POWERSGD_ON_GLOO = ("powersgd hangs over gloo: torch's PowerSGD hook waits for one all-reduce inside the "
+                    "callback of another, on the gloo thread that would have to run it")
+POWERSGD_ON_GLOO_FIX = 'use comm_hook = "bf16" or "topk" over gloo; powersgd needs GPUs reducing over nccl'
 
 
 RAMP_START_RATIO = 0.25
@@ -174,7 +192,7 @@ def topk_hook(state: TopkHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     buffer = bucket.buffer()
     mine = compress(buffer, state.residual_for(bucket), state.k_ratio_for(step), check_finite=False)
     # Dense steps (a sparsity ramp's first) send a bitmap of the entries' places: smaller than their offsets there.
-    as_bitmap = bitmap_nbytes(mine.layout) < mine.layout.nbytes
+    as_bitmap = sends_bitmap(mine.layout)
     wire = encode_bitmap(mine) if as_bitmap else mine.payload
     state.stats.add(wire.numel())
     gathered = torch.empty(state.world_size * wire.numel(), dtype=wire.dtype, device=wire.device)
@@ -258,6 +276,8 @@ def make_hook(name: str, *, stats: CommStats, world_size: int, islands: IslandGr
     if name == "bf16":
         return bf16_hook, HookState(stats=stats, world_size=world_size)
     if name == "powersgd":
+        if dist.get_backend() == "gloo":  # the planner's gloo, for several MIG slices of one GPU
+            raise ConfigError(POWERSGD_ON_GLOO, where="[parallel] comm_hook", fix=POWERSGD_ON_GLOO_FIX)
         return powersgd_hook, PowerSgdHookState(stats=stats, world_size=world_size, warmup_steps=warmup_steps,
                                                 rank=powersgd_rank)
     if name == "topk":

@@ -1,0 +1,106 @@
+"""What a DDP comm hook does to a step, as the planner costs it: the bytes it puts on the wire, the
+collective that carries them, and the hook's own compute.
+
+    hook = CommHookCost.for_job(config)      # [parallel] comm_hook, on the model's own parameter shapes
+    hook.wire_bytes                          # one rank's bytes per step, once the hook compresses
+    hook.compute_seconds(device_type, ranks) # its kernels (or PowerSGD's host work) per step
+
+The wire sizes come from the functions the hooks themselves use (kernels.compression's payload
+layout, workers/comm/hooks.py's PowerSGD rule), so they equal what a run's comm metrics count: on
+GPT-2 124M, 4,620,560 predicted against 4,621,248 measured bytes a step for topk at 1 %, and
+3,281,920 against 3,281,920 for powersgd at rank 4. The compute rates are fitted to measured runs
+(orchestrator/cost.py, HOOK_COMPUTE). The warm-up steps (plain all-reduce) are not costed: the
+prediction is the steady state.
+"""
+
+from __future__ import annotations
+
+COMPRESSING_HOOKS = ("bf16", "powersgd", "topk")
+
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+
+from orchestrator.config import JobConfig
+from orchestrator.cost import HOOK_COMPUTE, POWERSGD_HOST_SECONDS_PER_MATRIX
+from orchestrator.placement.devices import DeviceType
+from orchestrator.placement.plan import DeviceKind
+
+
+class Collective(StrEnum):
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    """Every rank receives every other rank's payload (topk): the bytes received grow with the ranks."""
+
+
+@dataclass(frozen=True, slots=True)
+class CommHookCost:
+    name: str
+    collective: Collective
+    wire_bytes: float
+    """Bytes one rank hands to the collective per step (for an all-gather, its own payload)."""
+    buffer_bytes: float
+    """Bytes of DDP's gradient buckets per step: what the bucket size is counted in."""
+    collectives_per_bucket: int = 1
+    """Collectives each bucket waits on in turn (PowerSGD: the uncompressed tensors, P, then Q)."""
+    elements: int = 0
+    """Gradient elements the hook's kernels pass over per step."""
+    host_seconds: float = 0.0
+    """Per-step work bound by the host, not the device (PowerSGD's per-matrix steps)."""
+    overlaps_backward: bool = True
+    """False where the step was measured to wait for all of the hook's communication (PowerSGD,
+    whose buckets each chain three collectives through compute: on two H200s, the step exceeded
+    the same hook's one-rank step by 9.2 ms over a 3.4 GB/s link, and its collectives were
+    costed at 8.8 ms)."""
+
+    @classmethod
+    def plain(cls, buffer_bytes: float) -> CommHookCost:
+        """DDP's own all-reduce of its buckets."""
+        return cls("allreduce", Collective.ALL_REDUCE, buffer_bytes, buffer_bytes)
+
+    @classmethod
+    def for_job(cls, config: JobConfig, name: str | None = None) -> CommHookCost:
+        """The job's [parallel] comm_hook, or the hook `name` on the same job."""
+        from orchestrator.placement.model import model_shapes  # model.py imports this module
+
+        shapes = model_shapes(config.model)
+        elements = sum(math.prod(shape) for shape in shapes)
+        element_bytes = 2 if config.train.bf16_weights else 4
+        buffer = elements * element_bytes
+        name = name or config.parallel.comm_hook
+        if name == "bf16":
+            return cls(name, Collective.ALL_REDUCE, elements * 2, buffer, elements=elements)
+        if name == "topk":
+            from kernels.bitmap import wire_nbytes
+            from kernels.compression import payload_layout
+
+            wire = wire_nbytes(payload_layout(elements, config.parallel.topk_ratio))
+            return cls(name, Collective.ALL_GATHER, wire, buffer, elements=elements)
+        if name == "powersgd":
+            from workers.comm.hooks import powersgd_wire
+
+            wire, matrices = powersgd_wire(shapes, config.parallel.powersgd_rank)
+            return cls(name, Collective.ALL_REDUCE, wire, buffer, collectives_per_bucket=3,
+                       host_seconds=matrices * POWERSGD_HOST_SECONDS_PER_MATRIX, overlaps_backward=False)
+        return cls.plain(buffer) if name == "allreduce" else cls(name, Collective.ALL_REDUCE, buffer, buffer)
+
+    def compute_seconds(self, device: DeviceType, ranks: int) -> float:
+        """The hook's own work per step on `device`. It runs on the compute stream, so it lengthens
+        the step: its passes over the gradients at the rate measured for the hook (with two ranks'
+        payloads summed), each further rank's payload read at the device's memory bandwidth, and
+        PowerSGD's host-bound work. One rank has no DDP and no hook."""
+        if ranks <= 1:
+            return 0.0
+        seconds = self.host_seconds
+        rate = HOOK_COMPUTE.get(self.name)
+        if rate is not None and device.kind == DeviceKind.CPU:
+            seconds += self.elements * rate.cpu_core_ns_per_element * 1e-9 / max(device.cores, 1)
+        elif rate is not None:
+            seconds += self.elements * rate.gpu_bytes_per_element / device.memory_bytes_per_s
+        if self.collective == Collective.ALL_GATHER:
+            seconds += max(0, ranks - 2) * self.wire_bytes / device.memory_bytes_per_s
+        return seconds
+
+    @property
+    def compresses(self) -> bool:
+        return self.wire_bytes < self.buffer_bytes
