@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from orchestrator.config import JobConfig
+from orchestrator.placement.comm_hooks import CommHookCost
 from tests.engine_support import run_ranks, uniform_plan
 from workers.engine import Engine
 
@@ -14,11 +15,22 @@ pytestmark = [pytest.mark.gpu,
 
 HOOKS = {"allreduce": [[0, 1]], "bf16": [[0, 1]], "powersgd": [[0, 1]], "topk": [[0, 1]],
          "hierarchical": [[0], [1]]}
+STEPS, WARMUP_STEPS = 12, 2
 VARIANTS = {  # name: (hook, [parallel] and [train] settings beyond the hook)
     # 25 % of the entries falling to 5 % over 12 steps: the dense steps send places as a bitmap.
     "topk ramp": ("topk", {"topk_ramp_steps": 12}, {}),
     "bf16 weights": ("allreduce", {}, {"precision": "bf16", "bf16_weights": True}),
 }
+
+
+def config_for(hook: str, parallel: dict | None = None, train: dict | None = None) -> JobConfig:
+    return JobConfig.from_dict({
+        "model": {"n_layer": 2, "n_head": 4, "n_embd": 128, "seq_len": 64},
+        "train": {"global_batch_size": 16, "micro_batch_size": 8, "lr": 3e-3, "min_lr": 3e-3, "warmup_steps": 0,
+                  **(train or {})},
+        "parallel": {"comm_hook": hook, "comm_warmup_steps": WARMUP_STEPS, "topk_ratio": 0.05, "bucket_mb": 1.0,
+                     **(parallel or {})},
+        "cluster": {"num_workers": 2, "use_gpu": True}})
 
 
 def nccl_runs(rank: int, world: int, out_path: str) -> None:
@@ -27,15 +39,10 @@ def nccl_runs(rank: int, world: int, out_path: str) -> None:
     cases = {hook: (hook, {}, {}) for hook in HOOKS} | VARIANTS
     for name, (hook, parallel, train) in cases.items():
         islands = HOOKS[hook]
-        config = JobConfig.from_dict({
-            "model": {"n_layer": 2, "n_head": 4, "n_embd": 128, "seq_len": 64},
-            "train": {"global_batch_size": 16, "micro_batch_size": 8, "lr": 3e-3, "min_lr": 3e-3, "warmup_steps": 0,
-                      **train},
-            "parallel": {"comm_hook": hook, "comm_warmup_steps": 2, "topk_ratio": 0.05, "bucket_mb": 1.0, **parallel},
-            "cluster": {"num_workers": 2, "use_gpu": True}})
+        config = config_for(hook, parallel, train)
         engine = Engine(config, uniform_plan(2, 8, 1, islands=islands, seq_len=64), rank, device)
         losses = []
-        for step in range(12):
+        for step in range(STEPS):
             g = torch.Generator().manual_seed(step % 3)
             data = torch.randint(0, 257, (16, 65), generator=g)[rank * 8:(rank + 1) * 8].to(device)
             loss, _ = engine([data], lr=3e-3)
@@ -87,3 +94,10 @@ def test_a_ramp_sends_bitmaps_then_offsets_and_bf16_weights_reduce_half_the_byte
     assert runs["bf16 weights"]["comm_bytes"] == plain // 2
     for ours, theirs in zip(runs["bf16 weights"]["losses"], runs["allreduce"]["losses"]):
         assert ours == pytest.approx(theirs, rel=0.02)
+
+
+def test_the_planner_costs_the_bytes_powersgd_sent(runs):
+    """PowerSGD hangs over gloo, so here is where the planner's wire bytes meet the hook's own count."""
+    plain_step = runs["allreduce"]["comm_bytes"] // STEPS
+    wire = CommHookCost.for_job(config_for("powersgd")).wire_bytes
+    assert runs["powersgd"]["comm_bytes"] == WARMUP_STEPS * plain_step + (STEPS - WARMUP_STEPS) * wire
