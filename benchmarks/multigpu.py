@@ -341,7 +341,7 @@ def hook_run(rank: int, world: int, cpu: bool, model: dict, micro: int, hook: st
     if rank == 0:
         Path(out_path).write_text(json.dumps({
             "step_s": statistics.median(times[20:]), "final_loss": statistics.mean(losses[-10:]),
-            "bytes_per_step": comm_bytes / (steps - 20)}))
+            "bytes_per_step": comm_bytes / (steps - 20), "losses": [round(x, 4) for x in losses]}))
 
 
 def _hooked_engine(config: JobConfig, plan: Plan, rank: int, world: int, cpu: bool) -> Engine:
@@ -368,7 +368,7 @@ def hooks_section(args, world: int) -> list[dict]:
             print("powersgd skipped: it hangs over gloo, and the config refuses it there", flush=True)
             continue
         on_world = run_ranks(world, args.cpu, hook_run, model, micro, hook, args.hook_steps)
-        alone = on_world if world == 1 else run_ranks(1, args.cpu, hook_run, model, micro, hook, 40)
+        alone = on_world if world == 1 or args.skip_alone else run_ranks(1, args.cpu, hook_run, model, micro, hook, 40)
         rows.append({"model": name, "hook": hook, "world": world, **{k: v for k, v in on_world.items()},
                      "alone_step_s": alone.get("step_s"), "alone_bytes_per_step": alone.get("bytes_per_step")})
         print(json.dumps(rows[-1]), flush=True)  # as it lands: a call's time limit may cut the section short
@@ -382,6 +382,9 @@ def hooks_section(args, world: int) -> list[dict]:
         # saved_bytes / bandwidth > cost, i.e. below bandwidth = saved_bytes / cost. The bytes are what
         # this rank hands to collectives (CommStats); from a one-rank run they stand for two ranks, where
         # a ring all-reduce and an all-gather both put exactly those bytes on each rank's link.
+        row.update(_time_to_loss(row, base))
+        if args.skip_alone:
+            continue
         cost = row["alone_step_s"] - base["alone_step_s"]
         full = base["bytes_per_step"] if world > 1 else base["alone_bytes_per_step"]
         sent = row["bytes_per_step"] if world > 1 else row["alone_bytes_per_step"]
@@ -390,6 +393,22 @@ def hooks_section(args, world: int) -> list[dict]:
     for row in rows:
         print(json.dumps(row), flush=True)
     return rows
+
+
+def _time_to_loss(row: dict, base: dict) -> dict:
+    """Seconds of training (steps × median step) until the 10-step mean loss first reaches what plain
+    all-reduce reached three quarters of the way through: time to the same loss, not only time per
+    step (a target all-reduce only just reaches would leave a hook's noise deciding)."""
+    def steps_to(losses: list[float], target: float) -> int | None:
+        means = [statistics.mean(losses[i - 10:i]) for i in range(10, len(losses) + 1)]
+        return next((i + 10 for i, m in enumerate(means) if m <= target), None)
+
+    quarter = len(base["losses"]) * 3 // 4
+    target = statistics.mean(base["losses"][quarter - 10:quarter]) + 1e-9
+    ours, theirs = steps_to(row["losses"], target), steps_to(base["losses"], target)
+    return {"target_loss": round(target, 4), "steps_to_target": ours, "allreduce_steps_to_target": theirs,
+            "seconds_to_target": round(ours * row["step_s"], 2) if ours else None,
+            "allreduce_seconds_to_target": round(theirs * base["step_s"], 2) if theirs else None}
 
 
 # ---- main ---------------------------------------------------------------------------------------
@@ -403,6 +422,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--hook-steps", type=int, default=200)
+    parser.add_argument("--skip-alone", action="store_true",
+                        help="hooks: skip the one-rank runs that measure each hook's own compute")
     parser.add_argument("--hooks", nargs="+", choices=HOOKS, default=list(HOOKS), help="hooks the hooks section runs")
     parser.add_argument("--engine-configs", nargs="+", choices=list(ENGINE_CONFIGS), default=list(ENGINE_CONFIGS),
                         help="which engine wrappings the train section measures")
