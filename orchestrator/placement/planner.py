@@ -385,8 +385,8 @@ class Planner:
             if isinstance(outcome, Outcome):
                 steps.append(f"{name} {outcome.step_seconds * 1e3:.1f} ms")
         return [f"the step waits {exposed:.0%} of its {best.step_seconds * 1e3:.1f} ms on gradient communication; "
-                f"predicted with [parallel] comm_hook = {', '.join(steps)} (compression costs loss: "
-                "benchmarks/RESULTS.md measures each hook's)"] if steps else []
+                f"predicted with [parallel] comm_hook = {', '.join(steps)} (per step; compression costs loss, and "
+                "over a 3.4 GB/s link only bf16 reached all-reduce's loss sooner: benchmarks/RESULTS.md)"] if steps else []
 
     # ---- the plan --------------------------------------------------------------------------------
     def build(self, outcome: Outcome, *, notes: list[str], bucket_bytes: dict[str, int] | None = None) -> Plan:
