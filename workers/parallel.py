@@ -71,7 +71,13 @@ def uses_compiled_autograd(config: JobConfig) -> bool:
     DDPOptimizer: on two H200s it hides 98-99 % of the all-reduce and keeps pace with plain DDP +
     compile, while compiled autograd over two NCCL ranks failed in torch 2.11 ("Attempt to trace
     generator" in the compiled backward; benchmarks/RESULTS.md, multi-GPU section)."""
-    return config.compile.enable and config.compile.ddp_mode == "compiled_autograd"
+    return config.compile.uses_compiled_autograd
+
+
+def comm_hook_to_run(config: JobConfig, plan: Plan) -> str:
+    """The plan's hook (the planner resolves "auto"), else the configured one; "auto" unresolved is allreduce."""
+    name = plan.comm_hook or config.parallel.comm_hook
+    return "allreduce" if name == "auto" else name
 
 
 def _wrap_ddp(model: GPT, config: JobConfig, plan: Plan, device: torch.device, world: int,
@@ -91,9 +97,10 @@ def _wrap_ddp(model: GPT, config: JobConfig, plan: Plan, device: torch.device, w
                                   bucket_cap_mb=plan.ddp_bucket_cap_mb or par.bucket_mb, gradient_as_bucket_view=True)
     state = None
     if not compiled_autograd:
+        hook_name = comm_hook_to_run(config, plan)
         islands = (build_island_groups(plan.intra_island_groups, plan.inter_island_groups)
-                   if par.comm_hook == "hierarchical" else None)
-        hook, state = make_hook(par.comm_hook, stats=comm_stats, world_size=world, islands=islands,
+                   if hook_name == "hierarchical" else None)
+        hook, state = make_hook(hook_name, stats=comm_stats, world_size=world, islands=islands,
                                 warmup_steps=par.comm_warmup_steps, powersgd_rank=par.powersgd_rank,
                                 topk_ratio=par.topk_ratio, topk_ramp_steps=par.topk_ramp_steps)
         ddp.register_comm_hook(state, hook)

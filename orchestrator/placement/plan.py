@@ -146,6 +146,9 @@ class Plan:
     """Gradient bucket size per link class the reduction crosses (nvswitch, pcie, infiniband, …)."""
     bottleneck_link_class: str = ""
     """The slowest link class of the flat all-reduce: the bucket size a single DDP group uses."""
+    comm_hook: str = ""
+    """The DDP comm hook the workers run: [parallel] comm_hook, or what the planner picked for "auto".
+    "" (plans not made by the planner) runs the configured hook, "auto" as allreduce."""
     backend: str = "nccl"
     """Process-group backend for the gradient reduction: gloo for CPU workers, and for plans with
     several MIG slices of one GPU (NCCL runs one rank per GPU); nccl otherwise."""

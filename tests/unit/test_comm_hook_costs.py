@@ -8,7 +8,8 @@ import pytest
 from orchestrator.config import JobConfig
 from orchestrator.cost import POWERSGD_HOST_SECONDS_PER_MATRIX, CollectiveCostModel
 from orchestrator.placement.comm_hooks import Collective, CommHookCost
-from orchestrator.placement.planner import Planner
+from orchestrator.placement.plan import Plan
+from orchestrator.placement.planner import AUTO_BF16_MIN_GAIN, Planner
 from orchestrator.topology import machines
 from orchestrator.topology.model import ClusterTopology
 
@@ -91,3 +92,31 @@ def test_topk_all_gather_grows_with_the_ranks_an_all_reduce_does_not():
     topk_growth = communication("topk", 8) / communication("topk", 2)
     plain_growth = communication("allreduce", 8) / communication("allreduce", 2)
     assert topk_growth > 3 and plain_growth < 1.5
+
+
+def auto_plan(link: str, **sections) -> Plan:
+    topology = ClusterTopology.load(TOPOLOGIES / "h200x2-nvswitch.json")
+    collectives = CollectiveCostModel.load(TOPOLOGIES / f"h200x2-{link}.calibration.json")
+    return Planner(topology, job("auto", **sections), collectives=collectives, exact_memory=False).plan()
+
+
+def test_auto_takes_bf16_where_the_link_is_slow_and_plain_allreduce_where_it_is_not():
+    slow, fast = auto_plan("sockets"), auto_plan("nvswitch")
+    assert slow.comm_hook == "bf16" and fast.comm_hook == "allreduce"
+    plain = predicted_steps_ms("sockets")["allreduce"] / 1e3
+    assert slow.predicted.step_seconds < (1 - AUTO_BF16_MIN_GAIN) * plain
+    assert any(note.startswith("comm_hook = auto took bf16") for note in slow.notes)
+    assert Plan.from_json(slow.to_json()).comm_hook == "bf16"
+    # bf16 weights reduce bf16 gradients already; compiled autograd runs no hook
+    assert auto_plan("sockets", train={"bf16_weights": True}).comm_hook == "allreduce"
+    assert auto_plan("sockets", compile={"ddp_mode": "compiled_autograd"}).comm_hook == "allreduce"
+
+
+def test_auto_takes_the_hierarchical_hook_where_the_plan_reduces_island_by_island():
+    """Four nodes of NVLink-bridged A100 pairs: the pairs reduce first, then across the network.
+    (With fp32 gradients auto takes bf16 there; bf16 weights leave it the exact hooks.)"""
+    config = job("auto", placement={"min_gpus": 16, "max_gpus": 16}, train={"global_batch_size": 128,
+                 "micro_batch_size": 8, "bf16_weights": True})
+    plan = Planner(machines.cluster("4xA100-PCIE-bridged:4"), config, exact_memory=False).plan()
+    assert plan.allreduce.value == "hierarchical" and plan.comm_hook == "hierarchical"
+    assert plan.inter_island_groups  # what the hierarchical hook builds its groups from

@@ -1,6 +1,7 @@
 """The worker engine without Ray: DDP and FSDP2 on 2 gloo ranks against one process, top-k with
 error feedback against plain all-reduce, loss scaling, the chunked loss and compile on CPU."""
 
+import dataclasses
 import json
 import math
 
@@ -78,6 +79,10 @@ def distributed_runs(rank: int, world: int, data_dir: str, out_path: str) -> Non
         engine = Engine(config, uniform_plan(world, MICRO, 1, strategy=config.parallel.strategy), rank,
                         torch.device("cpu"))
         results[name] = {"losses": train(engine, rank, world, 1), **_plain(engine.window_metrics())}
+    # comm_hook = "auto": the engine runs the hook the plan names (the planner resolves auto)
+    engine = Engine(job(comm_hook="auto"), dataclasses.replace(uniform_plan(world, MICRO, 1), comm_hook="bf16"), rank,
+                    torch.device("cpu"))
+    results["auto_bf16"] = {"losses": train(engine, rank, world, 1, steps=2), **_plain(engine.window_metrics())}
     text_job = {"model": {"n_layer": 2, "n_head": 2, "n_embd": 64, "seq_len": 32},
                 "train": {"global_batch_size": 16, "micro_batch_size": 8, "lr": 3e-3, "min_lr": 3e-3,
                           "warmup_steps": 0}, "cluster": {"num_workers": 2}}
@@ -115,6 +120,11 @@ def test_ddp_tracks_a_single_process_run(runs):
 def test_fsdp2_tracks_a_single_process_run(runs):
     for ours, theirs in zip(runs["fsdp"]["losses"], runs["single"]["losses"]):
         assert ours == pytest.approx(theirs, rel=1e-4)
+
+
+def test_the_engine_runs_the_hook_the_plan_picked_for_auto(runs):
+    plain_step = runs["ddp"]["comm_bytes"] / STEPS
+    assert runs["auto_bf16"]["comm_bytes"] / 2 == plain_step / 2  # bf16 on the wire: half the bytes
 
 
 def test_ddp_reports_communication(runs):
