@@ -362,13 +362,16 @@ def _hooked_engine(config: JobConfig, plan: Plan, rank: int, world: int, cpu: bo
 
 def hooks_section(args, world: int) -> list[dict]:
     name, (model, micro) = next(iter((CPU_MODELS if args.cpu else GPU_MODELS).items()))
+    if "allreduce" not in args.hooks:
+        raise SystemExit("--hooks must include allreduce: every hook is compared with it")
     rows = []
     for hook in args.hooks:
         if args.cpu and hook == "powersgd":
             print("powersgd skipped: it hangs over gloo, and the config refuses it there", flush=True)
             continue
         on_world = run_ranks(world, args.cpu, hook_run, model, micro, hook, args.hook_steps)
-        alone = on_world if world == 1 or args.skip_alone else run_ranks(1, args.cpu, hook_run, model, micro, hook, 40)
+        alone = (on_world if world == 1 else {} if args.skip_alone
+                 else run_ranks(1, args.cpu, hook_run, model, micro, hook, 40))
         rows.append({"model": name, "hook": hook, "world": world, **{k: v for k, v in on_world.items()},
                      "alone_step_s": alone.get("step_s"), "alone_bytes_per_step": alone.get("bytes_per_step")})
         print(json.dumps(rows[-1]), flush=True)  # as it lands: a call's time limit may cut the section short

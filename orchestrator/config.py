@@ -213,9 +213,9 @@ class ParallelConfig:
     """Recompute block activations in backward to fit larger micro-batches."""
     comm_hook: Literal["allreduce", "auto", "bf16", "powersgd", "topk", "hierarchical"] = "allreduce"
     """How DDP averages gradients (see workers/comm/hooks.py); hierarchical follows NVLink islands.
-    auto lets the plan pick: hierarchical where it predicts the island-by-island reduction faster,
-    bf16 where it predicts a step at least 5 % shorter than plain all-reduce's (not with bf16_weights
-    or compiled autograd), allreduce otherwise; the plan says which (Plan.comm_hook).
+    auto lets the plan pick bf16 where it predicts a step at least 5 % shorter than plain
+    all-reduce's (not with bf16_weights or compiled autograd), allreduce otherwise; the plan says
+    which (Plan.comm_hook).
     The planner costs each hook's bytes on the wire and its own compute (orchestrator/placement/
     comm_hooks.py), and where plain all-reduce leaves the step waiting, its notes say what each
     compressing hook would do. Over a 3.4 GB/s link between two H200s, GPT-2 124M's step went from
@@ -247,6 +247,12 @@ class ParallelConfig:
         _check(self.strategy == "ddp" or self.comm_hook in ("allreduce", "auto"), "[parallel] comm_hook",
                f"{self.comm_hook!r} is a DDP comm hook; FSDP reduce-scatters its own gradients",
                'use strategy = "ddp" with this hook, or comm_hook = "allreduce" with fsdp')
+
+
+POWERSGD_ON_GLOO = ("powersgd hangs over gloo (CPU workers, backend = \"gloo\", several MIG slices of one GPU): "
+                    "torch's PowerSGD hook waits for one all-reduce inside the callback of another, on the gloo "
+                    "thread that would have to run it")
+POWERSGD_ON_GLOO_FIX = 'use comm_hook = "bf16" or "topk" over gloo; powersgd needs GPUs reducing over nccl'
 
 
 @dataclass(kw_only=True, slots=True)
@@ -462,9 +468,8 @@ class JobConfig:
                "compiled autograd captures DDP's all-reduce itself, so comm hooks cannot run",
                'use ddp_mode = "ddp_optimizer" with a comm hook, or comm_hook = "allreduce"')
         gloo = self.parallel.backend == "gloo" or (self.parallel.backend == "auto" and not self.cluster.use_gpu)
-        _check(not (gloo and self.parallel.comm_hook == "powersgd"), "[parallel] comm_hook",
-               "powersgd hangs over gloo (CPU workers, or backend = \"gloo\"): torch's PowerSGD hook waits for one "
-               "all-reduce inside the callback of another", 'use comm_hook = "bf16" or "topk" with gloo')
+        _check(not (gloo and self.parallel.comm_hook == "powersgd"), "[parallel] comm_hook", POWERSGD_ON_GLOO,
+               POWERSGD_ON_GLOO_FIX)
         if self.train.bf16_weights:
             self._check_bf16_weights()
         _check(bool(self.name) and "/" not in self.name and self.name not in (".", ".."), "name",

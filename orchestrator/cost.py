@@ -278,12 +278,13 @@ class HookComputeRate:
 
 HOOK_COMPUTE = {
     "bf16": HookComputeRate(gpu_bytes_per_element=35.6, cpu_core_ns_per_element=3.9),
-    "topk": HookComputeRate(gpu_bytes_per_element=60.3, cpu_core_ns_per_element=81.0),
+    "topk": HookComputeRate(gpu_bytes_per_element=60.3, cpu_core_ns_per_element=88.0),
 }
 """Fitted to one-rank runs of GPT-2 124M's 124.4 M gradient elements (benchmarks/multigpu.py --only
 hooks, 2026-11-30): on an H200 (4.8 TB/s), bf16 0.92 ms and topk at 1 % 1.56 ms a step (earlier calls
-0.77–1.28 and 1.06–1.77 ms: read these to within about 1.5×); on this project's 2-core CPU machine,
-25 M elements: bf16 49 ms, topk (compress + decompress_sum of 2 payloads) 1.1 s."""
+0.77–1.28 and 1.06–1.77 ms: read these to within about 1.5×; those runs summed one payload); on this
+project's 2-core CPU machine, 25 M elements: bf16 49 ms, topk (compress + decompress_sum of 2
+payloads) 1.0–1.1 s."""
 
 POWERSGD_HOST_SECONDS_PER_MATRIX = 3.1e-4
 """torch's PowerSGD hook steps each compressed matrix from Python (orthogonalisation column by

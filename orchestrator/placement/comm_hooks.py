@@ -6,16 +6,15 @@ collective that carries them, and the hook's own compute.
     hook.compute_seconds(device_type, ranks) # its kernels (or PowerSGD's host work) per step
 
 The wire sizes come from the functions the hooks themselves use (kernels.compression's payload
-layout, workers/comm/hooks.py's PowerSGD rule), so they equal what a run's comm metrics count: on
-GPT-2 124M, 4,620,560 predicted against 4,621,248 measured bytes a step for topk at 1 %, and
-3,281,920 against 3,281,920 for powersgd at rank 4. The compute rates are fitted to measured runs
-(orchestrator/cost.py, HOOK_COMPUTE). The warm-up steps (plain all-reduce) are not costed: the
-prediction is the steady state.
+layout, workers/comm/hooks.py's PowerSGD rule): on GPT-2 124M, topk at 1 % is costed at 4,620,560
+bytes a step and the run's wire tensors held 4,621,248. PowerSGD's count over NCCL is checked
+against the all-reduces torch's hook issues (tests/gpu/test_engine_nccl.py). The compute rates are
+fitted to measured runs (orchestrator/cost.py, HOOK_COMPUTE). The warm-up steps (plain all-reduce)
+are not costed: the prediction is the steady state. What a hook keeps between steps (top-k's
+residual, PowerSGD's error feedback) counts against each worker's memory.
 """
 
 from __future__ import annotations
-
-COMPRESSING_HOOKS = ("bf16", "powersgd", "topk")
 
 import math
 from dataclasses import dataclass
@@ -25,6 +24,16 @@ from orchestrator.config import JobConfig
 from orchestrator.cost import HOOK_COMPUTE, POWERSGD_HOST_SECONDS_PER_MATRIX
 from orchestrator.placement.devices import DeviceType
 from orchestrator.placement.plan import DeviceKind
+
+
+COMPRESSING_HOOKS = ("bf16", "powersgd", "topk")
+"""The hooks that send fewer bytes than the gradient buckets hold."""
+
+
+def gradient_element_bytes(config: JobConfig) -> int:
+    """Bytes of a gradient element in DDP's buckets: 2 with [train] bf16_weights (the copy's
+    gradients are bf16), else 4."""
+    return 2 if config.train.bf16_weights else 4
 
 
 class Collective(StrEnum):
@@ -47,6 +56,9 @@ class CommHookCost:
     """Gradient elements the hook's kernels pass over per step."""
     host_seconds: float = 0.0
     """Per-step work bound by the host, not the device (PowerSGD's per-matrix steps)."""
+    state_bytes: float = 0.0
+    """Bytes the hook keeps on each worker between steps: top-k's fp32 residual, PowerSGD's fp32
+    error feedback of every bucket and its P and Q."""
     overlaps_backward: bool = True
     """False where the step was measured to wait for all of the hook's communication (PowerSGD,
     whose buckets each chain three collectives through compute: on two H200s, the step exceeded
@@ -65,8 +77,7 @@ class CommHookCost:
 
         shapes = model_shapes(config.model)
         elements = sum(math.prod(shape) for shape in shapes)
-        element_bytes = 2 if config.train.bf16_weights else 4
-        buffer = elements * element_bytes
+        buffer = elements * gradient_element_bytes(config)
         name = name or config.parallel.comm_hook
         if name == "bf16":
             return cls(name, Collective.ALL_REDUCE, elements * 2, buffer, elements=elements)
@@ -75,30 +86,32 @@ class CommHookCost:
             from kernels.compression import payload_layout
 
             wire = wire_nbytes(payload_layout(elements, config.parallel.topk_ratio))
-            return cls(name, Collective.ALL_GATHER, wire, buffer, elements=elements)
+            return cls(name, Collective.ALL_GATHER, wire, buffer, elements=elements, state_bytes=4 * elements)
         if name == "powersgd":
             from workers.comm.hooks import powersgd_wire
 
             wire, matrices = powersgd_wire(shapes, config.parallel.powersgd_rank)
             return cls(name, Collective.ALL_REDUCE, wire, buffer, collectives_per_bucket=3,
-                       host_seconds=matrices * POWERSGD_HOST_SECONDS_PER_MATRIX, overlaps_backward=False)
+                       host_seconds=matrices * POWERSGD_HOST_SECONDS_PER_MATRIX, state_bytes=4 * elements + wire,
+                       overlaps_backward=False)
         return cls.plain(buffer) if name == "allreduce" else cls(name, Collective.ALL_REDUCE, buffer, buffer)
 
-    def compute_seconds(self, device: DeviceType, ranks: int) -> float:
-        """The hook's own work per step on `device`. It runs on the compute stream, so it lengthens
-        the step: its passes over the gradients at the rate measured for the hook (with two ranks'
-        payloads summed), each further rank's payload read at the device's memory bandwidth, and
-        PowerSGD's host-bound work. One rank has no DDP and no hook."""
+    def compute_seconds(self, device: DeviceType, ranks: int, tensor_parallel: int = 1) -> float:
+        """The hook's own work per step on `device` for one rank's 1/tensor_parallel of the gradients.
+        It runs on the compute stream, so it lengthens the step: its passes over the gradients at the
+        rate fitted for the hook, each other rank's payload read at the device's memory bandwidth,
+        and PowerSGD's host-bound work. One rank has no DDP and no hook."""
         if ranks <= 1:
             return 0.0
+        elements = self.elements / tensor_parallel
         seconds = self.host_seconds
         rate = HOOK_COMPUTE.get(self.name)
         if rate is not None and device.kind == DeviceKind.CPU:
-            seconds += self.elements * rate.cpu_core_ns_per_element * 1e-9 / max(device.cores, 1)
+            seconds += elements * rate.cpu_core_ns_per_element * 1e-9 / max(device.cores, 1)
         elif rate is not None:
-            seconds += self.elements * rate.gpu_bytes_per_element / device.memory_bytes_per_s
+            seconds += elements * rate.gpu_bytes_per_element / device.memory_bytes_per_s
         if self.collective == Collective.ALL_GATHER:
-            seconds += max(0, ranks - 2) * self.wire_bytes / device.memory_bytes_per_s
+            seconds += (ranks - 1) * self.wire_bytes / tensor_parallel / device.memory_bytes_per_s
         return seconds
 
     @property

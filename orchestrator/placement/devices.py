@@ -167,13 +167,14 @@ def _peak(peaks: dict[str, float], dtype: str) -> float:
 def _gpu_type(gpu: Gpu | MigSlice, parent: Gpu, peak: float) -> DeviceType | None:
     if not peak:
         return None
-    known = catalog.find(parent.model or parent.name) if (parent.model or parent.name) else None
+    model = parent.model or parent.name
+    known = catalog.find(model) if model else None
     bandwidth = known.memory_gb_per_s * 1e9 if known else UNKNOWN_GPU_MEMORY_BYTES_PER_S
     if isinstance(gpu, MigSlice):
-        return DeviceType(kind=DeviceKind.MIG, model=parent.model or parent.name, peak_tflops=peak,
-                          label=f"{parent.model or parent.name} {gpu.profile}", memory_bytes=gpu.memory_bytes,
-                          price_units=gpu.sm_share or 1.0, memory_bytes_per_s=bandwidth * (gpu.sm_share or 1.0))
-    return DeviceType(kind=DeviceKind.GPU, model=gpu.model or gpu.name, label=gpu.model or gpu.name, peak_tflops=peak,
+        return DeviceType(kind=DeviceKind.MIG, model=model, peak_tflops=peak, label=f"{model} {gpu.profile}",
+                          memory_bytes=gpu.memory_bytes, price_units=gpu.sm_share or 1.0,
+                          memory_bytes_per_s=bandwidth * (gpu.sm_share or 1.0))
+    return DeviceType(kind=DeviceKind.GPU, model=model, label=model, peak_tflops=peak,
                       memory_bytes=gpu.memory_bytes, price_units=1.0, memory_bytes_per_s=bandwidth)
 
 

@@ -21,7 +21,7 @@ from orchestrator.config import JobConfig, ModelConfig
 from orchestrator.cost import (Bucketing, CollectiveCostModel, ComputeModel, Hop, LinkClass, PriceTable, Reduction,
                                bucketing)
 from orchestrator.memory import MemoryProfile
-from orchestrator.placement.comm_hooks import Collective, CommHookCost
+from orchestrator.placement.comm_hooks import Collective, CommHookCost, gradient_element_bytes
 from orchestrator.placement.devices import DevicePool, DeviceType, Domain
 from orchestrator.placement.plan import AllReduce, DataParallel, DeviceKind, Objective
 from orchestrator.placement.split import ReplicaGroup, Split, feasible_accum_steps, split_batch
@@ -91,10 +91,10 @@ class PlanningJob:
     spot: bool
     use_mig: bool
     gradient_element_bytes: int = 4
-    """Bytes of a gradient element in DDP's buckets: 2 with [train] bf16_weights (the copy's
-    gradients are bf16), else 4."""
+    """Bytes of a gradient element in DDP's buckets (comm_hooks.gradient_element_bytes)."""
     comm_hook: CommHookCost | None = None
-    """What DDP's comm hook puts on the wire and costs in compute; None is plain all-reduce of the buckets."""
+    """What DDP's comm hook puts on the wire, costs in compute and keeps in memory; a job built by
+    hand without one is planned with plain all-reduce of its buckets."""
 
     @classmethod
     def from_config(cls, config: JobConfig) -> PlanningJob:
@@ -115,7 +115,7 @@ class PlanningJob:
                    strategies=(DataParallel(config.parallel.strategy),), use_gpu=config.cluster.use_gpu,
                    cpus_per_worker=config.cluster.cpus_per_worker,
                    spot=placement.pricing == "spot", use_mig=placement.use_mig,
-                   gradient_element_bytes=2 if config.train.bf16_weights else 4,
+                   gradient_element_bytes=gradient_element_bytes(config),
                    comm_hook=CommHookCost.for_job(config))
 
     @property
@@ -240,10 +240,18 @@ class Costing:
         self._cpu = any(t.kind == DeviceKind.CPU for t in self._types)
 
     def with_comm_hook(self, hook: CommHookCost) -> Costing:
-        """The same costing with another comm hook (the planner's what-if notes)."""
+        """The same costing with another comm hook (comm_hook = "auto", the what-if notes); micro-batch
+        limits found so far carry over, and the caps too where the hook keeps the same memory."""
         other = copy.copy(self)
         other.comm_hook = hook
+        if hook.state_bytes != self.comm_hook.state_bytes:
+            other._caps = {}
         return other
+
+    def hook_state_bytes(self, strategy: DataParallel, world: int) -> float:
+        """What the comm hook keeps on each worker: only DDP over several replicas runs one."""
+        t = self.job.tensor_parallel_size
+        return self.comm_hook.state_bytes / t if strategy == DataParallel.DDP and world // t > 1 else 0.0
 
     # ---- per device type --------------------------------------------------------------------------
     def replica_group(self, device: DeviceType, count: int, cap: int, tp_hop: Hop | None) -> ReplicaGroup:
@@ -273,7 +281,8 @@ class Costing:
         # A DDP replica's memory does not depend on how many others there are, only on whether there are.
         key = (device, strategy, min(world, 2) if strategy == DataParallel.DDP else world, accumulating)
         if key not in self._caps:
-            fit = self.memory.max_micro_batch(device.memory_bytes, data_parallel=strategy.value, world_size=world,
+            capacity = device.memory_bytes - self.hook_state_bytes(strategy, world)
+            fit = self.memory.max_micro_batch(capacity, data_parallel=strategy.value, world_size=world,
                                               tensor_parallel_size=self.job.tensor_parallel_size,
                                               accumulating=accumulating, limit=self.job.micro_batch_limit)
             self._caps[key] = min(fit, self.job.micro_batch_limit)
@@ -344,6 +353,10 @@ class Costing:
         world = footprint.world
         if world == 0:
             return Refusal("no devices chosen", "", 0)
+        if self.comm_hook.name == "powersgd" and footprint.backend == "gloo" and world > 1:
+            return Refusal("powersgd hangs over gloo, which several MIG slices of one GPU reduce through",
+                           'use one MIG slice per GPU (bound [placement] max_gpus), or comm_hook = "bf16" or "topk"',
+                           world)
         replicas = footprint.replicas
         types = list(replicas)
         caps = {accumulating: [self.micro_batch_cap(d, strategy, world, accumulating) for d in types]
@@ -407,12 +420,12 @@ class Costing:
             reduction = self._reduction(hook.wire_bytes / t, ranks, footprint, planned_comm)
             algorithm = reduction.algorithm
             # Sized in the buckets' bytes (DDP's bucket_cap_mb), timed by what the hook sends for them.
-            buckets = bucketing(reduction, hook.buffer_bytes / t, overlap_s=backward,
+            buckets = bucketing(reduction, hook.buffer_bytes / t, overlap_s=backward if hook.overlaps_backward else 0.0,
                                 last_ready_bytes=self.memory.root_parameter_bytes / t,
                                 bucket_bytes=None if planned_comm else DDP_DEFAULT_BUCKET_BYTES)
             communication = buckets.seconds
             exposed = buckets.exposed_seconds if hook.overlaps_backward else communication
-            hook_seconds = max(hook.compute_seconds(d, ranks) for d in types)
+            hook_seconds = max(hook.compute_seconds(d, ranks, t) for d in types)
             compute += hook_seconds
         elif ranks > 1:
             gather, _ = self.collectives.all_gather(job.parameter_bytes_compute / t, ranks, hops["world"])

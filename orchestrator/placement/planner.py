@@ -28,7 +28,7 @@ import numpy as np
 
 from orchestrator.config import JobConfig
 from orchestrator.cost import CollectiveCostModel, ComputeModel, PriceTable
-from orchestrator.errors import PlacementError
+from orchestrator.errors import ConfigError, PlacementError
 from orchestrator.memory import MemoryProfile, measure_steps, profile, usable_bytes
 from orchestrator.placement.comm_hooks import COMPRESSING_HOOKS, Collective, CommHookCost
 from orchestrator.placement.devices import Device, DevicePool, DeviceType, Domain
@@ -138,16 +138,11 @@ class Planner:
         self.costing = plain_costing
         return plain
 
-    def _hook_to_run(self, outcome: Outcome) -> str:
-        """What the workers run (Plan.comm_hook): the configured hook, or auto's pick; auto takes the
-        hierarchical hook where the plan's reduction is hierarchical and DDP runs hooks."""
+    def _hook_to_run(self) -> str:
+        """What the workers run (Plan.comm_hook): the configured hook, or auto's pick."""
         if self.config.parallel.comm_hook != "auto":
             return self.config.parallel.comm_hook
-        if self.costing.comm_hook.name == "bf16":
-            return "bf16"
-        hierarchical = (outcome.allreduce == AllReduce.HIERARCHICAL and outcome.data_parallel == DataParallel.DDP
-                        and not self.config.compile.uses_compiled_autograd)
-        return "hierarchical" if hierarchical else "allreduce"
+        return "bf16" if self.costing.comm_hook.name == "bf16" else "allreduce"
 
     def search(self) -> Outcome:
         """The best candidate the greedy paths and hill climbing find (raises PlacementError if none)."""
@@ -360,12 +355,14 @@ class Planner:
                 f"{fastest.job_hours(job):.2f} h on {fastest.devices} devices", where="[placement] deadline_hours",
                 fix=f"raise deadline_hours to {math.ceil(fastest.job_hours(job) * 100) / 100:g}, lower [train] steps, "
                     "or raise max_gpus")
-        if outcomes:
-            return PlacementError(f"every plan that runs uses fewer than min_gpus = {job.min_devices} devices",
-                                  where="[placement] min_gpus",
-                                  fix=f"lower min_gpus to {max(o.devices for o in outcomes)}")
         refusal = max((o for o in evaluated.values() if isinstance(o, Refusal)), key=lambda r: r.devices,
                       default=Refusal("no candidate", "", 0))
+        if outcomes:
+            most = max(o.devices for o in outcomes)
+            larger = f" (on {refusal.devices}: {refusal.constraint})" if refusal.devices > most else ""
+            return PlacementError(f"every plan that runs uses fewer than min_gpus = {job.min_devices} devices{larger}",
+                                  where="[placement] min_gpus",
+                                  fix=f"lower min_gpus to {most}" + (f", or {refusal.fix}" if larger and refusal.fix else ""))
         return PlacementError(refusal.constraint, where="[placement]", fix=refusal.fix or self._memory_fix())
 
     def _memory_fix(self) -> str:
@@ -418,20 +415,25 @@ class Planner:
         return notes
 
     def _hook_advice(self, best: Outcome) -> list[str]:
-        """Where plain all-reduce leaves the step waiting on the wire, what each compressing hook is
-        predicted to do on the same devices. A hint, not a choice: compression changes the loss."""
+        """Where plain all-reduce leaves the step waiting on the wire, what each compressing hook the
+        config allows would do on the same devices, if it shortens the step. A hint, not a choice:
+        compression changes the loss."""
         exposed = best.exposed_communication_seconds / best.step_seconds if best.step_seconds else 0.0
-        if (self.costing.comm_hook.compresses or exposed < HOOK_ADVICE_EXPOSED_SHARE
-                or self.config.train.bf16_weights or best.data_parallel != DataParallel.DDP):
+        if self.costing.comm_hook.compresses or exposed < HOOK_ADVICE_EXPOSED_SHARE:
             return []
         steps = []
         for name in COMPRESSING_HOOKS:
-            outcome = self.costing.with_comm_hook(CommHookCost.for_job(self.config, name)).evaluate(best.footprint)
-            if isinstance(outcome, Outcome):
+            try:  # the config's own checks say which hooks this job may run (gloo, bf16 weights, FSDP, …)
+                config = JobConfig.from_dict(self.config.to_dict() | {"parallel": {
+                    **self.config.to_dict()["parallel"], "comm_hook": name}})
+            except ConfigError:
+                continue
+            outcome = self.costing.with_comm_hook(CommHookCost.for_job(config)).evaluate(best.footprint)
+            if isinstance(outcome, Outcome) and outcome.step_seconds < best.step_seconds:
                 steps.append(f"{name} {outcome.step_seconds * 1e3:.1f} ms")
         return [f"the step waits {exposed:.0%} of its {best.step_seconds * 1e3:.1f} ms on gradient communication; "
-                f"predicted with [parallel] comm_hook = {', '.join(steps)} (per step; compression costs loss, and "
-                "over a 3.4 GB/s link only bf16 reached all-reduce's loss sooner: benchmarks/RESULTS.md)"] if steps else []
+                f"predicted with [parallel] comm_hook = {', '.join(steps)} (per step: compression can cost "
+                "loss, benchmarks/RESULTS.md)"] if steps else []
 
     # ---- the plan --------------------------------------------------------------------------------
     def build(self, outcome: Outcome, *, notes: list[str], bucket_bytes: dict[str, int] | None = None) -> Plan:
@@ -462,7 +464,7 @@ class Planner:
         return Plan(
             job_name=job.name, objective=job.objective, workers=workers, global_batch_size=job.global_batch_size,
             seq_len=job.seq_len, grad_accum_steps=accum, data_parallel=outcome.data_parallel,
-            tensor_parallel_size=t, allreduce=outcome.allreduce, comm_hook=self._hook_to_run(outcome),
+            tensor_parallel_size=t, allreduce=outcome.allreduce, comm_hook=self._hook_to_run(),
             intra_island_groups=intra,
             inter_island_groups=cross_island_groups(intra),
             tensor_parallel_groups=[list(range(r, r + t)) for r in range(0, len(workers), t)],
@@ -479,10 +481,11 @@ class Planner:
         if self.exact_memory:  # one fake model for every micro-batch the plan hands out
             measure_steps(self.memory.spec, tuple(sorted(set(micro_batches))))
         peaks = {}
+        hook_state = int(self.costing.hook_state_bytes(outcome.data_parallel, len(devices)))
         for m in set(micro_batches):
-            peaks[m] = self.memory.peak_bytes(m, data_parallel=strategy, world_size=len(devices),
-                                              tensor_parallel_size=self.job.tensor_parallel_size,
-                                              accumulating=accumulating, exact=self.exact_memory)
+            peaks[m] = hook_state + self.memory.peak_bytes(m, data_parallel=strategy, world_size=len(devices),
+                                                           tensor_parallel_size=self.job.tensor_parallel_size,
+                                                           accumulating=accumulating, exact=self.exact_memory)
         for (device, _), m in zip(devices, micro_batches):
             if peaks[m] > usable_bytes(device.type.memory_bytes, self.memory.spec.device_type):
                 raise _Overrun(device.type, m)

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+import torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook as powersgd_module
 
 from orchestrator.config import JobConfig
 from orchestrator.placement.comm_hooks import CommHookCost
@@ -21,6 +22,20 @@ VARIANTS = {  # name: (hook, [parallel] and [train] settings beyond the hook)
     "topk ramp": ("topk", {"topk_ramp_steps": 12}, {}),
     "bf16 weights": ("allreduce", {}, {"precision": "bf16", "bf16_weights": True}),
 }
+
+
+class CountingAllReduce:
+    """torch.distributed as torch's PowerSGD hook sees it, with the bytes of every all_reduce summed."""
+
+    def __init__(self, inner):
+        self.inner, self.bytes = inner, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def all_reduce(self, tensor, *args, **kwargs):
+        self.bytes += tensor.numel() * tensor.element_size()
+        return self.inner.all_reduce(tensor, *args, **kwargs)
 
 
 def config_for(hook: str, parallel: dict | None = None, train: dict | None = None) -> JobConfig:
@@ -41,6 +56,8 @@ def nccl_runs(rank: int, world: int, out_path: str) -> None:
         islands = HOOKS[hook]
         config = config_for(hook, parallel, train)
         engine = Engine(config, uniform_plan(2, 8, 1, islands=islands, seq_len=64), rank, device)
+        counting = CountingAllReduce(powersgd_module.dist)
+        powersgd_module.dist = counting  # what torch's PowerSGD hook hands to all_reduce, counted apart from CommStats
         losses = []
         for step in range(STEPS):
             g = torch.Generator().manual_seed(step % 3)
@@ -49,8 +66,9 @@ def nccl_runs(rank: int, world: int, out_path: str) -> None:
             total = loss.detach().clone()
             torch.distributed.all_reduce(total)
             losses.append(float(total) / 2)
+        powersgd_module.dist = counting.inner
         metrics = engine.window_metrics()
-        results[name] = {"losses": losses, "comm_bytes": metrics["comm_bytes"],
+        results[name] = {"losses": losses, "comm_bytes": metrics["comm_bytes"], "powersgd_all_reduced": counting.bytes,
                          "exposed_comm_s": metrics.get("exposed_comm_s"), "overlap_ratio": metrics.get("overlap_ratio")}
     if rank == 0:
         with open(out_path, "w") as f:
@@ -97,7 +115,9 @@ def test_a_ramp_sends_bitmaps_then_offsets_and_bf16_weights_reduce_half_the_byte
 
 
 def test_the_planner_costs_the_bytes_powersgd_sent(runs):
-    """PowerSGD hangs over gloo, so here is where the planner's wire bytes meet the hook's own count."""
+    """PowerSGD hangs over gloo, so here is where the planner's wire bytes meet what torch's hook
+    all-reduces once it compresses (its warm-up steps all-reduce through the process group directly)."""
     plain_step = runs["allreduce"]["comm_bytes"] // STEPS
     wire = CommHookCost.for_job(config_for("powersgd")).wire_bytes
+    assert runs["powersgd"]["powersgd_all_reduced"] == (STEPS - WARMUP_STEPS) * wire
     assert runs["powersgd"]["comm_bytes"] == WARMUP_STEPS * plain_step + (STEPS - WARMUP_STEPS) * wire

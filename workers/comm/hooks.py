@@ -25,6 +25,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersg
 from kernels.bitmap import decode_bitmap, encode_bitmap, sends_bitmap
 from kernels.compression import compress, decompress_accumulate, decompress_sum
 from kernels.errors import NonFiniteGradientError
+from orchestrator.config import POWERSGD_ON_GLOO, POWERSGD_ON_GLOO_FIX
 from orchestrator.errors import ConfigError
 from workers.comm.groups import IslandGroups
 from workers.comm.stats import CommStats
@@ -136,11 +137,6 @@ def powersgd_wire(shapes: Iterable[Sequence[int]], rank: int, min_compression_ra
                 continue
         total += numel * element_bytes
     return total, matrices
-
-
-POWERSGD_ON_GLOO = ("powersgd hangs over gloo: torch's PowerSGD hook waits for one all-reduce inside the "
-                    "callback of another, on the gloo thread that would have to run it")
-POWERSGD_ON_GLOO_FIX = 'use comm_hook = "bf16" or "topk" over gloo; powersgd needs GPUs reducing over nccl'
 
 
 RAMP_START_RATIO = 0.25
@@ -276,7 +272,7 @@ def make_hook(name: str, *, stats: CommStats, world_size: int, islands: IslandGr
     if name == "bf16":
         return bf16_hook, HookState(stats=stats, world_size=world_size)
     if name == "powersgd":
-        if dist.get_backend() == "gloo":  # the planner's gloo, for several MIG slices of one GPU
+        if dist.get_backend() == "gloo":  # a hand-made plan; the config and the planner refuse it before
             raise ConfigError(POWERSGD_ON_GLOO, where="[parallel] comm_hook", fix=POWERSGD_ON_GLOO_FIX)
         return powersgd_hook, PowerSgdHookState(stats=stats, world_size=world_size, warmup_steps=warmup_steps,
                                                 rank=powersgd_rank)
