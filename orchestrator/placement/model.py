@@ -446,7 +446,9 @@ class Costing:
 
     def _reduction(self, wire_bytes: float, ranks: int, footprint: Footprint, planned: bool) -> Reduction:
         """How one step's `wire_bytes` per rank are reduced: by the comm hook's collective, and for
-        an all-reduce the fastest algorithm the placement allows (flat only when unplanned)."""
+        an all-reduce the fastest algorithm the placement allows (flat only when unplanned). NCCL's
+        own all-reduce, which the allreduce, bf16 and powersgd hooks call, builds its rings and trees
+        island by island, so it is costed as able to reach the hierarchical figure too."""
         hops = footprint.hops
         if not planned or self.comm_hook.collective == Collective.ALL_GATHER:
             return self._flat_reduction(wire_bytes, ranks, hops["world"])
