@@ -20,7 +20,7 @@ import torch
 from orchestrator.config import JobConfig, ModelConfig
 from orchestrator.cost import (Bucketing, CollectiveCostModel, ComputeModel, Hop, LinkClass, PriceTable, Reduction,
                                bucketing)
-from orchestrator.memory import MemoryProfile
+from orchestrator.memory import ALLOCATOR_SLACK, MemoryProfile
 from orchestrator.placement.comm_hooks import Collective, CommHookCost, gradient_element_bytes
 from orchestrator.placement.devices import DevicePool, DeviceType, Domain
 from orchestrator.placement.plan import AllReduce, DataParallel, DeviceKind, Objective
@@ -253,6 +253,12 @@ class Costing:
         t = self.job.tensor_parallel_size
         return self.comm_hook.state_bytes / t if strategy == DataParallel.DDP and world // t > 1 else 0.0
 
+    def capacity_for_step(self, device: DeviceType, strategy: DataParallel, world: int) -> int:
+        """The device memory the memory profile may plan a step into: the hook's state taken off what
+        the allocator can use (usable_bytes scales capacity by 1 - ALLOCATOR_SLACK)."""
+        state = self.hook_state_bytes(strategy, world)
+        return int(device.memory_bytes - state / (1 - ALLOCATOR_SLACK))
+
     # ---- per device type --------------------------------------------------------------------------
     def replica_group(self, device: DeviceType, count: int, cap: int, tp_hop: Hop | None) -> ReplicaGroup:
         key = (device, count, cap, tp_hop)
@@ -279,10 +285,11 @@ class Costing:
 
     def micro_batch_cap(self, device: DeviceType, strategy: DataParallel, world: int, accumulating: bool) -> int:
         # A DDP replica's memory does not depend on how many others there are, only on whether there are.
-        key = (device, strategy, min(world, 2) if strategy == DataParallel.DDP else world, accumulating)
+        replicas = world // self.job.tensor_parallel_size > 1  # whether DDP runs a hook, and its state
+        key = (device, strategy, (min(world, 2), replicas) if strategy == DataParallel.DDP else world, accumulating)
         if key not in self._caps:
-            capacity = device.memory_bytes - self.hook_state_bytes(strategy, world)
-            fit = self.memory.max_micro_batch(capacity, data_parallel=strategy.value, world_size=world,
+            fit = self.memory.max_micro_batch(self.capacity_for_step(device, strategy, world),
+                                              data_parallel=strategy.value, world_size=world,
                                               tensor_parallel_size=self.job.tensor_parallel_size,
                                               accumulating=accumulating, limit=self.job.micro_batch_limit)
             self._caps[key] = min(fit, self.job.micro_batch_limit)
@@ -487,7 +494,8 @@ class Costing:
         for hop in outcome.hops.values():
             sizes[hop.link_class.value] = bucketing(
                 self._flat_reduction(hook.wire_bytes / t, ranks, hop), hook.buffer_bytes / t,
-                overlap_s=outcome.overlap_seconds, last_ready_bytes=self.memory.root_parameter_bytes / t).bucket_bytes
+                overlap_s=outcome.overlap_seconds if hook.overlaps_backward else 0.0,
+                last_ready_bytes=self.memory.root_parameter_bytes / t).bucket_bytes
         sizes[outcome.hops["world"].link_class.value] = outcome.bucketing.bucket_bytes
         return sizes
 

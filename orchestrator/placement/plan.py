@@ -60,6 +60,10 @@ class AllReduce(StrEnum):
     """One replica: nothing to reduce."""
 
 
+PLAN_COMM_HOOKS = ("", "allreduce", "bf16", "powersgd", "topk", "hierarchical")
+"""What Plan.comm_hook may name: a hook the workers run ("auto" is resolved by the planner), or ""."""
+
+
 class DeviceKind(StrEnum):
     GPU = "gpu"
     MIG = "mig"
@@ -159,6 +163,9 @@ class Plan:
     """Why the planner chose what it did, in words (shown under the table)."""
 
     def __post_init__(self) -> None:
+        if self.comm_hook not in PLAN_COMM_HOOKS:
+            _invalid(f"comm_hook {self.comm_hook!r} is not one of {', '.join(repr(h) for h in PLAN_COMM_HOOKS)}",
+                     "plan comm_hook")
         _check_workers(self)
         _check_batch(self)
         _check_groups(self)

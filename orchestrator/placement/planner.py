@@ -113,7 +113,8 @@ class Planner:
     def _exact_fit(self, overrun: _Overrun, outcome: Outcome) -> int:
         """The largest micro-batch below the one that overran whose exact peak fits the device."""
         return self.memory.max_micro_batch(
-            overrun.device.memory_bytes, data_parallel=outcome.data_parallel.value, world_size=outcome.devices,
+            self.costing.capacity_for_step(overrun.device, outcome.data_parallel, outcome.devices),
+            data_parallel=outcome.data_parallel.value, world_size=outcome.devices,
             tensor_parallel_size=self.job.tensor_parallel_size, accumulating=outcome.split.grad_accum_steps > 1,
             limit=overrun.micro_batch - 1, exact=True)
 
@@ -121,6 +122,7 @@ class Planner:
         """search() under the configured comm hook. Under "auto": under plain all-reduce and, where DDP
         may run it, the bf16 hook, which is kept only for a step AUTO_BF16_MIN_GAIN shorter; self.costing
         is left on the winner's hook, which build() names in the plan."""
+        self._auto_note = ""
         if self.config.parallel.comm_hook != "auto":
             return self.search()
         plain_costing = self.costing.with_comm_hook(CommHookCost.plain(self.job.gradient_bytes))
@@ -234,7 +236,10 @@ class Planner:
                     what = "whole GPUs" if self.job.use_gpu else "CPU slots"
                     note = (f"Ray's PACK order: {wanted} {what} in node and index order, micro-batch "
                             f"{micro_batch} for every worker ({', '.join(sorted(t.label for t in types))})")
-                    return self.build(outcome, notes=[note], bucket_bytes={"default": DDP_DEFAULT_BUCKET_BYTES})
+                    try:
+                        return self.build(outcome, notes=[note], bucket_bytes={"default": DDP_DEFAULT_BUCKET_BYTES})
+                    except _Overrun:  # the exact estimate is larger than the profile's: a smaller one
+                        continue
             return None
         finally:
             self.costing = planned_costing

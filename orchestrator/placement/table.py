@@ -37,6 +37,8 @@ def _headline(plan: Plan) -> str:
     reduction = {AllReduce.NONE: "no gradient reduction",
                  AllReduce.ALL_GATHER: f"all-gather of compressed gradients over {plan.backend}"}.get(
         plan.allreduce, f"{plan.allreduce.value} all-reduce over {plan.backend}")
+    if plan.comm_hook and plan.allreduce != AllReduce.NONE and plan.data_parallel.value == "ddp":
+        reduction += f" (comm hook {plan.comm_hook})"
     return (f"[bold]plan '{escape(plan.job_name)}'[/] ({plan.objective.value}): {workers}, "
             f"{plan.data_parallel.value}{tp}, {reduction}, global batch {plan.global_batch_size} = "
             f"micro-batches × {plan.grad_accum_steps} accumulation" + (f"; buckets {buckets}" if buckets else ""))

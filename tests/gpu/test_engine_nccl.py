@@ -48,6 +48,19 @@ def config_for(hook: str, parallel: dict | None = None, train: dict | None = Non
         "cluster": {"num_workers": 2, "use_gpu": True}})
 
 
+def train_steps(engine: Engine, rank: int, device: torch.device) -> list[float]:
+    """STEPS steps cycling three batches; the mean loss over both ranks after each."""
+    losses = []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(step % 3)
+        data = torch.randint(0, 257, (16, 65), generator=g)[rank * 8:(rank + 1) * 8].to(device)
+        loss, _ = engine([data], lr=3e-3)
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(float(total) / 2)
+    return losses
+
+
 def nccl_runs(rank: int, world: int, out_path: str) -> None:
     device = torch.device("cuda", rank)
     results = {}
@@ -58,15 +71,10 @@ def nccl_runs(rank: int, world: int, out_path: str) -> None:
         engine = Engine(config, uniform_plan(2, 8, 1, islands=islands, seq_len=64), rank, device)
         counting = CountingAllReduce(powersgd_module.dist)
         powersgd_module.dist = counting  # what torch's PowerSGD hook hands to all_reduce, counted apart from CommStats
-        losses = []
-        for step in range(STEPS):
-            g = torch.Generator().manual_seed(step % 3)
-            data = torch.randint(0, 257, (16, 65), generator=g)[rank * 8:(rank + 1) * 8].to(device)
-            loss, _ = engine([data], lr=3e-3)
-            total = loss.detach().clone()
-            torch.distributed.all_reduce(total)
-            losses.append(float(total) / 2)
-        powersgd_module.dist = counting.inner
+        try:
+            losses = train_steps(engine, rank, device)
+        finally:
+            powersgd_module.dist = counting.inner
         metrics = engine.window_metrics()
         results[name] = {"losses": losses, "comm_bytes": metrics["comm_bytes"], "powersgd_all_reduced": counting.bytes,
                          "exposed_comm_s": metrics.get("exposed_comm_s"), "overlap_ratio": metrics.get("overlap_ratio")}

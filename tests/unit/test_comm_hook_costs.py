@@ -10,6 +10,7 @@ from orchestrator.errors import PlacementError
 from orchestrator.cost import POWERSGD_HOST_SECONDS_PER_MATRIX, CollectiveCostModel
 from orchestrator.placement.comm_hooks import Collective, CommHookCost
 from orchestrator.placement.plan import Plan
+from orchestrator.placement import planner as planner_module
 from orchestrator.placement.planner import AUTO_BF16_MIN_GAIN, Planner
 from orchestrator.topology import machines
 from orchestrator.topology.model import ClusterTopology
@@ -107,13 +108,21 @@ def auto_plan(link: str, **sections) -> Plan:
 def test_auto_takes_bf16_where_the_link_is_slow_and_plain_allreduce_where_it_is_not():
     slow, fast = auto_plan("sockets"), auto_plan("nvswitch")
     assert slow.comm_hook == "bf16" and fast.comm_hook == "allreduce"
-    plain = predicted_steps_ms("sockets")["allreduce"] / 1e3
-    assert slow.predicted.step_seconds < (1 - AUTO_BF16_MIN_GAIN) * plain
+    topology = ClusterTopology.load(TOPOLOGIES / "h200x2-nvswitch.json")
+    collectives = CollectiveCostModel.load(TOPOLOGIES / "h200x2-sockets.calibration.json")
+    plain = Planner(topology, job("allreduce"), collectives=collectives, exact_memory=False).plan()
+    assert slow.predicted.step_seconds < (1 - AUTO_BF16_MIN_GAIN) * plain.predicted.step_seconds
     assert any(note.startswith("comm_hook = auto took bf16") for note in slow.notes)
     assert Plan.from_json(slow.to_json()).comm_hook == "bf16"
     # bf16 weights reduce bf16 gradients already; compiled autograd runs no hook
     assert auto_plan("sockets", train={"bf16_weights": True}).comm_hook == "allreduce"
-    assert auto_plan("nvswitch", train={"bf16_weights": True}).allreduce.value == "ring"
+    assert auto_plan("sockets", parallel={"strategy": "fsdp"}).comm_hook == "allreduce"
+
+
+def test_auto_keeps_plain_allreduce_when_bf16_gains_less_than_the_threshold(monkeypatch):
+    monkeypatch.setattr(planner_module, "AUTO_BF16_MIN_GAIN", 0.5)  # bf16 is predicted about 43 % faster here
+    plan = auto_plan("sockets")
+    assert plan.comm_hook == "allreduce" and not any("auto took" in note for note in plan.notes)
     assert auto_plan("sockets", compile={"ddp_mode": "compiled_autograd"}).comm_hook == "allreduce"
 
 
@@ -133,3 +142,9 @@ def test_what_topk_and_powersgd_keep_counts_against_memory():
     elements = 124_373_760
     assert peak("topk") - peak("allreduce") == 4 * elements  # the fp32 residual
     assert peak("powersgd") - peak("allreduce") == 4 * elements + 3_281_920  # error feedback, P and Q
+
+
+def test_a_plan_naming_an_unknown_hook_is_refused_on_load():
+    text = auto_plan("sockets").to_json().replace('"comm_hook": "bf16"', '"comm_hook": "gossip"')
+    with pytest.raises(PlacementError, match="comm_hook 'gossip' is not one of"):
+        Plan.from_json(text)
