@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from enum import StrEnum
 
 from orchestrator.config import JobConfig
 from orchestrator.cost import HOOK_COMPUTE, POWERSGD_HOST_SECONDS_PER_MATRIX
@@ -36,20 +35,16 @@ def gradient_element_bytes(config: JobConfig) -> int:
     return 2 if config.train.bf16_weights else 4
 
 
-class Collective(StrEnum):
-    ALL_REDUCE = "all_reduce"
-    ALL_GATHER = "all_gather"
-    """Every rank receives every other rank's payload (topk): the bytes received grow with the ranks."""
-
-
 @dataclass(frozen=True, slots=True)
 class CommHookCost:
     name: str
-    collective: Collective
     wire_bytes: float
     """Bytes one rank hands to the collective per step (for an all-gather, its own payload)."""
     buffer_bytes: float
     """Bytes of DDP's gradient buckets per step: what the bucket size is counted in."""
+    all_gather: bool = False
+    """True for top-k: every rank receives every other rank's payload, so what each receives grows
+    with the ranks; the others all-reduce."""
     collectives_per_bucket: int = 1
     """Collectives each bucket waits on in turn (PowerSGD: the uncompressed tensors, P, then Q)."""
     elements: int = 0
@@ -68,7 +63,7 @@ class CommHookCost:
     @classmethod
     def plain(cls, buffer_bytes: float) -> CommHookCost:
         """DDP's own all-reduce of its buckets."""
-        return cls("allreduce", Collective.ALL_REDUCE, buffer_bytes, buffer_bytes)
+        return cls("allreduce", buffer_bytes, buffer_bytes)
 
     @classmethod
     def for_job(cls, config: JobConfig, name: str | None = None) -> CommHookCost:
@@ -80,21 +75,21 @@ class CommHookCost:
         buffer = elements * gradient_element_bytes(config)
         name = name or config.parallel.comm_hook
         if name == "bf16":
-            return cls(name, Collective.ALL_REDUCE, elements * 2, buffer, elements=elements)
+            return cls(name, elements * 2, buffer, elements=elements)
         if name == "topk":
             from kernels.bitmap import wire_nbytes
             from kernels.compression import payload_layout
 
             wire = wire_nbytes(payload_layout(elements, config.parallel.topk_ratio))
-            return cls(name, Collective.ALL_GATHER, wire, buffer, elements=elements, state_bytes=4 * elements)
+            return cls(name, wire, buffer, all_gather=True, elements=elements, state_bytes=4 * elements)
         if name == "powersgd":
             from workers.comm.hooks import powersgd_wire
 
             wire, matrices = powersgd_wire(shapes, config.parallel.powersgd_rank)
-            return cls(name, Collective.ALL_REDUCE, wire, buffer, collectives_per_bucket=3,
+            return cls(name, wire, buffer, collectives_per_bucket=3,
                        host_seconds=matrices * POWERSGD_HOST_SECONDS_PER_MATRIX, state_bytes=4 * elements + wire,
                        overlaps_backward=False)
-        return cls.plain(buffer) if name == "allreduce" else cls(name, Collective.ALL_REDUCE, buffer, buffer)
+        return cls(name, buffer, buffer)  # allreduce, hierarchical, auto: the buckets as they are
 
     def compute_seconds(self, device: DeviceType, ranks: int, tensor_parallel: int = 1) -> float:
         """The hook's own work per step on `device` for one rank's 1/tensor_parallel of the gradients.
@@ -110,7 +105,7 @@ class CommHookCost:
             seconds += elements * rate.cpu_core_ns_per_element * 1e-9 / max(device.cores, 1)
         elif rate is not None:
             seconds += elements * rate.gpu_bytes_per_element / device.memory_bytes_per_s
-        if self.collective == Collective.ALL_GATHER:
+        if self.all_gather:
             seconds += (ranks - 1) * self.wire_bytes / tensor_parallel / device.memory_bytes_per_s
         return seconds
 

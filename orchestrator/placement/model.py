@@ -21,7 +21,7 @@ from orchestrator.config import JobConfig, ModelConfig
 from orchestrator.cost import (Bucketing, CollectiveCostModel, ComputeModel, Hop, LinkClass, PriceTable, Reduction,
                                bucketing)
 from orchestrator.memory import ALLOCATOR_SLACK, MemoryProfile
-from orchestrator.placement.comm_hooks import Collective, CommHookCost, gradient_element_bytes
+from orchestrator.placement.comm_hooks import CommHookCost, gradient_element_bytes
 from orchestrator.placement.devices import DevicePool, DeviceType, Domain
 from orchestrator.placement.plan import AllReduce, DataParallel, DeviceKind, Objective
 from orchestrator.placement.split import ReplicaGroup, Split, feasible_accum_steps, split_batch
@@ -457,7 +457,7 @@ class Costing:
         own all-reduce, which the allreduce, bf16 and powersgd hooks call, builds its rings and trees
         island by island, so it is costed as able to reach the hierarchical figure too."""
         hops = footprint.hops
-        if not planned or self.comm_hook.collective == Collective.ALL_GATHER:
+        if not planned or self.comm_hook.all_gather:
             return self._flat_reduction(wire_bytes, ranks, hops["world"])
         size = footprint.island_size
         reduction = self.collectives.gradient_reduction(
@@ -468,7 +468,7 @@ class Costing:
     def _flat_reduction(self, wire_bytes: float, ranks: int, hop: Hop) -> Reduction:
         """The hook's collective over one hop: an all-gather of every rank's payload, or ring/tree all-reduce."""
         per_bucket = self.comm_hook.collectives_per_bucket
-        if self.comm_hook.collective == Collective.ALL_GATHER:
+        if self.comm_hook.all_gather:
             seconds, latency = self.collectives.all_gather(ranks * wire_bytes, ranks, hop)
             return Reduction(AllReduce.ALL_GATHER, seconds - latency, latency * per_bucket)
         algorithm, seconds, latency = self.collectives.flat_allreduce(wire_bytes, ranks, hop)

@@ -30,7 +30,7 @@ from orchestrator.config import JobConfig
 from orchestrator.cost import CollectiveCostModel, ComputeModel, PriceTable
 from orchestrator.errors import ConfigError, PlacementError
 from orchestrator.memory import MemoryProfile, measure_steps, profile, usable_bytes
-from orchestrator.placement.comm_hooks import COMPRESSING_HOOKS, Collective, CommHookCost
+from orchestrator.placement.comm_hooks import COMPRESSING_HOOKS, CommHookCost
 from orchestrator.placement.devices import Device, DevicePool, DeviceType, Domain
 from orchestrator.topology.sysfs import format_cpu_list, parse_cpu_list
 from orchestrator.placement.model import (DDP_DEFAULT_BUCKET_BYTES, Costing, Footprint, Outcome, PlanningJob, Refusal,
@@ -410,7 +410,7 @@ class Planner:
             share = f"{hook.wire_bytes / 1e6:.1f} MB a step ({hook.wire_bytes / hook.buffer_bytes:.1%} of its " \
                     f"{hook.buffer_bytes / 1e6:.1f} MB of gradient buckets)"
             sends = (f"each rank sends {share} and receives as much from every other by all-gather"
-                     if hook.collective == Collective.ALL_GATHER else f"each rank all-reduces {share}")
+                     if hook.all_gather else f"each rank all-reduces {share}")
             notes.append(f"comm hook {hook.name}: {sends}; its own work adds {best.hook_compute_seconds * 1e3:.1f} ms "
                          "a step (costed as after its plain all-reduce warm-up)")
         notes.extend(self._hook_advice(best))
@@ -428,9 +428,10 @@ class Planner:
             return []
         steps = []
         for name in COMPRESSING_HOOKS:
+            data = self.config.to_dict()
+            data["parallel"]["comm_hook"] = name
             try:  # the config's own checks say which hooks this job may run (gloo, bf16 weights, FSDP, …)
-                config = JobConfig.from_dict(self.config.to_dict() | {"parallel": {
-                    **self.config.to_dict()["parallel"], "comm_hook": name}})
+                config = JobConfig.from_dict(data)
             except ConfigError:
                 continue
             outcome = self.costing.with_comm_hook(CommHookCost.for_job(config)).evaluate(best.footprint)

@@ -8,7 +8,7 @@ import pytest
 from orchestrator.config import JobConfig
 from orchestrator.errors import PlacementError
 from orchestrator.cost import POWERSGD_HOST_SECONDS_PER_MATRIX, CollectiveCostModel
-from orchestrator.placement.comm_hooks import Collective, CommHookCost
+from orchestrator.placement.comm_hooks import CommHookCost
 from orchestrator.placement.plan import Plan
 from orchestrator.placement import planner as planner_module
 from orchestrator.placement.planner import AUTO_BF16_MIN_GAIN, Planner
@@ -39,16 +39,20 @@ def test_wire_bytes_are_what_the_hooks_sent_on_two_h200s():
     assert powersgd.wire_bytes == 3_281_920  # the hook's own rule, tensor by tensor: exact
     assert topk.wire_bytes == pytest.approx(4_621_248, rel=1e-3)  # costed as one bucket; DDP sent ~20
     assert plain.wire_bytes == 497_495_040
-    assert topk.collective == Collective.ALL_GATHER and powersgd.collective == Collective.ALL_REDUCE
+    assert topk.all_gather and not powersgd.all_gather
     assert powersgd.host_seconds == pytest.approx(50 * POWERSGD_HOST_SECONDS_PER_MATRIX)  # 50 matrices compressed
 
 
-def predicted_steps_ms(link: str) -> dict[str, float]:
-    """The planner's step for each hook on the probed two-H200 map, with DDP's default buckets as the runs had."""
+def two_h200s(config: JobConfig, link: str) -> Planner:
+    """A planner on the probed two-H200 map, with the link's calibration row ("nvswitch" or "sockets")."""
     topology = ClusterTopology.load(TOPOLOGIES / "h200x2-nvswitch.json")
     collectives = CollectiveCostModel.load(TOPOLOGIES / f"h200x2-{link}.calibration.json")
-    return {hook: Planner(topology, job(hook), collectives=collectives, exact_memory=False).naive(2)
-            .predicted.step_seconds * 1e3 for hook in MEASURED_STEP_MS[link]}
+    return Planner(topology, config, collectives=collectives, exact_memory=False)
+
+
+def predicted_steps_ms(link: str) -> dict[str, float]:
+    """The planner's step for each hook, with DDP's default buckets as the runs had."""
+    return {hook: two_h200s(job(hook), link).naive(2).predicted.step_seconds * 1e3 for hook in MEASURED_STEP_MS[link]}
 
 
 def test_over_a_slow_link_the_hooks_rank_and_time_as_measured():
@@ -100,17 +104,13 @@ def test_topk_all_gather_grows_with_the_ranks_an_all_reduce_does_not():
 
 
 def auto_plan(link: str, **sections) -> Plan:
-    topology = ClusterTopology.load(TOPOLOGIES / "h200x2-nvswitch.json")
-    collectives = CollectiveCostModel.load(TOPOLOGIES / f"h200x2-{link}.calibration.json")
-    return Planner(topology, job("auto", **sections), collectives=collectives, exact_memory=False).plan()
+    return two_h200s(job("auto", **sections), link).plan()
 
 
 def test_auto_takes_bf16_where_the_link_is_slow_and_plain_allreduce_where_it_is_not():
     slow, fast = auto_plan("sockets"), auto_plan("nvswitch")
     assert slow.comm_hook == "bf16" and fast.comm_hook == "allreduce"
-    topology = ClusterTopology.load(TOPOLOGIES / "h200x2-nvswitch.json")
-    collectives = CollectiveCostModel.load(TOPOLOGIES / "h200x2-sockets.calibration.json")
-    plain = Planner(topology, job("allreduce"), collectives=collectives, exact_memory=False).plan()
+    plain = two_h200s(job("allreduce"), "sockets").plan()
     assert slow.predicted.step_seconds < (1 - AUTO_BF16_MIN_GAIN) * plain.predicted.step_seconds
     assert any(note.startswith("comm_hook = auto took bf16") for note in slow.notes)
     assert Plan.from_json(slow.to_json()).comm_hook == "bf16"
