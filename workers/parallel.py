@@ -66,14 +66,6 @@ def wrap(model: GPT, config: JobConfig, plan: Plan, precision: Precision, device
     return _wrap_ddp(model, config, plan, device, world, comm_stats)
 
 
-def uses_compiled_autograd(config: JobConfig) -> bool:
-    """Whether compiled DDP runs under compiled autograd: only when asked for. "auto" takes
-    DDPOptimizer: on two H200s it hides 98-99 % of the all-reduce and keeps pace with plain DDP +
-    compile, while compiled autograd over two NCCL ranks failed in torch 2.11 ("Attempt to trace
-    generator" in the compiled backward; benchmarks/RESULTS.md, multi-GPU section)."""
-    return config.compile.uses_compiled_autograd
-
-
 def comm_hook_to_run(config: JobConfig, plan: Plan) -> str:
     """The plan's hook (the planner resolves "auto"), else the configured one; "auto" unresolved is allreduce."""
     name = plan.comm_hook or config.parallel.comm_hook
@@ -83,7 +75,7 @@ def comm_hook_to_run(config: JobConfig, plan: Plan) -> str:
 def _wrap_ddp(model: GPT, config: JobConfig, plan: Plan, device: torch.device, world: int,
               comm_stats: CommStats) -> WrappedModel:
     par = config.parallel
-    compiled_autograd = uses_compiled_autograd(config)
+    compiled_autograd = config.compile.uses_compiled_autograd
     # DDP reads optimize_ddp once, in its constructor; both flags are process-wide, so every wrap
     # sets them either way (a later engine in the same process must not inherit them).
     # With compiled autograd, DDP's C++ reducer is replaced by the Python one, whose all-reduces

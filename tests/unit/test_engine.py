@@ -17,7 +17,6 @@ from orchestrator.errors import CompileError
 from workers.engine import Engine, check_compiled_loss, relative_difference
 from workers.models.gpt import GPT
 from workers.models.loss import chunked_cross_entropy
-from workers.parallel import uses_compiled_autograd
 from workers.precision import LossScaler, Precision
 
 STEPS = 20
@@ -224,7 +223,7 @@ def test_topk_with_error_feedback_tracks_uncompressed_training(runs):
 
 def test_compiled_ddp_takes_compiled_autograd_only_when_asked():
     def mode(**sections) -> bool:
-        return uses_compiled_autograd(JobConfig.from_dict({**job().to_dict(), **sections}))
+        return JobConfig.from_dict({**job().to_dict(), **sections}).compile.uses_compiled_autograd
     assert not mode(compile={"enable": True})  # the default, "auto": DDPOptimizer
     assert mode(compile={"enable": True, "ddp_mode": "compiled_autograd"})
     assert not mode(compile={"enable": True, "ddp_mode": "ddp_optimizer"})
