@@ -63,11 +63,26 @@ class LinkCalibration:
     """Achieved bus bandwidth as a share of the link's nominal bandwidth."""
     bus_gb_per_s: float = 0.0
     """A measured bus bandwidth (nccl-tests busbw); when above 0 it replaces nominal × efficiency."""
+    ddp_compute_slowdown: float = 0.0
+    """Share by which a DDP step's compute runs longer when its gradients are reduced over this link
+    than the same step alone on one GPU. Not a wait on the wire (that is costed apart): the kernels
+    themselves run slower beside the collective. A bandwidth sweep cannot see it; a calibration row
+    that leaves it out keeps the link class's default."""
+
+
+NVLINK_DDP_COMPUTE_SLOWDOWN = 0.08
+"""Measured on two H200s over NVSwitch, GPT-2 124M and 1.3B under DDPOptimizer: the step ran 7.2–9.6 %
+longer than one GPU's, with 98–99 % of the all-reduce hidden, and 7–9 % for every comm hook,
+top-k's 5 MB included (benchmarks/RESULTS.md, "Why two GPUs cost 7 % more"). A profile of the 124M
+step puts it in the kernels: a split-K weight-gradient GEMM 4.8 -> 6.6 ms beside the all-reduce, the
+graph's fused kernels +1 ms once DDPOptimizer cuts it at bucket boundaries. NVLink without a switch
+moves data the same way (kernels on both GPUs), so it takes the same figure; over TCP between the
+same two GPUs the step ran within its hook's own compute of one GPU's (0 in that calibration row)."""
 
 
 DEFAULT_CALIBRATION: dict[LinkClass, LinkCalibration] = {
-    LinkClass.NVSWITCH: LinkCalibration(alpha_us=6.0, efficiency=0.85),
-    LinkClass.NVLINK: LinkCalibration(alpha_us=6.0, efficiency=0.80),
+    LinkClass.NVSWITCH: LinkCalibration(alpha_us=6.0, efficiency=0.85, ddp_compute_slowdown=NVLINK_DDP_COMPUTE_SLOWDOWN),
+    LinkClass.NVLINK: LinkCalibration(alpha_us=6.0, efficiency=0.80, ddp_compute_slowdown=NVLINK_DDP_COMPUTE_SLOWDOWN),
     LinkClass.PCIE: LinkCalibration(alpha_us=10.0, efficiency=0.75),
     LinkClass.HOST_MEMORY: LinkCalibration(alpha_us=25.0, efficiency=0.60),
     LinkClass.INFINIBAND: LinkCalibration(alpha_us=10.0, efficiency=0.94),
@@ -238,8 +253,10 @@ def parse_calibration(data: object, *, where: str) -> dict[LinkClass, LinkCalibr
         if key not in LinkClass.__members__.values():
             raise ConfigError(f"unknown link class {key!r}", where=where,
                               fix=f"use one of {', '.join(c.value for c in LinkClass)}")
-        if not isinstance(row, dict) or set(row) - {"alpha_us", "efficiency", "bus_gb_per_s"} or "alpha_us" not in row:
-            raise ConfigError(f"row {key!r} must be an object with alpha_us and efficiency or bus_gb_per_s",
+        if (not isinstance(row, dict) or set(row) - {"alpha_us", "efficiency", "bus_gb_per_s", "ddp_compute_slowdown"}
+                or "alpha_us" not in row):
+            raise ConfigError(f"row {key!r} must be an object with alpha_us and efficiency or bus_gb_per_s "
+                              "(and optionally ddp_compute_slowdown)",
                               where=where, fix='e.g. {"alpha_us": 8.5, "bus_gb_per_s": 47.1}')
         for name, value in row.items():
             # `type in`: true is not a number here, and neither is the string "1.5".
@@ -249,7 +266,10 @@ def parse_calibration(data: object, *, where: str) -> dict[LinkClass, LinkCalibr
             if value < 0:
                 raise ConfigError(f"row {key!r} has a negative number", where=f"{where}: {key}.{name}",
                                   fix="times and bandwidths are ≥ 0")
-        table[LinkClass(key)] = LinkCalibration(**{name: float(value) for name, value in row.items()})
+        link = LinkClass(key)
+        values = {"ddp_compute_slowdown": DEFAULT_CALIBRATION[link].ddp_compute_slowdown,
+                  **{name: float(value) for name, value in row.items()}}
+        table[link] = LinkCalibration(**values)
     return table
 
 
