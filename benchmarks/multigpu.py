@@ -311,9 +311,11 @@ def _text_tokens() -> np.ndarray:
     return np.frombuffer(b"\x00".join(chunks), dtype=np.uint8)
 
 
-def hook_run(rank: int, world: int, cpu: bool, model: dict, micro: int, hook: str, steps: int, out_path: str) -> None:
+def hook_run(rank: int, world: int, cpu: bool, model: dict, micro: int, hook: str, steps: int, topk_ramp_steps: int,
+             out_path: str) -> None:
     # Every hook, plain all-reduce included, under DDPOptimizer: the same graph splits for all of them.
-    config = _job(model, micro, world, cpu, parallel={"comm_hook": hook, "comm_warmup_steps": 10},
+    config = _job(model, micro, world, cpu,
+                  parallel={"comm_hook": hook, "comm_warmup_steps": 10, "topk_ramp_steps": topk_ramp_steps},
                   compile={"ddp_mode": "ddp_optimizer"})
     config.train.lr, config.train.min_lr = 6e-4, 6e-4
     plan = Plan.uniform(job_name="hooks", world_size=world, micro_batch_size=micro, grad_accum_steps=1,
@@ -369,10 +371,11 @@ def hooks_section(args, world: int) -> list[dict]:
         if args.cpu and hook == "powersgd":
             print("powersgd skipped: it hangs over gloo, and the config refuses it there", flush=True)
             continue
-        on_world = run_ranks(world, args.cpu, hook_run, model, micro, hook, args.hook_steps)
+        ramp = args.topk_ramp_steps if hook == "topk" else 0
+        on_world = run_ranks(world, args.cpu, hook_run, model, micro, hook, args.hook_steps, ramp)
         alone = (on_world if world == 1 else {} if args.skip_alone
-                 else run_ranks(1, args.cpu, hook_run, model, micro, hook, 40))
-        rows.append({"model": name, "hook": hook, "world": world, **{k: v for k, v in on_world.items()},
+                 else run_ranks(1, args.cpu, hook_run, model, micro, hook, 40, ramp))
+        rows.append({"model": name, "hook": hook, "world": world, "topk_ramp_steps": ramp, **on_world,
                      "alone_step_s": alone.get("step_s"), "alone_bytes_per_step": alone.get("bytes_per_step")})
         print(json.dumps(rows[-1]), flush=True)  # as it lands: a call's time limit may cut the section short
     base = next(r for r in rows if r["hook"] == "allreduce")
@@ -428,6 +431,8 @@ def main() -> None:
     parser.add_argument("--skip-alone", action="store_true",
                         help="hooks: skip the one-rank runs that measure each hook's own compute")
     parser.add_argument("--hooks", nargs="+", choices=HOOKS, default=list(HOOKS), help="hooks the hooks section runs")
+    parser.add_argument("--topk-ramp-steps", type=int, default=0,
+                        help="[parallel] topk_ramp_steps for the topk hook: its share falls from 25 %% to 1 %% over them")
     parser.add_argument("--engine-configs", nargs="+", choices=list(ENGINE_CONFIGS), default=list(ENGINE_CONFIGS),
                         help="which engine wrappings the train section measures")
     parser.add_argument("--cpu", action="store_true", help="gloo on CPU processes with a tiny model")

@@ -506,7 +506,7 @@ def decompress_accumulate(dense_out: torch.Tensor, compressed: CompressedBucket)
 
 
 @triton.jit
-def _segment_bounds(payloads_ptr, row_bytes, rank, ranks, segment, segments, capacity, STARTS_OFFSET: tl.constexpr):
+def _segment_bounds(payloads_ptr, row_bytes, rank, ranks, segment, segments, capacity, starts_offset):
     """first << 32 | last: the entries of rank's payload row that fall in the segment, as one
     int64 (see the kernel for why); 0 for a rank past the last, and never past the entries sent
     or the capacity."""
@@ -514,7 +514,7 @@ def _segment_bounds(payloads_ptr, row_bytes, rank, ranks, segment, segments, cap
     row = payloads_ptr + row_bytes.to(tl.int64) * rank
     sent = tl.load(row.to(tl.pointer_type(tl.int32)), mask=live, other=0)
     sent = tl.maximum(tl.minimum(sent, capacity), 0)
-    starts = (row + STARTS_OFFSET).to(tl.pointer_type(tl.int32)) + segment
+    starts = (row + starts_offset).to(tl.pointer_type(tl.int32)) + segment
     first = tl.load(starts, mask=live, other=0)
     # A segment ends where the next begins; the last one where the entries sent end.
     not_last = segment + 1 < segments
@@ -525,31 +525,31 @@ def _segment_bounds(payloads_ptr, row_bytes, rank, ranks, segment, segments, cap
 
 
 @triton.jit
-def _load_rank(payloads_ptr, row_bytes, rank, bounds, segment, numel, INDICES_OFFSET: tl.constexpr,
-               VALUES_OFFSET: tl.constexpr, SCALES_OFFSET: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+def _load_rank(payloads_ptr, row_bytes, rank, bounds, segment, numel, values_offset, scales_offset,
+               INDICES_OFFSET: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
     """(offsets, codes) of rank's first CHUNK entries in the segment, and the scales of the
     segment's blocks (none loaded where it sent nothing)."""
     first = (bounds >> 32).to(tl.int32)
     last = (bounds & 0xFFFFFFFF).to(tl.int32)
-    offsets, codes = _load_entries(payloads_ptr, row_bytes, rank, first, last, INDICES_OFFSET, VALUES_OFFSET, CHUNK)
+    offsets, codes = _load_entries(payloads_ptr, row_bytes, rank, first, last, values_offset, INDICES_OFFSET, CHUNK)
     blocks: tl.constexpr = _SEGMENT // BLOCK
     block = segment * blocks + tl.arange(0, blocks)
     row = payloads_ptr + row_bytes.to(tl.int64) * rank
-    scales = tl.load((row + SCALES_OFFSET).to(tl.pointer_type(tl.float32)) + block,
+    scales = tl.load((row + scales_offset).to(tl.pointer_type(tl.float32)) + block,
                      mask=(block * BLOCK < numel) & (first < last), other=0.0)
     return offsets, codes, scales
 
 
 @triton.jit
-def _load_entries(payloads_ptr, row_bytes, rank, first, last, INDICES_OFFSET: tl.constexpr,
-                  VALUES_OFFSET: tl.constexpr, CHUNK: tl.constexpr):
+def _load_entries(payloads_ptr, row_bytes, rank, first, last, values_offset, INDICES_OFFSET: tl.constexpr,
+                  CHUNK: tl.constexpr):
     """(offsets, codes) of rank's entries first.. (at most CHUNK, before last); a missing entry
     reads as offset -1, which no segment holds."""
     row = payloads_ptr + row_bytes.to(tl.int64) * rank
     entry = first + tl.arange(0, CHUNK)
     live = entry < last
     offsets = tl.load((row + INDICES_OFFSET).to(tl.pointer_type(tl.int16)) + entry, mask=live, other=-1)
-    codes = tl.load((row + VALUES_OFFSET).to(tl.pointer_type(tl.int8)) + entry, mask=live, other=0)
+    codes = tl.load((row + values_offset).to(tl.pointer_type(tl.int8)) + entry, mask=live, other=0)
     return offsets, codes
 
 
@@ -567,11 +567,13 @@ def _add_decoded(out_ptr, offsets, codes, scales, low, high, inverse, BLOCK: tl.
     tl.store(out_ptr + index, current + value, mask=live)
 
 
+# The payload's array offsets follow its capacity, which changes with k (every step of a top-k
+# sparsity ramp): as constexprs each new capacity compiled a new kernel, about a second a step.
 @triton.jit(do_not_specialize=["ranks", "segments", "capacity"])
 def _decompress_sum_kernel(payloads_ptr, row_bytes, out_ptr, numel, ranks, segments, capacity, divisor, inverse,
-                           INDICES_OFFSET: tl.constexpr, VALUES_OFFSET: tl.constexpr, SCALES_OFFSET: tl.constexpr,
-                           STARTS_OFFSET: tl.constexpr, BLOCK: tl.constexpr, SCALE_FIRST: tl.constexpr,
-                           ACCUMULATE: tl.constexpr, CHUNK: tl.constexpr, PIECE: tl.constexpr):
+                           values_offset, scales_offset, starts_offset, INDICES_OFFSET: tl.constexpr,
+                           BLOCK: tl.constexpr, SCALE_FIRST: tl.constexpr, ACCUMULATE: tl.constexpr,
+                           CHUNK: tl.constexpr, PIECE: tl.constexpr):
     # One program per segment. The segment is zeroed (unless accumulating), each rank's entries in
     # it are added in rank order (read-modify-write of lines this program just wrote, so the
     # scattered accesses hit cache, not DRAM) and, unless the values were scaled first, the sum is
@@ -586,13 +588,13 @@ def _decompress_sum_kernel(payloads_ptr, row_bytes, out_ptr, numel, ranks, segme
     # Each rank's bounds travel as one int64 (first << 32 | last): carried through the loop as six
     # int32s, two of them lost their updates in Triton 3.6's TTGIR passes (the loop kept their
     # first values; the interpreter, which skips those passes, did not show it).
-    bounds = _segment_bounds(payloads_ptr, row_bytes, 0, ranks, segment, segments, capacity, STARTS_OFFSET)
-    bounds_next = _segment_bounds(payloads_ptr, row_bytes, 1, ranks, segment, segments, capacity, STARTS_OFFSET)
-    bounds_after = _segment_bounds(payloads_ptr, row_bytes, 2, ranks, segment, segments, capacity, STARTS_OFFSET)
-    offsets, codes, scales = _load_rank(payloads_ptr, row_bytes, 0, bounds, segment, numel, INDICES_OFFSET,
-                                        VALUES_OFFSET, SCALES_OFFSET, BLOCK, CHUNK)
+    bounds = _segment_bounds(payloads_ptr, row_bytes, 0, ranks, segment, segments, capacity, starts_offset)
+    bounds_next = _segment_bounds(payloads_ptr, row_bytes, 1, ranks, segment, segments, capacity, starts_offset)
+    bounds_after = _segment_bounds(payloads_ptr, row_bytes, 2, ranks, segment, segments, capacity, starts_offset)
+    offsets, codes, scales = _load_rank(payloads_ptr, row_bytes, 0, bounds, segment, numel, values_offset,
+                                        scales_offset, INDICES_OFFSET, BLOCK, CHUNK)
     offsets_next, codes_next, scales_next = _load_rank(payloads_ptr, row_bytes, 1, bounds_next, segment, numel,
-                                                       INDICES_OFFSET, VALUES_OFFSET, SCALES_OFFSET, BLOCK, CHUNK)
+                                                       values_offset, scales_offset, INDICES_OFFSET, BLOCK, CHUNK)
     if not ACCUMULATE:
         for piece in range(low, high, PIECE):
             zeroed = piece + tl.arange(0, PIECE)
@@ -600,17 +602,17 @@ def _decompress_sum_kernel(payloads_ptr, row_bytes, out_ptr, numel, ranks, segme
         tl.debug_barrier()  # the zeros are in place
     for rank in range(ranks):
         bounds_later = _segment_bounds(payloads_ptr, row_bytes, rank + 3, ranks, segment, segments, capacity,
-                                       STARTS_OFFSET)
+                                       starts_offset)
         offsets_after, codes_after, scales_after = _load_rank(payloads_ptr, row_bytes, rank + 2, bounds_after, segment,
-                                                              numel, INDICES_OFFSET, VALUES_OFFSET, SCALES_OFFSET,
+                                                              numel, values_offset, scales_offset, INDICES_OFFSET,
                                                               BLOCK, CHUNK)
         _add_decoded(out_ptr, offsets, codes, scales, low, high, inverse, BLOCK, SCALE_FIRST)
         # Entries past the first CHUNK, where this rank's segment is denser than CHUNK / SEGMENT
         # (rare at k = 1 %): a rank's entries are distinct elements, so they need no ordering.
         last = (bounds & 0xFFFFFFFF).to(tl.int32)
         for start in range((bounds >> 32).to(tl.int32) + CHUNK, last, CHUNK):
-            more_offsets, more_codes = _load_entries(payloads_ptr, row_bytes, rank, start, last, INDICES_OFFSET,
-                                                     VALUES_OFFSET, CHUNK)
+            more_offsets, more_codes = _load_entries(payloads_ptr, row_bytes, rank, start, last, values_offset,
+                                                     INDICES_OFFSET, CHUNK)
             _add_decoded(out_ptr, more_offsets, more_codes, scales, low, high, inverse, BLOCK, SCALE_FIRST)
         tl.debug_barrier()  # orders ranks that share an element
         bounds, bounds_next, bounds_after = bounds_next, bounds_after, bounds_later
@@ -634,8 +636,8 @@ def _decompress(dense_out: torch.Tensor, payloads: torch.Tensor, layout: Payload
     with _on_device(dense_out):
         _decompress_sum_kernel[(segments,)](
             payloads, payloads.shape[1], dense_out, layout.numel, payloads.shape[0], segments, layout.capacity,
-            float(divisor), 1.0 / divisor, INDICES_OFFSET=HEADER_BYTES, VALUES_OFFSET=layout.values_offset,
-            SCALES_OFFSET=layout.scales_offset, STARTS_OFFSET=layout.starts_offset, BLOCK=layout.block,
+            float(divisor), 1.0 / divisor, layout.values_offset, layout.scales_offset, layout.starts_offset,
+            INDICES_OFFSET=HEADER_BYTES, BLOCK=layout.block,
             SCALE_FIRST=power_of_two(divisor), ACCUMULATE=accumulate, CHUNK=SUM_TUNING.chunk, PIECE=SUM_PIECE,
             num_warps=SUM_TUNING.warps, enable_fp_fusion=False)
 
