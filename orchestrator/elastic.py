@@ -205,7 +205,8 @@ class ElasticState:
             replan_s = self._clock() - now
             rows.append({"event": "replan", "time": now, "attempt": self.attempt, "world_size": len(reports),
                          "micro_batch_sizes": list(self.plan.replica_micro_batch_sizes()),
-                         "grad_accum_steps": self.plan.grad_accum_steps, "replan_s": replan_s,
+                         "grad_accum_steps": self.plan.grad_accum_steps, "comm_hook": self.plan.comm_hook,
+                         "replan_s": replan_s,
                          "nodes": sorted({_node_name(r) for r in reports}),
                          "rates": dataclasses.asdict(Rates.from_plan(self.plan))})  # the bill's new prices
         if previous:

@@ -27,7 +27,8 @@ from orchestrator.atomic import read_text, write_text_atomically
 from orchestrator.errors import PlacementError, TopologyError
 
 FORMAT = "archipelago.plan"
-VERSION = 1
+VERSION = 2
+"""2 added comm_hook. A version-1 plan reads as one that names no hook (the config's is run)."""
 _WRITE_COMMAND = "archipelago plan --json FILE"
 
 
@@ -260,6 +261,8 @@ class Plan:
     def from_dict(cls, data: object, *, where: str = "plan") -> Plan:
         from orchestrator.topology import codec
 
+        if isinstance(data, dict) and data.get("version") == 1 and "comm_hook" not in data:
+            data = {**data, "version": VERSION}
         fields = codec.check_header(data, format=FORMAT, version=VERSION, noun="plan", command=_WRITE_COMMAND,
                                     error=PlacementError, where=where)
         try:

@@ -88,6 +88,7 @@ def test_a_lost_worker_is_recorded_once_and_the_smaller_group_is_replanned(state
     plan, rows = state.group_started(reports(a, c))
     assert [r["event"] for r in rows] == ["resize", "replan"]
     assert rows[0]["previous_world_size"] == 3 and rows[0]["world_size"] == 2
+    assert rows[1]["comm_hook"] == plan.comm_hook != ""  # the hook the new group runs
     assert plan.world_size == 2 and plan.global_batch_size == 8
     assert sorted(w.ray_node_id for w in plan.workers) == sorted([a.ray_node_id, c.ray_node_id])
     assert sum(plan.replica_micro_batch_sizes()) * plan.grad_accum_steps == 8

@@ -85,6 +85,15 @@ def test_a_tensor_parallel_group_never_holds_a_mig_slice():
                  data_parallel_groups=[[0], [1]])
 
 
+def test_a_version_1_plan_reads_as_naming_no_comm_hook_and_a_newer_one_is_refused():
+    data = json.loads(cpu_plan(comm_hook="bf16").to_json())
+    assert data["version"] == 2 and data["comm_hook"] == "bf16"
+    old = {key: value for key, value in data.items() if key != "comm_hook"} | {"version": 1}
+    assert Plan.from_dict(old) == cpu_plan(comm_hook="")
+    with pytest.raises(PlacementError, match="plan version 3; this archipelago reads 2"):
+        Plan.from_dict({**data, "version": 3})
+
+
 def test_a_damaged_plan_file_names_the_field():
     data = json.loads(cpu_plan().to_json())
     data["workers"][1]["micro_batch_size"] = "16"
