@@ -163,7 +163,11 @@ def calibration_row(rows: list[dict], world: int) -> dict:
     n, sx, st = len(xs), sum(xs), sum(ts)
     slope = (n * sum(x * t for x, t in zip(xs, ts)) - sx * st) / (n * sum(x * x for x in xs) - sx * sx)
     intercept = (st - slope * sx) / n
-    return {"alpha_us": round(max(intercept, 0.0) / steps * 1e6, 2), "bus_gb_per_s": round(1 / slope / 1e9, 1)}
+    row = {"alpha_us": round(max(intercept, 0.0) / steps * 1e6, 2), "bus_gb_per_s": round(1 / slope / 1e9, 1)}
+    if os.environ.get("NCCL_P2P_DISABLE") == "1":
+        # NCCL kept off NVLink (TCP, host memory): the link class's NVLink slowdown does not apply.
+        row["ddp_compute_slowdown"] = 0.0
+    return row
 
 
 # ---- train --------------------------------------------------------------------------------------
@@ -432,7 +436,7 @@ def main() -> None:
                         help="hooks: skip the one-rank runs that measure each hook's own compute")
     parser.add_argument("--hooks", nargs="+", choices=HOOKS, default=list(HOOKS), help="hooks the hooks section runs")
     parser.add_argument("--topk-ramp-steps", type=int, default=0,
-                        help="[parallel] topk_ramp_steps for the topk hook: its share falls from 25 %% to 1 %% over them")
+                        help="[parallel] topk_ramp_steps for the topk hook: its share falls from 25 %% to topk_ratio over them")
     parser.add_argument("--engine-configs", nargs="+", choices=list(ENGINE_CONFIGS), default=list(ENGINE_CONFIGS),
                         help="which engine wrappings the train section measures")
     parser.add_argument("--cpu", action="store_true", help="gloo on CPU processes with a tiny model")

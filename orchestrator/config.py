@@ -320,8 +320,9 @@ class PlacementConfig:
     calibration_file: str = ""
     """A JSON table of measured collective costs by link class, {"nvswitch": {"alpha_us": 30.1,
     "bus_gb_per_s": 323.1}}, as benchmarks/multigpu.py writes it (calibration.json) from an all-reduce
-    sweep; rows it gives replace orchestrator/cost.py's defaults. Relative paths are from the working
-    directory."""
+    sweep; rows it gives replace orchestrator/cost.py's defaults. A row may also give
+    ddp_compute_slowdown (a share; the link class's figure when left out). Relative paths are from
+    the working directory."""
 
     def __post_init__(self) -> None:
         _positive("placement", min_gpus=self.min_gpus, tensor_parallel_size=self.tensor_parallel_size)

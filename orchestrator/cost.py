@@ -64,24 +64,27 @@ class LinkCalibration:
     bus_gb_per_s: float = 0.0
     """A measured bus bandwidth (nccl-tests busbw); when above 0 it replaces nominal × efficiency."""
     ddp_compute_slowdown: float = 0.0
-    """Share by which a DDP step's compute runs longer when its gradients are reduced over this link
-    than the same step alone on one GPU. Not a wait on the wire (that is costed apart): the kernels
-    themselves run slower beside the collective. A bandwidth sweep cannot see it; a calibration row
-    that leaves it out keeps the link class's default."""
+    """Share by which a DDP micro-step that reduces its gradients over this link runs longer than
+    the same micro-step alone on one GPU. Not a wait on the wire (that is costed apart): the kernels
+    themselves run slower beside the collective. A bandwidth sweep cannot see it, so a row read from
+    a calibration file that leaves it out keeps its link class's figure (DEFAULT_CALIBRATION); a row
+    built in Python gets 0 unless it says otherwise."""
 
 
 NVLINK_DDP_COMPUTE_SLOWDOWN = 0.08
-"""Measured on two H200s over NVSwitch, GPT-2 124M and 1.3B under DDPOptimizer: the step ran 7.2–9.6 %
+"""Measured on two H200s over NVSwitch, GPT-2 124M and 1.3B under DDPOptimizer: the step ran 6.7–9.6 %
 longer than one GPU's, with 98–99 % of the all-reduce hidden, and 7–9 % for every comm hook,
 top-k's 5 MB included (benchmarks/RESULTS.md, "Why two GPUs cost 7 % more"). A profile of the 124M
-step puts it in the kernels: a split-K weight-gradient GEMM 4.8 -> 6.6 ms beside the all-reduce, the
-graph's fused kernels +1 ms once DDPOptimizer cuts it at bucket boundaries. NVLink without a switch
-moves data the same way (kernels on both GPUs), so it takes the same figure; over TCP between the
-same two GPUs the step ran within its hook's own compute of one GPU's (0 in that calibration row)."""
+step puts it in the kernels: a split-K weight-gradient GEMM 4.8 -> 6.6 ms beside the all-reduce,
+the graph's fused kernels +1 ms once DDPOptimizer cuts it at bucket boundaries. NVLink without a
+switch moves data the same way (kernels on both GPUs), so it is assumed to cost the same:
+unmeasured. Over TCP between the same two GPUs the step ran within its hook's own compute of a
+one-rank DDP run's (0 in that calibration row)."""
 
 
 DEFAULT_CALIBRATION: dict[LinkClass, LinkCalibration] = {
-    LinkClass.NVSWITCH: LinkCalibration(alpha_us=6.0, efficiency=0.85, ddp_compute_slowdown=NVLINK_DDP_COMPUTE_SLOWDOWN),
+    LinkClass.NVSWITCH: LinkCalibration(alpha_us=6.0, efficiency=0.85,
+                                        ddp_compute_slowdown=NVLINK_DDP_COMPUTE_SLOWDOWN),
     LinkClass.NVLINK: LinkCalibration(alpha_us=6.0, efficiency=0.80, ddp_compute_slowdown=NVLINK_DDP_COMPUTE_SLOWDOWN),
     LinkClass.PCIE: LinkCalibration(alpha_us=10.0, efficiency=0.75),
     LinkClass.HOST_MEMORY: LinkCalibration(alpha_us=25.0, efficiency=0.60),
@@ -265,7 +268,10 @@ def parse_calibration(data: object, *, where: str) -> dict[LinkClass, LinkCalibr
                                   where=f"{where}: {key}.{name}", fix="write a JSON number: no quotes, not true or null")
             if value < 0:
                 raise ConfigError(f"row {key!r} has a negative number", where=f"{where}: {key}.{name}",
-                                  fix="times and bandwidths are ≥ 0")
+                                  fix="times, bandwidths and shares are ≥ 0")
+            if name == "ddp_compute_slowdown" and value > 1:
+                raise ConfigError(f"row {key!r}: ddp_compute_slowdown {value} would more than double the compute",
+                                  where=f"{where}: {key}.{name}", fix="write it as a share: 0.08 for 8 %")
         link = LinkClass(key)
         values = {"ddp_compute_slowdown": DEFAULT_CALIBRATION[link].ddp_compute_slowdown,
                   **{name: float(value) for name, value in row.items()}}

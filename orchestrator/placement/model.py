@@ -433,7 +433,8 @@ class Costing:
             communication = buckets.seconds
             exposed = buckets.exposed_seconds if hook.overlaps_backward else communication
             hook_seconds = max(hook.compute_seconds(d, ranks, t) for d in types)
-            compute += hook_seconds + split.compute_seconds * self._ddp_compute_slowdown(footprint)
+            # Only the last micro-step reduces (the others run under no_sync), so only it is slowed.
+            compute += hook_seconds + split.micro_step_seconds * self._ddp_compute_slowdown(footprint)
         elif ranks > 1:
             gather, _ = self.collectives.all_gather(job.parameter_bytes_compute / t, ranks, hops["world"])
             scatter, _ = self.collectives.reduce_scatter(job.gradient_bytes / t, ranks, hops["world"])
@@ -453,12 +454,13 @@ class Costing:
 
     def _ddp_compute_slowdown(self, footprint: Footprint) -> float:
         """How much longer the step's kernels run beside DDP's collectives than alone: measured for
-        NCCL over NVLink (cost.NVLINK_DDP_COMPUTE_SLOWDOWN). The largest figure among the links the
-        reduction crosses applies; gloo (host memory) has none measured."""
+        NCCL over NVSwitch (cost.NVLINK_DDP_COMPUTE_SLOWDOWN). The largest figure among the placement's
+        links applies (with tensor parallelism that includes its NVLink, whose collectives run beside
+        the kernels too); gloo (host memory) has none measured."""
         if footprint.backend != "nccl":
             return 0.0
-        return max(self.collectives.calibration[hop.link_class].ddp_compute_slowdown
-                   for hop in footprint.hops.values())
+        return max((self.collectives.calibration[hop.link_class].ddp_compute_slowdown
+                    for hop in footprint.hops.values()), default=0.0)
 
     def _reduction(self, wire_bytes: float, ranks: int, footprint: Footprint, planned: bool) -> Reduction:
         """How one step's `wire_bytes` per rank are reduced: by the comm hook's collective, and for

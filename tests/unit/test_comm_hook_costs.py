@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.config import JobConfig
-from orchestrator.errors import PlacementError
+from orchestrator.errors import ConfigError, PlacementError
 from orchestrator.cost import (NVLINK_DDP_COMPUTE_SLOWDOWN, POWERSGD_HOST_SECONDS_PER_MATRIX, CollectiveCostModel,
                                LinkCalibration, LinkClass, parse_calibration)
 from orchestrator.placement.comm_hooks import CommHookCost
@@ -99,6 +99,8 @@ def test_a_calibration_row_keeps_its_link_class_slowdown_unless_it_gives_one():
                               where="calibration.json")
     assert table[LinkClass.NVSWITCH].ddp_compute_slowdown == NVLINK_DDP_COMPUTE_SLOWDOWN
     assert table[LinkClass.NVLINK].ddp_compute_slowdown == 0.0
+    with pytest.raises(ConfigError, match="0.08 for 8 %"):  # a percentage where a share belongs
+        parse_calibration({"nvswitch": {"alpha_us": 30.0, "ddp_compute_slowdown": 8}}, where="calibration.json")
 
 
 def test_a_slow_network_gets_a_note_with_each_hooks_prediction():
