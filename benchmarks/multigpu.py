@@ -8,7 +8,9 @@ prediction against the measured step, and the DDP comm hooks against plain all-r
 
 Sections (--only picks some):
   sweep   all-reduce of 1 MB–1 GB over all ranks: bus bandwidth per size, and the (alpha, bus GB/s)
-          calibration row for the machine's link class (calibration.json; `CollectiveCostModel.load`)
+          calibration row for the machine's link class (calibration.json; `CollectiveCostModel.load`);
+          with train, the row also gets ddp_compute_slowdown: DDP's step beyond one GPU's, less its
+          exposed communication
   train   per model: engine DDP, engine FSDP2 and plain DDP + compile on all ranks, the engine alone on
           one GPU; tokens/s per GPU, MFU, scaling efficiency, exposed communication and overlap
   plan    the planner's plan for the same job on this machine's probed topology: predicted step time
@@ -67,6 +69,7 @@ ENGINE_CONFIGS = {
     "compiled_autograd": ("engine ddp, compiled autograd", {"compile": {"ddp_mode": "compiled_autograd"}}),
     "fsdp": ("engine fsdp", {"parallel": {"strategy": "fsdp"}}),
 }
+ALONE_LABEL = "engine, 1 GPU"
 SWEEP_MB = (1, 4, 16, 64, 256, 1024)
 
 
@@ -170,6 +173,20 @@ def calibration_row(rows: list[dict], world: int) -> dict:
     return row
 
 
+def measured_ddp_compute_slowdown(rows: list[dict]) -> float | None:
+    """The calibration's ddp_compute_slowdown from the train section: how much longer the engine's
+    DDPOptimizer step ran than the engine alone on one GPU, less the communication it waited for;
+    the mean over the models measured, None without a pair (orchestrator/cost.py)."""
+    shares = []
+    for model in {row["model"] for row in rows}:
+        alone = next((r for r in rows if r["model"] == model and r["config"] == ALONE_LABEL), {})
+        ddp = next((r for r in rows if r["model"] == model and r["config"] == ENGINE_CONFIGS["ddp_optimizer"][0]), {})
+        if "step_ms" in alone and "step_ms" in ddp:
+            busy_ms = ddp["step_ms"] - 1e3 * ddp.get("exposed_comm_s", 0.0)
+            shares.append(max(0.0, busy_ms / alone["step_ms"] - 1))
+    return round(statistics.mean(shares), 3) if shares else None
+
+
 # ---- train --------------------------------------------------------------------------------------
 def _job(model: dict, micro: int, world: int, cpu: bool, **sections) -> JobConfig:
     data = {"model": model,
@@ -254,7 +271,7 @@ def train_section(args, world: int, peak: float | None) -> list[dict]:
             continue
         tokens = micro * model["seq_len"]
         single = run_ranks(1, args.cpu, engine_run, model, micro, {}, args.warmup, args.steps)
-        group = {"single": _row("engine, 1 GPU", name, single, 1, tokens, peak)}
+        group = {"single": _row(ALONE_LABEL, name, single, 1, tokens, peak)}
         for key in args.engine_configs:
             label, sections = ENGINE_CONFIGS[key]
             result = run_ranks(world, args.cpu, engine_run, model, micro, sections, args.warmup, args.steps)
@@ -466,6 +483,16 @@ def main() -> None:
         print(json.dumps({"sweep": results["sweep"], "calibration": calibration}), flush=True)
     if "train" in args.only:
         results["train"] = train_section(args, world, peak)
+    if calibration is not None and "train" in results and not args.cpu:  # CPU ranks share cores: no figure
+        slowdown = measured_ddp_compute_slowdown(results["train"])
+        if slowdown is not None and slowdown > 1:
+            print(f"ddp_compute_slowdown {slowdown} not written: above 1 the DDP rows measure something else "
+                  "(see the train section's rows)", flush=True)
+        elif slowdown is not None:
+            for row in calibration.values():
+                row["ddp_compute_slowdown"] = slowdown
+            (out / "calibration.json").write_text(json.dumps(calibration, indent=1))
+            print(json.dumps({"calibration": calibration}), flush=True)
     if "plan" in args.only and "train" in results:
         results["plan"] = plan_section(args, world, topology, calibration, results["train"])
     if "hooks" in args.only:
