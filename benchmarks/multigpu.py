@@ -69,7 +69,6 @@ ENGINE_CONFIGS = {
     "compiled_autograd": ("engine ddp, compiled autograd", {"compile": {"ddp_mode": "compiled_autograd"}}),
     "fsdp": ("engine fsdp", {"parallel": {"strategy": "fsdp"}}),
 }
-ALONE_LABEL = "engine, 1 GPU"
 SWEEP_MB = (1, 4, 16, 64, 256, 1024)
 
 
@@ -174,16 +173,10 @@ def calibration_row(rows: list[dict], world: int) -> dict:
 
 
 def measured_ddp_compute_slowdown(rows: list[dict]) -> float | None:
-    """The calibration's ddp_compute_slowdown from the train section: how much longer the engine's
-    DDPOptimizer step ran than the engine alone on one GPU, less the communication it waited for;
-    the mean over the models measured, None without a pair (orchestrator/cost.py)."""
-    shares = []
-    for model in {row["model"] for row in rows}:
-        alone = next((r for r in rows if r["model"] == model and r["config"] == ALONE_LABEL), {})
-        ddp = next((r for r in rows if r["model"] == model and r["config"] == ENGINE_CONFIGS["ddp_optimizer"][0]), {})
-        if "step_ms" in alone and "step_ms" in ddp:
-            busy_ms = ddp["step_ms"] - 1e3 * ddp.get("exposed_comm_s", 0.0)
-            shares.append(max(0.0, busy_ms / alone["step_ms"] - 1))
+    """The calibration's ddp_compute_slowdown (orchestrator/cost.py) from the train section: the
+    engine's DDPOptimizer rows' compute_slowdown_vs_1gpu, averaged over the models; None without one."""
+    shares = [max(0.0, row["compute_slowdown_vs_1gpu"]) for row in rows
+              if row["config"] == ENGINE_CONFIGS["ddp_optimizer"][0] and "compute_slowdown_vs_1gpu" in row]
     return round(statistics.mean(shares), 3) if shares else None
 
 
@@ -271,7 +264,7 @@ def train_section(args, world: int, peak: float | None) -> list[dict]:
             continue
         tokens = micro * model["seq_len"]
         single = run_ranks(1, args.cpu, engine_run, model, micro, {}, args.warmup, args.steps)
-        group = {"single": _row(ALONE_LABEL, name, single, 1, tokens, peak)}
+        group = {"single": _row("engine, 1 GPU", name, single, 1, tokens, peak)}
         for key in args.engine_configs:
             label, sections = ENGINE_CONFIGS[key]
             result = run_ranks(world, args.cpu, engine_run, model, micro, sections, args.warmup, args.steps)
@@ -286,6 +279,9 @@ def train_section(args, world: int, peak: float | None) -> list[dict]:
             # What the step costs beyond the same work on one GPU: communication not hidden (FSDP2 and
             # plain DDP have no DDP timers of ours, so this is the comparable figure for all three).
             row["step_overhead_vs_1gpu"] = round(row["step_ms"] / group["single"]["step_ms"] - 1, 4)
+            if "exposed_comm_s" in row:  # DDP's timers: what is left is compute slowed beside the collectives
+                busy_ms = row["step_ms"] - 1e3 * row["exposed_comm_s"]
+                row["compute_slowdown_vs_1gpu"] = round(busy_ms / group["single"]["step_ms"] - 1, 4)
             if key != "plain" and "error" not in group["plain"]:
                 row["vs_plain_ddp_compile"] = round(row["tokens_per_s_per_gpu"] / group["plain"]["tokens_per_s_per_gpu"], 3)
         rows += group.values()
