@@ -119,8 +119,8 @@ class Planner:
             limit=overrun.micro_batch - 1, exact=True)
 
     def _search_for_hook(self) -> Outcome:
-        """search() under the configured comm hook. Under "auto": under plain all-reduce and, where DDP
-        may run it, the bf16 hook, which is kept only for a step AUTO_BF16_MIN_GAIN shorter; self.costing
+        """search() under the configured comm hook. Under "auto": under plain all-reduce and, where the
+        config allows it, the bf16 hook, which is kept only for a step AUTO_BF16_MIN_GAIN shorter; self.costing
         is left on the winner's hook, which build() names in the plan."""
         self._auto_note = ""
         if self.config.parallel.comm_hook != "auto":
@@ -128,10 +128,10 @@ class Planner:
         plain_costing = self.costing.with_comm_hook(CommHookCost.plain(self.job.gradient_bytes))
         self.costing = plain_costing
         plain = self.search()
-        if (self.config.train.bf16_weights or self.config.compile.uses_compiled_autograd
-                or self.config.parallel.strategy != "ddp"):
+        bf16_config = self._config_with_hook("bf16")
+        if bf16_config is None:
             return plain
-        self.costing = plain_costing.with_comm_hook(CommHookCost.for_job(self.config, "bf16"))
+        self.costing = plain_costing.with_comm_hook(CommHookCost.for_job(bf16_config))
         bf16 = self.search()
         if bf16.step_seconds <= (1 - AUTO_BF16_MIN_GAIN) * plain.step_seconds and bf16.score <= plain.score:
             self._auto_note = (f"comm_hook = auto took bf16: a predicted {bf16.step_seconds * 1e3:.1f} ms step "
@@ -141,10 +141,21 @@ class Planner:
         return plain
 
     def _hook_to_run(self) -> str:
-        """What the workers run (Plan.comm_hook): the configured hook, or auto's pick."""
+        """What the workers run (Plan.comm_hook): the configured hook, or auto's pick (self.costing's)."""
         if self.config.parallel.comm_hook != "auto":
             return self.config.parallel.comm_hook
-        return "bf16" if self.costing.comm_hook.name == "bf16" else "allreduce"
+        return self.costing.comm_hook.name
+
+    def _config_with_hook(self, name: str) -> JobConfig | None:
+        """The job's config with [parallel] comm_hook = name, or None where the config's own checks
+        refuse that hook for this job (powersgd over gloo; compression with bf16 weights, compiled
+        autograd or FSDP)."""
+        data = self.config.to_dict()
+        data["parallel"]["comm_hook"] = name
+        try:
+            return JobConfig.from_dict(data)
+        except ConfigError:
+            return None
 
     def search(self) -> Outcome:
         """The best candidate the greedy paths and hill climbing find (raises PlacementError if none)."""
@@ -428,11 +439,8 @@ class Planner:
             return []
         steps = []
         for name in COMPRESSING_HOOKS:
-            data = self.config.to_dict()
-            data["parallel"]["comm_hook"] = name
-            try:  # the config's own checks say which hooks this job may run (gloo, bf16 weights, FSDP, …)
-                config = JobConfig.from_dict(data)
-            except ConfigError:
+            config = self._config_with_hook(name)
+            if config is None:
                 continue
             outcome = self.costing.with_comm_hook(CommHookCost.for_job(config)).evaluate(best.footprint)
             if isinstance(outcome, Outcome) and outcome.step_seconds < best.step_seconds:
