@@ -16,6 +16,10 @@ Per bucket size:
   sum         decompress_sum of 8 payloads (an all-gather over 8 ranks) into the bucket, against the
               row-by-row path (zero an fp32 sum, decompress_accumulate each row, divide, copy); bytes =
               valid payload bytes read + the fp32 bucket written once
+  wire        the top-k hook's Elias-Fano wire (kernels.wire): encode_wire of one payload and decode_wires
+              of 8 gathered rows, against compress of the same bucket (the hook runs all three each
+              step), in graphs and eager back to back (Python launch cost included, as in the hook);
+              "wire of payload" is the bytes sent against the payload's
   topk        topk_by_magnitude(x, k) against the baseline torch.topk(|x|, k, sorted=False) with |x|
               computed beforehand: device time (both in CUDA graphs; ours without the final wait
               for the count) and eager time (each call waited for, Python included); "kept" is
@@ -47,6 +51,7 @@ from kernels import reference, triton_kernels as tk  # noqa: E402
 from kernels.compression import DEFAULT_BLOCK  # noqa: E402
 from kernels.payload import PayloadLayout, allocate  # noqa: E402
 from kernels.plan import SelectionPlan  # noqa: E402
+from kernels.wire import decode_wires, encode_wire  # noqa: E402
 
 RANKS = 8
 """Payloads summed by decompress_sum per call, as after an all-gather over 8 ranks."""
@@ -171,7 +176,13 @@ def bench_kernels(buffers: Buffers, k_ratio: float) -> dict:
     kp.decompress_sum(copies[0], rows, like, RANKS)
     sum_matches = bool(torch.equal(check, copies[0]))  # bit for bit, including the division
     sum_gbs = (valid_bytes + 4 * numel) / sum_s / 1e9
-    del rows, total, check, payloads
+    encode_s = graph_seconds([lambda p=p: encode_wire(p) for p in payloads])
+    wires = torch.stack([encode_wire(like.with_payload(row)) for row in rows])
+    decode_s = graph_seconds([lambda: decode_wires(wires, layout)])
+    wire_eager_s = back_to_back_seconds([lambda: (encode_wire(like), decode_wires(wires, layout))])
+    wire_matches = bool(torch.equal(decode_wires(wires, layout), rows))
+    wire_share = wires.shape[1] / layout.nbytes
+    del rows, total, check, payloads, wires
     for r, s in zip(residuals, saved):
         r.copy_(s)
 
@@ -191,6 +202,7 @@ def bench_kernels(buffers: Buffers, k_ratio: float) -> dict:
                 decompress_gbs=decompress_gbs, sector_gbs=sector_gbs, decompress_us=decompress_s * 1e6,
                 sent_over_k=sent / k, dense_gbs=dense_gbs, dense_us=dense_s * 1e6, sum_gbs=sum_gbs,
                 sum_us=sum_s * 1e6, rowwise_us=rowwise_s * 1e6, sum_matches=sum_matches,
+                encode_us=encode_s * 1e6, decode_us=decode_s * 1e6, wire_eager_us=wire_eager_s * 1e6, wire_share=wire_share, wire_matches=wire_matches,
                 topk_device_ms=topk_device_s * 1e3, torch_device_ms=torch_device_s * 1e3,
                 topk_eager_ms=topk_eager_s * 1e3, torch_eager_ms=torch_eager_s * 1e3, kept_over_k=len(index) / k,
                 exact=exact_match)
@@ -332,8 +344,9 @@ def print_table(rows: list[dict]) -> None:
           "dense GB/s (of copy) | dense us | "
           "topk ms, graph: ours / torch.topk (speed-up) | topk ms, eager: ours / torch.topk (speed-up) | "
           "kept/k | exact | "
-          f"sum of {RANKS} GB/s (of copy) | sum of {RANKS} us: decompress_sum / row by row | same bits |")
-    print("| --- " * 16 + "|")
+          f"sum of {RANKS} GB/s (of copy) | sum of {RANKS} us: decompress_sum / row by row | same bits | "
+          f"wire us: encode / decode {RANKS} / compress | wire us, eager: both | wire of payload | round trip exact |")
+    print("| --- " * 20 + "|")
     for r in rows:
         copy = r["copy_gbs"]
         print(f"| {r['size_mb']:g} MB | {copy:.0f} | {r['compress_gbs']:.0f} "
@@ -345,7 +358,8 @@ def print_table(rows: list[dict]) -> None:
               f"{r['topk_eager_ms']:.3f} / {r['torch_eager_ms']:.3f} "
               f"({r['torch_eager_ms'] / r['topk_eager_ms']:.1f}x) | "
               f"{r['kept_over_k']:.3f} | {r['exact']} | {r['sum_gbs']:.0f} ({r['sum_gbs'] / copy:.0%}) | "
-              f"{r['sum_us']:.1f} / {r['rowwise_us']:.1f} | {r['sum_matches']} |")
+              f"{r['sum_us']:.1f} / {r['rowwise_us']:.1f} | {r['sum_matches']} | {r['encode_us']:.1f} / "
+              f"{r['decode_us']:.1f} / {r['compress_us']:.1f} | {r['wire_eager_us']:.1f} | {r['wire_share']:.0%} | {r['wire_matches']} |")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""The compressed bucket: one contiguous byte tensor that goes on the wire as it is.
+"""The compressed bucket: one contiguous byte tensor, what the decompress kernels read.
 
-A DDP comm hook all-gathers `payload` (every rank's is the same size for the same bucket and
-settings) and hands each gathered row back through `CompressedBucket.with_payload`.
+Every rank's payload is the same size for the same bucket and settings. The top-k hook sends it
+with its offsets Elias–Fano coded (kernels.wire), decodes each gathered row back to a payload and
+hands it on through `CompressedBucket.with_payload`.
 
 Layout (byte offsets; each array starts 16-byte aligned except the values):
 

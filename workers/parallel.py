@@ -94,7 +94,8 @@ def _wrap_ddp(model: GPT, config: JobConfig, plan: Plan, device: torch.device, w
                    if hook_name == "hierarchical" else None)
         hook, state = make_hook(hook_name, stats=comm_stats, world_size=world, islands=islands,
                                 warmup_steps=par.comm_warmup_steps, powersgd_rank=par.powersgd_rank,
-                                topk_ratio=par.topk_ratio, topk_ramp_steps=par.topk_ramp_steps)
+                                topk_ratio=par.topk_ratio, topk_ramp_steps=par.topk_ramp_steps,
+                                topk_wire=par.topk_wire)
         ddp.register_comm_hook(state, hook)
     # DDP times compute, communication and their overlap on sampled iterations; a sampled iteration
     # waits for the previous one's timing events, so sample once per metrics window, not every step.

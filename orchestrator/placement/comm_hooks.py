@@ -6,8 +6,9 @@ collective that carries them, and the hook's own compute.
     hook.compute_seconds(device_type, ranks) # its kernels (or PowerSGD's host work) per step
 
 The wire sizes come from the functions the hooks themselves use (kernels.compression's payload
-layout, workers/comm/hooks.py's PowerSGD rule): on GPT-2 124M, topk at 1 % is costed at 4,620,560
-bytes a step and the run's wire tensors held 4,621,248. PowerSGD's count over NCCL is checked
+layout and kernels.wire's encoding, workers/comm/hooks.py's PowerSGD rule): on GPT-2 124M, topk at
+1 % is costed at 3,294,000 bytes a step and the hook sent 3,294,752 on two H200s (4,620,560 and
+4,621,248 with topk_wire = "offsets"). PowerSGD's count over NCCL is checked
 against the all-reduces torch's hook issues (tests/gpu/test_engine_nccl.py). The compute rates are
 fitted to measured runs (orchestrator/cost.py, HOOK_COMPUTE). The warm-up steps (plain all-reduce)
 are not costed: the prediction is the steady state. What a hook keeps between steps (top-k's
@@ -77,10 +78,11 @@ class CommHookCost:
         if name == "bf16":
             return cls(name, elements * 2, buffer, elements=elements)
         if name == "topk":
-            from kernels.bitmap import wire_nbytes
             from kernels.compression import payload_layout
+            from kernels.wire import wire_nbytes
 
-            wire = wire_nbytes(payload_layout(elements, config.parallel.topk_ratio))
+            layout = payload_layout(elements, config.parallel.topk_ratio)
+            wire = wire_nbytes(layout) if config.parallel.topk_wire == "elias_fano" else layout.nbytes
             return cls(name, wire, buffer, all_gather=True, elements=elements, state_bytes=4 * elements)
         if name == "powersgd":
             from workers.comm.hooks import powersgd_wire

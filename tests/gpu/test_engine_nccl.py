@@ -18,7 +18,7 @@ HOOKS = {"allreduce": [[0, 1]], "bf16": [[0, 1]], "powersgd": [[0, 1]], "topk": 
          "hierarchical": [[0], [1]]}
 STEPS, WARMUP_STEPS = 12, 2
 VARIANTS = {  # name: (hook, [parallel] and [train] settings beyond the hook)
-    # 25 % of the entries falling to 5 % over 12 steps: the dense steps send places as a bitmap.
+    # 25 % of the entries falling to 5 % over 12 steps: the dense steps send more, Elias-Fano coded all the same.
     "topk ramp": ("topk", {"topk_ramp_steps": 12}, {}),
     "bf16 weights": ("allreduce", {}, {"precision": "bf16", "bf16_weights": True}),
 }
@@ -112,7 +112,7 @@ def test_compressed_hooks_send_fewer_bytes(runs):
     assert runs["powersgd"]["comm_bytes"] < plain
 
 
-def test_a_ramp_sends_bitmaps_then_offsets_and_bf16_weights_reduce_half_the_bytes(runs):
+def test_a_ramp_sends_more_while_it_ramps_and_bf16_weights_reduce_half_the_bytes(runs):
     """The ramp's dense steps cost more than steady top-k but far less than all-reduce; bf16 weights
     all-reduce bf16 gradients and train as fp32 weights under autocast do."""
     plain = runs["allreduce"]["comm_bytes"]

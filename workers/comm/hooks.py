@@ -6,7 +6,8 @@
     topk           top-k by magnitude + int8 codes with error feedback (kernels.compression),
                    exchanged with one all-gather; after `warmup_steps` plain steps, sending a
                    share that falls from 25% to k_ratio over `ramp_steps` steps when asked;
-                   places go as int16 offsets, or as a bitmap where that is smaller (kernels.bitmap)
+                   places go Elias–Fano coded (kernels.wire), about half the bytes of the
+                   payload's int16 offsets, unless [parallel] topk_wire = "offsets"
     hierarchical   reduce-scatter inside each NVLink island, all-reduce across islands,
                    all-gather inside the island: the slow links carry 1/island_size of the bytes
 
@@ -22,9 +23,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
-from kernels.bitmap import decode_bitmap, encode_bitmap, sends_bitmap
 from kernels.compression import compress, decompress_accumulate, decompress_sum
 from kernels.errors import NonFiniteGradientError
+from kernels.wire import decode_wires, encode_wire
 from orchestrator.config import POWERSGD_ON_GLOO, POWERSGD_ON_GLOO_FIX
 from orchestrator.errors import ConfigError
 from workers.comm.groups import IslandGroups
@@ -157,6 +158,8 @@ class TopkHookState(HookState):
     k_ratio: float = 0.01
     ramp_steps: int = 0
     """Compressed steps over which the share sent falls from RAMP_START_RATIO to k_ratio."""
+    elias_fano: bool = True
+    """Send places Elias–Fano coded (kernels.wire), not as the payload's offsets."""
     residuals: dict[int, torch.Tensor] = field(default_factory=dict)
     nonfinite: torch.Tensor | None = None
     """NaN/inf entries any rank's buckets held since the last check, counted on the device: reading
@@ -187,19 +190,14 @@ def topk_hook(state: TopkHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         return _allreduce(state, bucket.buffer())
     buffer = bucket.buffer()
     mine = compress(buffer, state.residual_for(bucket), state.k_ratio_for(step), check_finite=False)
-    # Dense steps (a sparsity ramp's first) send a bitmap of the entries' places: smaller than their offsets there.
-    as_bitmap = sends_bitmap(mine.layout)
-    wire = encode_bitmap(mine) if as_bitmap else mine.payload
+    wire = encode_wire(mine) if state.elias_fano else mine.payload
     state.stats.add(wire.numel())
     gathered = torch.empty(state.world_size * wire.numel(), dtype=wire.dtype, device=wire.device)
 
     def accumulate(fut: torch.futures.Future) -> torch.Tensor:
-        payloads = gathered.view(state.world_size, -1)
-        if as_bitmap:  # each rank's wire decoded straight into its row of the payloads decompress_sum reads
-            wires, payloads = payloads, torch.zeros(state.world_size, mine.layout.nbytes, dtype=torch.uint8,
-                                                    device=buffer.device)
-            for wire, row in zip(wires, payloads):
-                decode_bitmap(wire, mine.layout, out=row)
+        payloads = gathered.view(state.world_size, -1)  # the rows decompress_sum reads
+        if state.elias_fano:
+            payloads = decode_wires(payloads, mine.layout)
         rows = [mine.with_payload(row) for row in payloads]
         # Every rank sees every payload's NaN count, so a poisoned bucket anywhere stops all ranks
         # at the next check(); counted on the device, the hook never waits for it.
@@ -266,7 +264,8 @@ def hierarchical_hook(state: HierarchicalHookState, bucket: dist.GradBucket) -> 
 
 
 def make_hook(name: str, *, stats: CommStats, world_size: int, islands: IslandGroups | None, warmup_steps: int,
-              powersgd_rank: int, topk_ratio: float, topk_ramp_steps: int = 0) -> tuple[Hook, HookState]:
+              powersgd_rank: int, topk_ratio: float, topk_ramp_steps: int = 0,
+              topk_wire: str = "elias_fano") -> tuple[Hook, HookState]:
     if name == "allreduce":
         return allreduce_hook, HookState(stats=stats, world_size=world_size)
     if name == "bf16":
@@ -278,7 +277,8 @@ def make_hook(name: str, *, stats: CommStats, world_size: int, islands: IslandGr
                                                 rank=powersgd_rank)
     if name == "topk":
         return topk_hook, TopkHookState(stats=stats, world_size=world_size, warmup_steps=warmup_steps,
-                                        k_ratio=topk_ratio, ramp_steps=topk_ramp_steps)
+                                        k_ratio=topk_ratio, ramp_steps=topk_ramp_steps,
+                                        elias_fano=topk_wire == "elias_fano")
     if name == "hierarchical":
         return hierarchical_hook, HierarchicalHookState(stats=stats, world_size=world_size, islands=islands)
     raise ValueError(f"unknown comm hook {name!r}; choose one of {', '.join(HOOKS)}")
