@@ -329,10 +329,11 @@ def _text_tokens() -> np.ndarray:
 
 
 def hook_run(rank: int, world: int, cpu: bool, model: dict, micro: int, hook: str, steps: int, topk_ramp_steps: int,
-             out_path: str) -> None:
+             topk_wire: str, out_path: str) -> None:
     # Every hook, plain all-reduce included, under DDPOptimizer: the same graph splits for all of them.
     config = _job(model, micro, world, cpu,
-                  parallel={"comm_hook": hook, "comm_warmup_steps": 10, "topk_ramp_steps": topk_ramp_steps},
+                  parallel={"comm_hook": hook, "comm_warmup_steps": 10, "topk_ramp_steps": topk_ramp_steps,
+                            "topk_wire": topk_wire},
                   compile={"ddp_mode": "ddp_optimizer"})
     config.train.lr, config.train.min_lr = 6e-4, 6e-4
     plan = Plan.uniform(job_name="hooks", world_size=world, micro_batch_size=micro, grad_accum_steps=1,
@@ -384,16 +385,17 @@ def hooks_section(args, world: int) -> list[dict]:
     if "allreduce" not in args.hooks:
         raise SystemExit("--hooks must include allreduce: every hook is compared with it")
     rows = []
-    for hook in args.hooks:
+    runs = [(hook, wire) for hook in args.hooks for wire in (args.topk_wires if hook == "topk" else ["auto"])]
+    for hook, wire in runs:
         if args.cpu and hook == "powersgd":
             print("powersgd skipped: it hangs over gloo, and the config refuses it there", flush=True)
             continue
         ramp = args.topk_ramp_steps if hook == "topk" else 0
-        on_world = run_ranks(world, args.cpu, hook_run, model, micro, hook, args.hook_steps, ramp)
+        on_world = run_ranks(world, args.cpu, hook_run, model, micro, hook, args.hook_steps, ramp, wire)
         alone = (on_world if world == 1 else {} if args.skip_alone
-                 else run_ranks(1, args.cpu, hook_run, model, micro, hook, 40, ramp))
-        rows.append({"model": name, "hook": hook, "world": world, "topk_ramp_steps": ramp, **on_world,
-                     "alone_step_s": alone.get("step_s"), "alone_bytes_per_step": alone.get("bytes_per_step")})
+                 else run_ranks(1, args.cpu, hook_run, model, micro, hook, 40, ramp, wire))
+        rows.append({"model": name, "hook": hook, "world": world, "topk_ramp_steps": ramp, "topk_wire": wire,
+                     **on_world, "alone_step_s": alone.get("step_s"), "alone_bytes_per_step": alone.get("bytes_per_step")})
         print(json.dumps(rows[-1]), flush=True)  # as it lands: a call's time limit may cut the section short
     base = next(r for r in rows if r["hook"] == "allreduce")
     for row in rows:
@@ -450,6 +452,8 @@ def main() -> None:
     parser.add_argument("--hooks", nargs="+", choices=HOOKS, default=list(HOOKS), help="hooks the hooks section runs")
     parser.add_argument("--topk-ramp-steps", type=int, default=0,
                         help="[parallel] topk_ramp_steps for the topk hook: its share falls from 25 %% to topk_ratio over them")
+    parser.add_argument("--topk-wires", nargs="+", choices=("auto", "offsets", "elias_fano"), default=["auto"],
+                        help="[parallel] topk_wire values the topk hook runs with, one run each")
     parser.add_argument("--engine-configs", nargs="+", choices=list(ENGINE_CONFIGS), default=list(ENGINE_CONFIGS),
                         help="which engine wrappings the train section measures")
     parser.add_argument("--cpu", action="store_true", help="gloo on CPU processes with a tiny model")

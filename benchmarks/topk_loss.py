@@ -1,7 +1,8 @@
 """What the top-k hook costs in loss and saves in bytes, against the uncompressed run, on CPU.
 
     python3 benchmarks/topk_loss.py                                   # shares 5, 10, 15 % at seeds 0 and 1
-    python3 benchmarks/topk_loss.py --shares 0.03 --ramp-steps 100 --seeds 0 1 2 3
+    python3 benchmarks/topk_loss.py --shares 0.07 --ramp-steps 80 --seeds 0 1 2 3
+    python3 benchmarks/topk_loss.py --shares 0.07 --ramp-steps 80 --seeds 0 --wire offsets   # bytes as int16 offsets
 
 The run is the worker-engine test's text run (tests/unit/test_engine.py): a 2-layer byte-level GPT
 on the standard library's email package, 2 gloo ranks, 150 steps at a constant lr 3e-3. Per seed
@@ -60,6 +61,8 @@ def main() -> None:
     parser.add_argument("--ramp-steps", type=int, default=0, help="[parallel] topk_ramp_steps (from 25 %% down)")
     parser.add_argument("--dense-steps", type=int, default=0, help="[parallel] comm_warmup_steps")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--wire", choices=("elias_fano", "offsets"), default="elias_fano",
+                        help="[parallel] topk_wire: how the entries' places are sent")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         corpus, data = Path(tmp) / "email", Path(tmp) / "data"
@@ -71,7 +74,7 @@ def main() -> None:
             base_loss, base_bytes = run(data, {}, seed)
             for share in args.shares:
                 parallel = {"comm_hook": "topk", "topk_ratio": share, "topk_ramp_steps": args.ramp_steps,
-                            "comm_warmup_steps": args.dense_steps}
+                            "comm_warmup_steps": args.dense_steps, "topk_wire": args.wire}
                 loss, sent = run(data, parallel, seed)
                 print(f"{seed:>4} {share:>6.1%} {loss:>7.4f} {base_loss:>8.4f} {loss / base_loss - 1:>+8.2%} "
                       f"{sent / base_bytes:>13.2%}", flush=True)
