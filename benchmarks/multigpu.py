@@ -329,11 +329,11 @@ def _text_tokens() -> np.ndarray:
 
 
 def hook_run(rank: int, world: int, cpu: bool, model: dict, micro: int, hook: str, steps: int, topk_ramp_steps: int,
-             topk_wire: str, out_path: str) -> None:
+             topk_wire: str | None, out_path: str) -> None:
     # Every hook, plain all-reduce included, under DDPOptimizer: the same graph splits for all of them.
     config = _job(model, micro, world, cpu,
                   parallel={"comm_hook": hook, "comm_warmup_steps": 10, "topk_ramp_steps": topk_ramp_steps,
-                            "topk_wire": topk_wire},
+                            **({"topk_wire": topk_wire} if topk_wire else {})},
                   compile={"ddp_mode": "ddp_optimizer"})
     config.train.lr, config.train.min_lr = 6e-4, 6e-4
     plan = Plan.uniform(job_name="hooks", world_size=world, micro_batch_size=micro, grad_accum_steps=1,
@@ -385,7 +385,7 @@ def hooks_section(args, world: int) -> list[dict]:
     if "allreduce" not in args.hooks:
         raise SystemExit("--hooks must include allreduce: every hook is compared with it")
     rows = []
-    runs = [(hook, wire) for hook in args.hooks for wire in (args.topk_wires if hook == "topk" else ["auto"])]
+    runs = [(hook, wire) for hook in args.hooks for wire in (args.topk_wires if hook == "topk" else [None])]
     for hook, wire in runs:
         if args.cpu and hook == "powersgd":
             print("powersgd skipped: it hangs over gloo, and the config refuses it there", flush=True)
@@ -452,7 +452,7 @@ def main() -> None:
     parser.add_argument("--hooks", nargs="+", choices=HOOKS, default=list(HOOKS), help="hooks the hooks section runs")
     parser.add_argument("--topk-ramp-steps", type=int, default=0,
                         help="[parallel] topk_ramp_steps for the topk hook: its share falls from 25 %% to topk_ratio over them")
-    parser.add_argument("--topk-wires", nargs="+", choices=("auto", "offsets", "elias_fano"), default=["auto"],
+    parser.add_argument("--topk-wires", nargs="+", choices=("elias_fano", "offsets"), default=["elias_fano"],
                         help="[parallel] topk_wire values the topk hook runs with, one run each")
     parser.add_argument("--engine-configs", nargs="+", choices=list(ENGINE_CONFIGS), default=list(ENGINE_CONFIGS),
                         help="which engine wrappings the train section measures")

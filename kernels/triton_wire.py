@@ -1,16 +1,17 @@
 """Triton kernels for the top-k hook's Elias–Fano wire (kernels.wire); CUDA tensors only.
 
-They give the same bytes as the torch twins in kernels/wire.py, with a handful of launches
-instead of about fifty (the twins' launches cost more host time than the hook can spare).
+They give the same bytes as the torch twins in kernels/wire.py in five launches instead of about
+fifty: the hook runs eagerly once per bucket, so each launch is host time in every step.
 
-encode  a program per segment of the payload (SEGMENT elements) turns its entries' offsets into
-        places, keeps each place in a scratch array and sets its unary bit (place >> L) + j with
-        an atomic OR (entries of one 32-bit word come from one or two segments); then a program
-        per WORDS words of the low stream gathers the L low bits of the places that word holds
-decode  a program per WORDS words of a row's unary code counts the set bits; a cumsum of the
-        counts gives each program the entry number of its first set bit, and the program turns
-        its set bits into entries: offset in its segment (for the payload), place (for the
-        segment starts, found by one batched searchsorted), low bits read from the low stream
+encode  a program per segment of the payload (SEGMENT elements) copies its scales and its entries'
+        codes, turns its entries' offsets into places, keeps each place in a scratch array and sets
+        its unary bit (place >> L) + j with an atomic OR; then a program per WORDS words of the low
+        stream gathers the L low bits of the places that word holds
+decode  a program per WORDS words of a row's unary code counts its set bits; a second pass gives
+        each program the entry number of its first set bit (the counts of the programs before it)
+        and turns its set bits into entries: offset in its segment for the payload, place into a
+        scratch row, low bits read from the low stream; a binary search of each row's places then
+        finds where every segment's entries begin
 """
 
 from __future__ import annotations
@@ -27,14 +28,22 @@ ENCODE_ENTRIES = 256
 """Entries an encoding program turns into places per pass over its segment."""
 WORDS = 64
 """32-bit words of a bit stream per packing or decoding program (2,048 bits)."""
+STARTS_SEGMENTS = 128
+"""Segments whose first entry one program searches for."""
 _NO_PLACE = 2**31 - 1
-"""Scratch place of an entry not sent: after every real place, so searchsorted counts past none."""
+"""Scratch place of an entry not sent: after every real place, so the search for a segment's first
+entry passes none."""
 
 
 @triton.jit
-def _encode_places_kernel(offsets_ptr, starts_ptr, header_ptr, places_ptr, unary_ptr, segments, capacity, low_bits,
-                          ENTRIES: tl.constexpr):
+def _encode_segment_kernel(offsets_ptr, starts_ptr, header_ptr, values_ptr, scales_ptr, places_ptr, wire_header_ptr,
+                           wire_values_ptr, wire_scales_ptr, unary_ptr, segments, capacity, num_blocks, low_bits,
+                           ENTRIES: tl.constexpr, BLOCKS_PER_SEGMENT: tl.constexpr):
     segment = tl.program_id(0)
+    four = tl.arange(0, 4)
+    tl.store(wire_header_ptr + four, tl.load(header_ptr + four), mask=(four < 4) & (segment == 0))
+    block = segment * BLOCKS_PER_SEGMENT + tl.arange(0, BLOCKS_PER_SEGMENT)
+    tl.store(wire_scales_ptr + block, tl.load(scales_ptr + block, mask=block < num_blocks), mask=block < num_blocks)
     sent = tl.minimum(tl.load(header_ptr), capacity)
     first = tl.minimum(tl.load(starts_ptr + segment), sent)
     after = tl.load(starts_ptr + segment + 1, mask=segment + 1 < segments, other=sent)
@@ -44,6 +53,7 @@ def _encode_places_kernel(offsets_ptr, starts_ptr, header_ptr, places_ptr, unary
         mask = entry < last
         place = segment * _SEGMENT + tl.load(offsets_ptr + entry, mask=mask, other=0).to(tl.int32)
         tl.store(places_ptr + entry, place, mask=mask)
+        tl.store(wire_values_ptr + entry, tl.load(values_ptr + entry, mask=mask), mask=mask)
         unary_bit = (place >> low_bits) + entry
         tl.atomic_or(unary_ptr + (unary_bit >> 5), (1 << (unary_bit & 31)).to(tl.int32), mask=mask, sem="relaxed")
 
@@ -60,21 +70,25 @@ def _pack_low_bits_kernel(places_ptr, header_ptr, low_ptr, low_words, capacity, 
     tl.store(low_ptr + word, tl.sum(bit << bit_in_word, axis=1), mask=word < low_words)
 
 
-def encode(bucket: CompressedBucket, wire: torch.Tensor, low: int, high: int, low_bits: int) -> None:
-    """Writes bucket's places into `wire` (zeroed): the low stream at byte `low`, the unary code at `high`."""
-    layout, device = bucket.layout, bucket.payload.device
-    if not layout.capacity:
+def encode(bucket: CompressedBucket, wire: torch.Tensor, shape) -> None:
+    """Writes bucket's wire (kernels.wire.WireLayout `shape`) into `wire`, zeroed."""
+    layout = bucket.layout
+    if not layout.numel:
         return
-    places = torch.empty(layout.capacity, dtype=torch.int32, device=device)
+    places = torch.empty(max(layout.capacity, 1), dtype=torch.int32, device=wire.device)
     header = bucket.header
     with _on_device(wire):
-        _encode_places_kernel[(layout.num_segments,)](
-            bucket.indices, bucket.segment_starts, header, places, wire[high:].view(torch.int32),
-            layout.num_segments, layout.capacity, low_bits, ENTRIES=ENCODE_ENTRIES)
-        low_words = -(-layout.capacity * low_bits // 32)
+        _encode_segment_kernel[(layout.num_segments,)](
+            bucket.indices, bucket.segment_starts, header, bucket.values, bucket.scales, places,
+            wire[:HEADER_BYTES].view(torch.int32), wire[shape.values:shape.values + layout.capacity].view(torch.int8),
+            wire[shape.scales:shape.nbytes].view(torch.float32), wire[shape.high:].view(torch.int32),
+            layout.num_segments, layout.capacity, layout.num_blocks, shape.low_bits, ENTRIES=ENCODE_ENTRIES,
+            BLOCKS_PER_SEGMENT=SEGMENT // layout.block)
+        low_words = -(-layout.capacity * shape.low_bits // 32)
         if low_words:
             _pack_low_bits_kernel[(triton.cdiv(low_words, WORDS),)](
-                places, header, wire[low:high].view(torch.int32), low_words, layout.capacity, low_bits, WORDS=WORDS)
+                places, header, wire[shape.low:shape.high].view(torch.int32), low_words, layout.capacity,
+                shape.low_bits, WORDS=WORDS)
 
 
 @triton.jit
@@ -95,12 +109,18 @@ def _count_unary_kernel(wires_ptr, counts_ptr, row_words, high_word, high_words,
 
 
 @triton.jit
-def _decode_entries_kernel(wires_ptr, firsts_ptr, offsets_ptr, places_ptr, row_words, high_word, high_words,
+def _decode_entries_kernel(wires_ptr, counts_ptr, offsets_ptr, places_ptr, row_words, high_word, high_words,
                            low_word, low_words, programs, payload_halves, capacity, numel, low_bits,
                            WORDS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    program = tl.program_id(1)
     bits, position = _unary_bits(wires_ptr, row, row_words, high_word, high_words, WORDS)
-    entry = tl.load(firsts_ptr + row * programs + tl.program_id(1)) + tl.cumsum(bits, axis=0) - bits
+    # Entry number of this program's first set bit: the set bits of the programs before it.
+    first = program * 0
+    for before in range(0, program, 1024):
+        earlier = before + tl.arange(0, 1024)
+        first += tl.sum(tl.load(counts_ptr + row * programs + earlier, mask=earlier < program, other=0))
+    entry = first + tl.cumsum(bits, axis=0) - bits
     is_entry = (bits == 1) & (entry < capacity)
     # Entry j's low bits start at bit j * L of the low stream and span at most two words.
     low_bit = entry.to(tl.int64) * low_bits
@@ -117,24 +137,44 @@ def _decode_entries_kernel(wires_ptr, firsts_ptr, offsets_ptr, places_ptr, row_w
     tl.store(places_ptr + row * capacity + entry, place.to(tl.int32), mask=is_entry)
 
 
-def decode_places(wires: torch.Tensor, payloads: torch.Tensor, layout: PayloadLayout, low: int, high: int,
-                  high_bits: int, low_bits: int) -> None:
+@triton.jit
+def _segment_starts_kernel(places_ptr, starts_ptr, payload_words, capacity, segments, search_steps,
+                           SEGMENTS: tl.constexpr):
+    """Each segment's first entry: the first place at or past the segment's start (a binary search
+    of the row's places, which rise; unsent entries hold _NO_PLACE)."""
+    row = tl.program_id(0).to(tl.int64)
+    segment = tl.program_id(1) * SEGMENTS + tl.arange(0, SEGMENTS)
+    bound = segment * _SEGMENT
+    low = tl.zeros((SEGMENTS,), tl.int32)
+    high = tl.zeros((SEGMENTS,), tl.int32) + capacity
+    for _ in range(search_steps):
+        searching = low < high
+        middle = (low + high) >> 1
+        place = tl.load(places_ptr + row * capacity + middle, mask=searching, other=0)
+        below = searching & (place < bound)
+        low = tl.where(below, middle + 1, low)
+        high = tl.where(searching & ~below, middle, high)
+    tl.store(starts_ptr + row * payload_words + segment, low, mask=segment < segments)
+
+
+def decode_places(wires: torch.Tensor, payloads: torch.Tensor, layout: PayloadLayout, shape) -> None:
     """Writes each row's offsets and segment starts into `payloads` (zeroed) from the rows of `wires`."""
     rows, capacity, device = wires.shape[0], layout.capacity, wires.device
     if not capacity:
         return
-    row_words, high_words = wires.shape[1] // 4, -(-high_bits // 32)
+    row_words, high_words = wires.shape[1] // 4, -(-shape.high_bits // 32)
     programs = triton.cdiv(high_words, WORDS)
     words = wires.view(torch.int32)
     counts = torch.empty(rows, programs, dtype=torch.int32, device=device)
     places = torch.full((rows, capacity), _NO_PLACE, dtype=torch.int32, device=device)
+    segments = layout.num_segments
     with _on_device(wires):
-        _count_unary_kernel[(rows, programs)](words, counts, row_words, high // 4, high_words, programs, WORDS=WORDS)
-        firsts = (torch.cumsum(counts, 1, dtype=torch.int32) - counts).contiguous()
+        _count_unary_kernel[(rows, programs)](words, counts, row_words, shape.high // 4, high_words, programs,
+                                              WORDS=WORDS)
         _decode_entries_kernel[(rows, programs)](
-            words, firsts, payloads.view(torch.int16)[:, HEADER_BYTES // 2:], places, row_words, high // 4,
-            high_words, low // 4, -(-capacity * low_bits // 32), programs, payloads.shape[1] // 2, capacity,
-            layout.numel, low_bits, WORDS=WORDS)
-    bounds = (torch.arange(layout.num_segments, dtype=torch.int32, device=device) * SEGMENT).expand(rows, -1)
-    starts = payloads[:, layout.starts_offset:layout.starts_offset + 4 * layout.num_segments].view(torch.int32)
-    starts.copy_(torch.searchsorted(places, bounds.contiguous()).clamp_(max=capacity))
+            words, counts, payloads.view(torch.int16)[:, HEADER_BYTES // 2:], places, row_words, shape.high // 4,
+            high_words, shape.low // 4, -(-capacity * shape.low_bits // 32), programs, payloads.shape[1] // 2,
+            capacity, layout.numel, shape.low_bits, WORDS=WORDS)
+        _segment_starts_kernel[(rows, triton.cdiv(segments, STARTS_SEGMENTS))](
+            places, payloads.view(torch.int32)[:, layout.starts_offset // 4:], payloads.shape[1] // 4, capacity,
+            segments, capacity.bit_length() + 1, SEGMENTS=STARTS_SEGMENTS)

@@ -32,6 +32,7 @@ runs; decoding takes all gathered rows at once.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +55,9 @@ class WireLayout:
     nbytes: int
 
     @classmethod
+    @functools.lru_cache(maxsize=1024)
     def of(cls, layout: PayloadLayout) -> WireLayout:
+        """Cached: a comm hook asks for the same few layouts every step."""
         if not layout.block:
             raise ValueError("the wire encoding is for quantised payloads (compress), not top-k selections")
         capacity, numel = layout.capacity, layout.numel
@@ -73,18 +76,14 @@ def wire_nbytes(layout: PayloadLayout) -> int:
 
 def encode_wire(bucket: CompressedBucket) -> torch.Tensor:
     """The wire encoding of a payload made by compress()."""
-    layout, device = bucket.layout, bucket.payload.device
-    shape = WireLayout.of(layout)
-    wire = torch.zeros(shape.nbytes, dtype=torch.uint8, device=device)
-    wire[:HEADER_BYTES] = bucket.payload[:HEADER_BYTES]
-    wire[shape.values:shape.values + layout.capacity] = bucket.values.view(torch.uint8)
-    wire[shape.scales:shape.scales + 4 * layout.num_blocks] = bucket.scales.view(torch.uint8)
+    shape = WireLayout.of(bucket.layout)
+    wire = torch.zeros(shape.nbytes, dtype=torch.uint8, device=bucket.payload.device)
     if use_triton(wire):
         from kernels import triton_wire
 
-        triton_wire.encode(bucket, wire, shape.low, shape.high, shape.low_bits)
+        triton_wire.encode(bucket, wire, shape)
     else:
-        encode_places_twin(bucket, wire, shape)
+        encode_twin(bucket, wire, shape)
     return wire
 
 
@@ -104,16 +103,18 @@ def decode_wires(wires: torch.Tensor, layout: PayloadLayout) -> torch.Tensor:
     if use_triton(wires):
         from kernels import triton_wire
 
-        triton_wire.decode_places(wires.contiguous(), payloads, layout, shape.low, shape.high, shape.high_bits,
-                                  shape.low_bits)
+        triton_wire.decode_places(wires.contiguous(), payloads, layout, shape)
     else:
         decode_places_twin(wires, payloads, layout, shape)
     return payloads
 
 
-def encode_places_twin(bucket: CompressedBucket, wire: torch.Tensor, shape: WireLayout) -> None:
-    """The torch twin of triton_wire.encode: bucket's places into `wire` (zeroed), low stream and unary code."""
+def encode_twin(bucket: CompressedBucket, wire: torch.Tensor, shape: WireLayout) -> None:
+    """The torch twin of triton_wire.encode: bucket's wire into `wire`, zeroed."""
     layout, device = bucket.layout, wire.device
+    wire[:HEADER_BYTES] = bucket.payload[:HEADER_BYTES]
+    wire[shape.values:shape.values + layout.capacity] = bucket.values.view(torch.uint8)
+    wire[shape.scales:shape.scales + 4 * layout.num_blocks] = bucket.scales.view(torch.uint8)
     # Each entry's place: its segment is the last whose first entry is at or before it.
     entry = torch.arange(layout.capacity, device=device)
     segment = (torch.searchsorted(bucket.segment_starts.long(), entry, right=True) - 1).clamp(min=0)

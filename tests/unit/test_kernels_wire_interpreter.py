@@ -18,7 +18,7 @@ import json, torch
 
 from kernels import compress, triton_wire
 from kernels.payload import SEGMENT
-from kernels.wire import WireLayout, decode_places_twin, encode_places_twin
+from kernels.wire import WireLayout, decode_places_twin, encode_twin
 
 results = []
 # Six low bits an entry; none (over half the elements sent); a ragged last segment; an overflowing
@@ -33,13 +33,13 @@ for numel, k_ratio, kind in [(50_000, 0.01, "randn"), (3 * SEGMENT + 5, 0.6, "ra
     wires, twins = [], []
     for payload in payloads:
         got, want = (torch.zeros(shape.nbytes, dtype=torch.uint8) for _ in range(2))
-        triton_wire.encode(payload, got, shape.low, shape.high, shape.low_bits)
-        encode_places_twin(payload, want, shape)
+        triton_wire.encode(payload, got, shape)
+        encode_twin(payload, want, shape)
         wires.append(got)
         twins.append(want)
     rows = torch.stack(wires)
     decoded, decoded_twin = (torch.zeros(3, layout.nbytes, dtype=torch.uint8) for _ in range(2))
-    triton_wire.decode_places(rows, decoded, layout, shape.low, shape.high, shape.high_bits, shape.low_bits)
+    triton_wire.decode_places(rows, decoded, layout, shape)
     decode_places_twin(rows, decoded_twin, layout, shape)
     # decode_places writes only offsets and starts; the payloads' other bytes are copied by decode_wires.
     places = lambda p: torch.cat([p[:, 16:layout.values_offset], p[:, layout.starts_offset:]], 1)  # noqa: E731
