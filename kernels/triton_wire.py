@@ -22,6 +22,7 @@ import triton.language as tl
 
 from kernels.payload import HEADER_BYTES, SEGMENT, CompressedBucket, PayloadLayout
 from kernels.triton_kernels import _on_device
+from kernels.wire import WireLayout
 
 _SEGMENT = tl.constexpr(SEGMENT)
 ENCODE_ENTRIES = 256
@@ -70,7 +71,7 @@ def _pack_low_bits_kernel(places_ptr, header_ptr, low_ptr, low_words, capacity, 
     tl.store(low_ptr + word, tl.sum(bit << bit_in_word, axis=1), mask=word < low_words)
 
 
-def encode(bucket: CompressedBucket, wire: torch.Tensor, shape) -> None:
+def encode(bucket: CompressedBucket, wire: torch.Tensor, shape: WireLayout) -> None:
     """Writes bucket's wire (kernels.wire.WireLayout `shape`) into `wire`, zeroed."""
     layout = bucket.layout
     if not layout.numel:
@@ -157,7 +158,7 @@ def _segment_starts_kernel(places_ptr, starts_ptr, payload_words, capacity, segm
     tl.store(starts_ptr + row * payload_words + segment, low, mask=segment < segments)
 
 
-def decode_places(wires: torch.Tensor, payloads: torch.Tensor, layout: PayloadLayout, shape) -> None:
+def decode_places(wires: torch.Tensor, payloads: torch.Tensor, layout: PayloadLayout, shape: WireLayout) -> None:
     """Writes each row's offsets and segment starts into `payloads` (zeroed) from the rows of `wires`."""
     rows, capacity, device = wires.shape[0], layout.capacity, wires.device
     if not capacity:

@@ -4,7 +4,7 @@ A payload (kernels.payload) names each entry's place as an int16 offset in its s
 entry. The places are a rising sequence of `capacity` numbers below `numel`, and Elias–Fano codes
 such a sequence in at most 2 + log2(numel / capacity) bits an entry: each place's low
 L = floor(log2(numel / capacity)) bits as they are, and its high bits in unary, as one set bit
-(place >> L) + j in a bitmap for entry j. A slot's place then costs 1.05 bytes at k = 1 % (11 %
+(place >> L) + j in a bitmap for entry j. A slot's place then costs 1.05 bytes at k = 1 % (10 %
 slack included) and 0.65 at 10 %, where an offset costs 2 and a bitmap of the whole bucket (1/8 byte
 an element) 1.14 at 10 %; with its int8 code a slot goes in 1.65-2.05 bytes instead of 3. Elias–Fano
 is larger than that bitmap only above one slot in four elements.
@@ -40,6 +40,7 @@ import torch
 from kernels.backend import use_triton
 from kernels.payload import HEADER_BYTES, SEGMENT, CompressedBucket, PayloadLayout, _align16
 
+
 @dataclass(frozen=True, slots=True)
 class WireLayout:
     """Where each array of a wire lies, for one payload layout."""
@@ -52,6 +53,7 @@ class WireLayout:
     high: int
     values: int
     scales: int
+    """Byte offsets of the arrays in the wire."""
     nbytes: int
 
     @classmethod
