@@ -161,3 +161,9 @@ def test_powersgd_is_refused_over_gloo_rather_than_left_to_hang(tmp_path):
     run_ranks(1, powersgd_on_gloo, str(out))
     message = out.read_text()
     assert "[parallel] comm_hook" in message and "hangs over gloo" in message and '"topk"' in message
+
+
+def test_an_unknown_topk_wire_is_refused_by_name():
+    with pytest.raises(ValueError, match="unknown topk wire 'auto'; choose one of elias_fano, offsets"):
+        make_hook("topk", stats=CommStats(), world_size=2, islands=None, warmup_steps=0, powersgd_rank=2,
+                  topk_ratio=0.1, topk_wire="auto")
