@@ -202,7 +202,8 @@ def bench_kernels(buffers: Buffers, k_ratio: float) -> dict:
                 decompress_gbs=decompress_gbs, sector_gbs=sector_gbs, decompress_us=decompress_s * 1e6,
                 sent_over_k=sent / k, dense_gbs=dense_gbs, dense_us=dense_s * 1e6, sum_gbs=sum_gbs,
                 sum_us=sum_s * 1e6, rowwise_us=rowwise_s * 1e6, sum_matches=sum_matches,
-                encode_us=encode_s * 1e6, decode_us=decode_s * 1e6, wire_eager_us=wire_eager_s * 1e6, wire_share=wire_share, wire_matches=wire_matches,
+                encode_us=encode_s * 1e6, decode_us=decode_s * 1e6, wire_eager_us=wire_eager_s * 1e6,
+                wire_share=wire_share, wire_matches=wire_matches,
                 topk_device_ms=topk_device_s * 1e3, torch_device_ms=torch_device_s * 1e3,
                 topk_eager_ms=topk_eager_s * 1e3, torch_eager_ms=torch_eager_s * 1e3, kept_over_k=len(index) / k,
                 exact=exact_match)
@@ -359,7 +360,8 @@ def print_table(rows: list[dict]) -> None:
               f"({r['torch_eager_ms'] / r['topk_eager_ms']:.1f}x) | "
               f"{r['kept_over_k']:.3f} | {r['exact']} | {r['sum_gbs']:.0f} ({r['sum_gbs'] / copy:.0%}) | "
               f"{r['sum_us']:.1f} / {r['rowwise_us']:.1f} | {r['sum_matches']} | {r['encode_us']:.1f} / "
-              f"{r['decode_us']:.1f} / {r['compress_us']:.1f} | {r['wire_eager_us']:.1f} | {r['wire_share']:.0%} | {r['wire_matches']} |")
+              f"{r['decode_us']:.1f} / {r['compress_us']:.1f} | {r['wire_eager_us']:.1f} | {r['wire_share']:.0%} | "
+              f"{r['wire_matches']} |")
 
 
 if __name__ == "__main__":

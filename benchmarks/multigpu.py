@@ -395,7 +395,8 @@ def hooks_section(args, world: int) -> list[dict]:
         alone = (on_world if world == 1 else {} if args.skip_alone
                  else run_ranks(1, args.cpu, hook_run, model, micro, hook, 40, ramp, wire))
         rows.append({"model": name, "hook": hook, "world": world, "topk_ramp_steps": ramp, "topk_wire": wire,
-                     **on_world, "alone_step_s": alone.get("step_s"), "alone_bytes_per_step": alone.get("bytes_per_step")})
+                     **on_world, "alone_step_s": alone.get("step_s"),
+                     "alone_bytes_per_step": alone.get("bytes_per_step")})
         print(json.dumps(rows[-1]), flush=True)  # as it lands: a call's time limit may cut the section short
     base = next(r for r in rows if r["hook"] == "allreduce")
     for row in rows:

@@ -101,7 +101,8 @@ def decode_wires(wires: torch.Tensor, layout: PayloadLayout) -> torch.Tensor:
     payloads[:, :HEADER_BYTES] = wires[:, :HEADER_BYTES]
     payloads[:, layout.values_offset:layout.values_offset + capacity] = wires[:, shape.values:shape.values + capacity]
     scale_bytes = 4 * layout.num_blocks
-    payloads[:, layout.scales_offset:layout.scales_offset + scale_bytes] = wires[:, shape.scales:shape.scales + scale_bytes]
+    scales_at = layout.scales_offset
+    payloads[:, scales_at:scales_at + scale_bytes] = wires[:, shape.scales:shape.scales + scale_bytes]
     if use_triton(wires):
         from kernels import triton_wire
 
@@ -139,7 +140,8 @@ def decode_places_twin(wires: torch.Tensor, payloads: torch.Tensor, layout: Payl
     offsets.copy_(torch.where(sent, place % SEGMENT, 0))
     segments = layout.num_segments
     per_segment = torch.zeros(rows, segments + 1, dtype=torch.int32, device=device)
-    per_segment.scatter_add_(1, torch.where(sent, place // SEGMENT, segments), torch.ones_like(place, dtype=torch.int32))
+    per_segment.scatter_add_(1, torch.where(sent, place // SEGMENT, segments),
+                             torch.ones_like(place, dtype=torch.int32))
     per_segment = per_segment[:, :segments]
     starts = payloads[:, layout.starts_offset:layout.starts_offset + 4 * segments].view(torch.int32)
     starts.copy_((torch.cumsum(per_segment, 1) - per_segment).clamp(max=capacity))
@@ -160,7 +162,8 @@ def _places(wires: torch.Tensor, shape: WireLayout, capacity: int) -> tuple[torc
     position = flat - torch.arange(rows, device=device).unsqueeze(1) * shape.high_bits
     place = torch.where(sent, position - entry, 0) << shape.low_bits
     if shape.low_bits:
-        low = _unpack(wires[:, shape.low:shape.high])[:, :capacity * shape.low_bits].view(rows, capacity, shape.low_bits)
+        low = _unpack(wires[:, shape.low:shape.high])[:, :capacity * shape.low_bits]
+        low = low.view(rows, capacity, shape.low_bits)
         place |= (low.long() << torch.arange(shape.low_bits, device=device)).sum(2)
     return place, sent
 

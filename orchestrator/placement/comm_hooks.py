@@ -21,13 +21,22 @@ import math
 from dataclasses import dataclass
 
 from orchestrator.config import JobConfig
-from orchestrator.cost import HOOK_COMPUTE, POWERSGD_HOST_SECONDS_PER_MATRIX
+from orchestrator.cost import (ELIAS_FANO_DECODE, ELIAS_FANO_ENCODE, HOOK_COMPUTE, POWERSGD_HOST_SECONDS_PER_MATRIX,
+                               HookComputeRate)
 from orchestrator.placement.devices import DeviceType
 from orchestrator.placement.plan import DeviceKind
 
 
 COMPRESSING_HOOKS = ("bf16", "powersgd", "topk")
 """The hooks that send fewer bytes than the gradient buckets hold."""
+
+
+def _seconds_at(rate: HookComputeRate, elements: float, device: DeviceType) -> float:
+    """A hook kernel's time over `elements` gradient elements: its device traffic at the GPU's memory
+    bandwidth, or its core time shared among a CPU worker's cores."""
+    if device.kind == DeviceKind.CPU:
+        return elements * rate.cpu_core_ns_per_element * 1e-9 / max(device.cores, 1)
+    return elements * rate.gpu_bytes_per_element / device.memory_bytes_per_s
 
 
 def gradient_element_bytes(config: JobConfig) -> int:
@@ -55,6 +64,8 @@ class CommHookCost:
     state_bytes: float = 0.0
     """Bytes the hook keeps on each worker between steps: top-k's fp32 residual, PowerSGD's fp32
     error feedback of every bucket and its P and Q."""
+    elias_fano: bool = False
+    """topk's places go Elias–Fano coded: an encode a step, and a decode of every rank's payload."""
     overlaps_backward: bool = True
     """False where the step was measured to wait for all of the hook's communication (PowerSGD,
     whose buckets each chain three collectives through compute: on two H200s, the step exceeded
@@ -82,8 +93,10 @@ class CommHookCost:
             from kernels.wire import wire_nbytes
 
             layout = payload_layout(elements, config.parallel.topk_ratio)
-            wire = wire_nbytes(layout) if config.parallel.topk_wire == "elias_fano" else layout.nbytes
-            return cls(name, wire, buffer, all_gather=True, elements=elements, state_bytes=4 * elements)
+            elias_fano = config.parallel.topk_wire == "elias_fano"
+            wire = wire_nbytes(layout) if elias_fano else layout.nbytes
+            return cls(name, wire, buffer, all_gather=True, elements=elements, state_bytes=4 * elements,
+                       elias_fano=elias_fano)
         if name == "powersgd":
             from workers.comm.hooks import powersgd_wire
 
@@ -96,17 +109,18 @@ class CommHookCost:
     def compute_seconds(self, device: DeviceType, ranks: int, tensor_parallel: int = 1) -> float:
         """The hook's own work per step on `device` for one rank's 1/tensor_parallel of the gradients.
         It runs on the compute stream, so it lengthens the step: its passes over the gradients at the
-        rate fitted for the hook, each other rank's payload read at the device's memory bandwidth,
-        and PowerSGD's host-bound work. One rank has no DDP and no hook."""
+        rate fitted for the hook, each other rank's payload read at the device's memory bandwidth
+        (and, Elias–Fano coded, decoded), and PowerSGD's host-bound work. One rank has no DDP and no hook."""
         if ranks <= 1:
             return 0.0
         elements = self.elements / tensor_parallel
         seconds = self.host_seconds
         rate = HOOK_COMPUTE.get(self.name)
-        if rate is not None and device.kind == DeviceKind.CPU:
-            seconds += elements * rate.cpu_core_ns_per_element * 1e-9 / max(device.cores, 1)
-        elif rate is not None:
-            seconds += elements * rate.gpu_bytes_per_element / device.memory_bytes_per_s
+        if rate is not None:
+            seconds += _seconds_at(rate, elements, device)
+        if self.elias_fano:
+            seconds += _seconds_at(ELIAS_FANO_ENCODE, elements, device)
+            seconds += ranks * _seconds_at(ELIAS_FANO_DECODE, elements, device)
         if self.all_gather:
             seconds += (ranks - 1) * self.wire_bytes / tensor_parallel / device.memory_bytes_per_s
         return seconds

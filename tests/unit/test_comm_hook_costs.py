@@ -7,10 +7,12 @@ import pytest
 
 from orchestrator.config import JobConfig
 from orchestrator.errors import ConfigError, PlacementError
-from orchestrator.cost import (NVLINK_DDP_COMPUTE_SLOWDOWN, POWERSGD_HOST_SECONDS_PER_MATRIX, CollectiveCostModel,
-                               LinkCalibration, LinkClass, parse_calibration)
+from orchestrator.cost import (ELIAS_FANO_DECODE, ELIAS_FANO_ENCODE, NVLINK_DDP_COMPUTE_SLOWDOWN,
+                               POWERSGD_HOST_SECONDS_PER_MATRIX, CollectiveCostModel, LinkCalibration, LinkClass,
+                               parse_calibration)
 from orchestrator.placement.comm_hooks import CommHookCost
-from orchestrator.placement.plan import Plan
+from orchestrator.placement.devices import DeviceType
+from orchestrator.placement.plan import DeviceKind, Plan
 from orchestrator.placement import planner as planner_module
 from orchestrator.placement.planner import AUTO_BF16_MIN_GAIN, Planner
 from orchestrator.topology import machines
@@ -50,9 +52,29 @@ def test_wire_bytes_are_what_the_hooks_sent_on_two_h200s():
 def test_topk_wire_bytes_follow_the_encoding_asked_for():
     """Places Elias-Fano coded (the default) or as the payload's offsets: both as the hook sent them
     on two H200s (benchmarks/multigpu.py --only hooks --topk-wires offsets elias_fano)."""
-    coded, offsets = (CommHookCost.for_job(job("topk", parallel={"topk_wire": wire})) for wire in ("elias_fano", "offsets"))
+    coded, offsets = (CommHookCost.for_job(job("topk", parallel={"topk_wire": wire}))
+                      for wire in ("elias_fano", "offsets"))
     assert coded.wire_bytes == pytest.approx(3_294_752, rel=1e-3)  # costed as one bucket; DDP sent ~20
     assert offsets.wire_bytes == pytest.approx(4_621_248, rel=1e-3)
+
+
+def test_the_elias_fano_wire_costs_an_encode_and_a_decode_per_rank():
+    """On top of top-k's own kernels: one encode a step, and a decode of each rank's payload, so the
+    difference from offsets grows with the ranks (its smaller wire is what pays for it)."""
+    coded, offsets = (CommHookCost.for_job(job("topk", parallel={"topk_wire": wire}))
+                      for wire in ("elias_fano", "offsets"))
+    h200 = DeviceType(kind=DeviceKind.GPU, model="H200", label="H200", peak_tflops=989.0, memory_bytes=141 << 30,
+                      price_units=1.0, memory_bytes_per_s=4.8e12)
+
+    def extra(ranks: int) -> float:  # coded's compute beyond offsets', less its smaller all-gather read
+        read_saved = (ranks - 1) * (offsets.wire_bytes - coded.wire_bytes) / h200.memory_bytes_per_s
+        return coded.compute_seconds(h200, ranks) - offsets.compute_seconds(h200, ranks) + read_saved
+
+    encode, decode = (coded.elements * rate.gpu_bytes_per_element / 4.8e12
+                      for rate in (ELIAS_FANO_ENCODE, ELIAS_FANO_DECODE))
+    assert extra(2) == pytest.approx(encode + 2 * decode)
+    assert extra(64) == pytest.approx(encode + 64 * decode)
+    assert 0.3e-3 < extra(2) < 0.5e-3  # 124 M elements: about what two H200s measured (0.4 ms a step)
 
 
 def two_h200s(config: JobConfig, link: str) -> Planner:

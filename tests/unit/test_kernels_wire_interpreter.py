@@ -45,7 +45,8 @@ for numel, k_ratio, kind in [(50_000, 0.01, "randn"), (3 * SEGMENT + 5, 0.6, "ra
     places = lambda p: torch.cat([p[:, 16:layout.values_offset], p[:, layout.starts_offset:]], 1)  # noqa: E731
     originals = torch.stack([p.payload for p in payloads])
     results.append({"case": f"{numel} {k_ratio} {kind}", "encode": all(map(torch.equal, wires, twins)),
-                    "decode": torch.equal(decoded, decoded_twin), "round_trip": torch.equal(places(decoded), places(originals)),
+                    "decode": torch.equal(decoded, decoded_twin),
+                    "round_trip": torch.equal(places(decoded), places(originals)),
                     "sent": payloads[0].sent()})
 print(json.dumps(results))
 """
