@@ -246,7 +246,8 @@ class ParallelConfig:
     decode of every rank's payload a step. On two H200s with GPT-2 124M that work cost 0.4 ms of a
     64 ms step over NVSwitch at 1 % (2.0 ms while a ramp sends 25 % down to 5 %), and nothing
     measurable over a 3.4 GB/s link, where the all-gather hid behind backward either way
-    (benchmarks/RESULTS.md)."""
+    (benchmarks/RESULTS.md). The planner costs both, and the plan's notes name the other where it
+    is predicted faster: Elias–Fano pays where the all-gather is exposed (many ranks, slow links)."""
 
     def __post_init__(self) -> None:
         _positive("parallel", bucket_mb=self.bucket_mb, powersgd_rank=self.powersgd_rank)

@@ -312,14 +312,19 @@ hooks, 2026-11-30): on an H200 (4.8 TB/s), bf16 0.92 ms and topk at 1 % 1.56 ms 
 project's 2-core CPU machine, 25 M elements: bf16 49 ms, topk (compress + decompress_sum of 2
 payloads) 1.0–1.1 s."""
 
-ELIAS_FANO_ENCODE = HookComputeRate(gpu_bytes_per_element=7.9, cpu_core_ns_per_element=1.0)
-"""The topk hook's Elias–Fano wire (kernels.wire) on top of HOOK_COMPUTE["topk"]: encoding the
-rank's own payload once a step. ELIAS_FANO_DECODE is decoding one rank's payload, paid once per
-rank. On an H200 (benchmarks/kernels.py, 25 MB buckets at k = 1 %, 6.25 M elements): encode 10.3 µs,
-decode 26.8 µs for 8 rows; at this bucket size both are mostly fixed costs per bucket, so smaller
-buckets cost more per element. On this project's 2-core CPU machine the torch twins took 3.2 ms to
-encode the same bucket and 25.5 ms to decode 8 rows."""
-ELIAS_FANO_DECODE = HookComputeRate(gpu_bytes_per_element=2.6, cpu_core_ns_per_element=1.0)
+ELIAS_FANO_LAUNCH_SECONDS_PER_ELEMENT = 5.9e-12
+"""The topk hook's Elias–Fano wire (kernels.wire) on top of HOOK_COMPUTE["topk"], on a GPU: its
+encode and decode are launches and small kernels, bound by latency rather than memory bandwidth.
+benchmarks/kernels.py on an H200, 25 MB buckets (6.25 M elements) at k = 1 %: encode 10.3 µs and
+decode of 8 rows 26.8 µs, 37.1 µs a bucket, whatever the GPU's bandwidth; smaller buckets cost more
+per element. Two H200s training GPT-2 124M measured 0.4 ms a step more than the payload sent as it
+is, where this costs 0.74 ms."""
+ELIAS_FANO_DECODE_READS = 6
+"""Bytes a GPU's decode moves per byte of each rank's wire: the wire read three times, the payload
+written (1.4 wires), and each entry's place written and read back (1.3)."""
+ELIAS_FANO_CPU_CORE_NS_PER_ELEMENT = 1.0
+"""The torch twins on CPU workers, per gradient element: to encode once, and to decode each rank's
+wire (on this project's 2-core machine, 6.25 M elements at k = 1 %: encode 3.2 ms, 8 rows 25.5 ms)."""
 
 POWERSGD_HOST_SECONDS_PER_MATRIX = 3.1e-4
 """torch's PowerSGD hook steps each compressed matrix from Python (orthogonalisation column by

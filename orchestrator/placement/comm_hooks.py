@@ -21,7 +21,8 @@ import math
 from dataclasses import dataclass
 
 from orchestrator.config import JobConfig
-from orchestrator.cost import (ELIAS_FANO_DECODE, ELIAS_FANO_ENCODE, HOOK_COMPUTE, POWERSGD_HOST_SECONDS_PER_MATRIX,
+from orchestrator.cost import (ELIAS_FANO_CPU_CORE_NS_PER_ELEMENT, ELIAS_FANO_DECODE_READS,
+                               ELIAS_FANO_LAUNCH_SECONDS_PER_ELEMENT, HOOK_COMPUTE, POWERSGD_HOST_SECONDS_PER_MATRIX,
                                HookComputeRate)
 from orchestrator.placement.devices import DeviceType
 from orchestrator.placement.plan import DeviceKind
@@ -65,7 +66,7 @@ class CommHookCost:
     """Bytes the hook keeps on each worker between steps: top-k's fp32 residual, PowerSGD's fp32
     error feedback of every bucket and its P and Q."""
     elias_fano: bool = False
-    """topk's places go Elias–Fano coded: an encode a step, and a decode of every rank's payload."""
+    """topk's places go Elias–Fano coded: an encode a step, and a decode of every rank's wire."""
     overlaps_backward: bool = True
     """False where the step was measured to wait for all of the hook's communication (PowerSGD,
     whose buckets each chain three collectives through compute: on two H200s, the step exceeded
@@ -118,11 +119,13 @@ class CommHookCost:
         rate = HOOK_COMPUTE.get(self.name)
         if rate is not None:
             seconds += _seconds_at(rate, elements, device)
-        if self.elias_fano:
-            seconds += _seconds_at(ELIAS_FANO_ENCODE, elements, device)
-            seconds += ranks * _seconds_at(ELIAS_FANO_DECODE, elements, device)
+        if self.elias_fano and device.kind == DeviceKind.CPU:  # the torch twins: encode once, decode every rank's
+            seconds += (1 + ranks) * elements * ELIAS_FANO_CPU_CORE_NS_PER_ELEMENT * 1e-9 / max(device.cores, 1)
+        elif self.elias_fano:
+            seconds += elements * ELIAS_FANO_LAUNCH_SECONDS_PER_ELEMENT
         if self.all_gather:
-            seconds += (ranks - 1) * self.wire_bytes / tensor_parallel / device.memory_bytes_per_s
+            reads = ELIAS_FANO_DECODE_READS if self.elias_fano else 1
+            seconds += (ranks - 1) * reads * self.wire_bytes / tensor_parallel / device.memory_bytes_per_s
         return seconds
 
     @property

@@ -425,6 +425,7 @@ class Planner:
             notes.append(f"comm hook {hook.name}: {sends}; its own work adds {best.hook_compute_seconds * 1e3:.1f} ms "
                          "a step (costed as after its plain all-reduce warm-up)")
         notes.extend(self._hook_advice(best))
+        notes.extend(self._topk_wire_advice(best))
         if best.backend == "gloo" and self.job.use_gpu:
             notes.append("several MIG slices of one GPU: NCCL runs one rank per GPU, so gradients are reduced "
                          "with gloo through host memory")
@@ -448,6 +449,22 @@ class Planner:
         return [f"the step waits {exposed:.0%} of its {best.step_seconds * 1e3:.1f} ms on gradient communication; "
                 f"predicted with [parallel] comm_hook = {', '.join(steps)} (per step: compression can cost "
                 "loss, benchmarks/RESULTS.md)"] if steps else []
+
+    def _topk_wire_advice(self, best: Outcome) -> list[str]:
+        """For topk, the step with its places sent the other way on the same devices, where that is
+        shorter: Elias–Fano's smaller wire against the encode and per-rank decode it costs."""
+        if self.costing.comm_hook.name != "topk":
+            return []
+        other = "offsets" if self.config.parallel.topk_wire == "elias_fano" else "elias_fano"
+        data = self.config.to_dict()
+        data["parallel"]["topk_wire"] = other
+        hook = CommHookCost.for_job(JobConfig.from_dict(data), "topk")
+        outcome = self.costing.with_comm_hook(hook).evaluate(best.footprint)
+        if not (isinstance(outcome, Outcome) and outcome.step_seconds < best.step_seconds):
+            return []
+        return [f'[parallel] topk_wire = "{other}" is predicted at {outcome.step_seconds * 1e3:.1f} ms a step '
+                f"against {best.step_seconds * 1e3:.1f} ms (each rank sends {hook.wire_bytes / 1e6:.1f} MB a step "
+                f"instead of {self.costing.comm_hook.wire_bytes / 1e6:.1f})"]
 
     # ---- the plan --------------------------------------------------------------------------------
     def build(self, outcome: Outcome, *, notes: list[str], bucket_bytes: dict[str, int] | None = None) -> Plan:
