@@ -1,7 +1,8 @@
 """Triton kernels for the top-k hook's Elias–Fano wire (kernels.wire); CUDA tensors only.
 
-They give the same bytes as the torch twins in kernels/wire.py in five launches instead of about
-fifty: the hook runs eagerly once per bucket, so each launch is host time in every step.
+They give the same bytes as the torch twins in kernels/wire.py with five Triton kernels and a few
+memsets and copies, instead of about fifty torch ops: the hook runs eagerly once per bucket, so
+each launch is host time in every step.
 
 encode  a program per segment of the payload (SEGMENT elements) copies its scales and its entries'
         codes, turns its entries' offsets into places, keeps each place in a scratch array and sets
@@ -55,7 +56,7 @@ def _encode_segment_kernel(offsets_ptr, starts_ptr, header_ptr, values_ptr, scal
         place = segment * _SEGMENT + tl.load(offsets_ptr + entry, mask=mask, other=0).to(tl.int32)
         tl.store(places_ptr + entry, place, mask=mask)
         tl.store(wire_values_ptr + entry, tl.load(values_ptr + entry, mask=mask), mask=mask)
-        unary_bit = (place >> low_bits) + entry
+        unary_bit = (place >> low_bits).to(tl.int64) + entry  # past 2**31 for dense buckets near MAX_NUMEL
         tl.atomic_or(unary_ptr + (unary_bit >> 5), (1 << (unary_bit & 31)).to(tl.int32), mask=mask, sem="relaxed")
 
 
@@ -95,7 +96,7 @@ def encode(bucket: CompressedBucket, wire: torch.Tensor, shape: WireLayout) -> N
 @triton.jit
 def _unary_bits(wires_ptr, row, row_words, high_word, high_words, WORDS: tl.constexpr):
     """(bits, bit positions) of one program's WORDS words of a row's unary code, flattened in bit order."""
-    word = tl.program_id(1) * WORDS + tl.arange(0, WORDS)[:, None]
+    word = tl.program_id(1).to(tl.int64) * WORDS + tl.arange(0, WORDS)[:, None]
     bits = tl.load(wires_ptr + row * row_words + high_word + word, mask=word < high_words, other=0)
     bits = (bits >> tl.arange(0, 32)[None, :]) & 1
     position = word * 32 + tl.arange(0, 32)[None, :]
@@ -150,7 +151,7 @@ def _segment_starts_kernel(places_ptr, starts_ptr, payload_words, capacity, segm
     high = tl.zeros((SEGMENTS,), tl.int32) + capacity
     for _ in range(search_steps):
         searching = low < high
-        middle = (low + high) >> 1
+        middle = low + ((high - low) >> 1)
         place = tl.load(places_ptr + row * capacity + middle, mask=searching, other=0)
         below = searching & (place < bound)
         low = tl.where(below, middle + 1, low)

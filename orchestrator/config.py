@@ -243,11 +243,11 @@ class ParallelConfig:
     """How the topk hook sends its entries' places: Elias–Fano coded (kernels.wire: 1.05 bytes an
     entry at 1 % of the bucket, 0.65 at 10 %, against 2 as offsets; the wire 29 % smaller at 1 %,
     45 % at 10 %), or "offsets", the payload as compress made it, which saves an encode and a
-    decode of every rank's payload a step. On two H200s with GPT-2 124M that work cost 0.4 ms of a
-    64 ms step over NVSwitch at 1 % (2.0 ms while a ramp sends 25 % down to 5 %), and nothing
+    decode of every rank's payload a step. On two H200s with GPT-2 124M that work cost about 0.4 ms of
+    a 64 ms step over NVSwitch at 1 % (one call) (2.0 ms while a ramp sends 25 % down to 5 %), and nothing
     measurable over a 3.4 GB/s link, where the all-gather hid behind backward either way
     (benchmarks/RESULTS.md). The planner costs both, and the plan's notes name the other where it
-    is predicted faster: Elias–Fano pays where the all-gather is exposed (many ranks, slow links)."""
+    is predicted faster: Elias–Fano pays where the all-gather is exposed, on slow links."""
 
     def __post_init__(self) -> None:
         _positive("parallel", bucket_mb=self.bucket_mb, powersgd_rank=self.powersgd_rank)

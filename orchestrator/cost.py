@@ -313,15 +313,17 @@ project's 2-core CPU machine, 25 M elements: bf16 49 ms, topk (compress + decomp
 payloads) 1.0–1.1 s."""
 
 ELIAS_FANO_LAUNCH_SECONDS_PER_ELEMENT = 5.9e-12
-"""The topk hook's Elias–Fano wire (kernels.wire) on top of HOOK_COMPUTE["topk"], on a GPU: its
-encode and decode are launches and small kernels, bound by latency rather than memory bandwidth.
-benchmarks/kernels.py on an H200, 25 MB buckets (6.25 M elements) at k = 1 %: encode 10.3 µs and
-decode of 8 rows 26.8 µs, 37.1 µs a bucket, whatever the GPU's bandwidth; smaller buckets cost more
-per element. Two H200s training GPT-2 124M measured 0.4 ms a step more than the payload sent as it
-is, where this costs 0.74 ms."""
-ELIAS_FANO_DECODE_READS = 6
-"""Bytes a GPU's decode moves per byte of each rank's wire: the wire read three times, the payload
-written (1.4 wires), and each entry's place written and read back (1.3)."""
+"""The topk hook's Elias–Fano wire (kernels.wire) on top of HOOK_COMPUTE["topk"], on a GPU, at DDP's
+25 MB buckets: benchmarks/kernels.py on an H200, 6.25 M elements at k = 1 %, encode 10.3 µs and
+decode of 8 rows 26.8 µs (37.1 µs a bucket). Mostly launches and small kernels, so not scaled by
+memory bandwidth; measured on an H200 only. Per element it falls with the bucket (68 µs at 100 MB,
+491 µs at 1 GB), so larger buckets cost less than this. Two H200s training GPT-2 124M measured
+0.4 ms a step more than the payload sent as it is (one call; single steps read to about 1 ms),
+where this costs 0.74 ms."""
+ELIAS_FANO_DECODE_TRAFFIC = 7
+"""Bytes a GPU's decode moves per byte of each rank's wire at k = 1 %: the unary part read twice
+and the low bits once (about 0.6 of the wire), the payload zeroed and written (2.4), its codes and
+scales copied (1.1), and the entries' places filled and written as int32 (3.3)."""
 ELIAS_FANO_CPU_CORE_NS_PER_ELEMENT = 1.0
 """The torch twins on CPU workers, per gradient element: to encode once, and to decode each rank's
 wire (on this project's 2-core machine, 6.25 M elements at k = 1 %: encode 3.2 ms, 8 rows 25.5 ms)."""

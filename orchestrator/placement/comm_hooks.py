@@ -21,9 +21,8 @@ import math
 from dataclasses import dataclass
 
 from orchestrator.config import JobConfig
-from orchestrator.cost import (ELIAS_FANO_CPU_CORE_NS_PER_ELEMENT, ELIAS_FANO_DECODE_READS,
-                               ELIAS_FANO_LAUNCH_SECONDS_PER_ELEMENT, HOOK_COMPUTE, POWERSGD_HOST_SECONDS_PER_MATRIX,
-                               HookComputeRate)
+from orchestrator.cost import (ELIAS_FANO_CPU_CORE_NS_PER_ELEMENT, ELIAS_FANO_DECODE_TRAFFIC,
+                               ELIAS_FANO_LAUNCH_SECONDS_PER_ELEMENT, HOOK_COMPUTE, POWERSGD_HOST_SECONDS_PER_MATRIX)
 from orchestrator.placement.devices import DeviceType
 from orchestrator.placement.plan import DeviceKind
 
@@ -32,12 +31,9 @@ COMPRESSING_HOOKS = ("bf16", "powersgd", "topk")
 """The hooks that send fewer bytes than the gradient buckets hold."""
 
 
-def _seconds_at(rate: HookComputeRate, elements: float, device: DeviceType) -> float:
-    """A hook kernel's time over `elements` gradient elements: its device traffic at the GPU's memory
-    bandwidth, or its core time shared among a CPU worker's cores."""
-    if device.kind == DeviceKind.CPU:
-        return elements * rate.cpu_core_ns_per_element * 1e-9 / max(device.cores, 1)
-    return elements * rate.gpu_bytes_per_element / device.memory_bytes_per_s
+def _core_seconds(core_ns: float, device: DeviceType) -> float:
+    """Core-nanoseconds of work shared among a CPU worker's cores, in seconds."""
+    return core_ns * 1e-9 / max(device.cores, 1)
 
 
 def gradient_element_bytes(config: JobConfig) -> int:
@@ -116,16 +112,17 @@ class CommHookCost:
             return 0.0
         elements = self.elements / tensor_parallel
         seconds = self.host_seconds
+        cpu = device.kind == DeviceKind.CPU
         rate = HOOK_COMPUTE.get(self.name)
         if rate is not None:
-            seconds += _seconds_at(rate, elements, device)
-        if self.elias_fano and device.kind == DeviceKind.CPU:  # the torch twins: encode once, decode every rank's
-            seconds += (1 + ranks) * elements * ELIAS_FANO_CPU_CORE_NS_PER_ELEMENT * 1e-9 / max(device.cores, 1)
-        elif self.elias_fano:
-            seconds += elements * ELIAS_FANO_LAUNCH_SECONDS_PER_ELEMENT
+            seconds += (_core_seconds(elements * rate.cpu_core_ns_per_element, device) if cpu
+                        else elements * rate.gpu_bytes_per_element / device.memory_bytes_per_s)
+        if self.elias_fano:  # on CPU the torch twins encode once and decode every rank's wire
+            seconds += (_core_seconds((1 + ranks) * elements * ELIAS_FANO_CPU_CORE_NS_PER_ELEMENT, device) if cpu
+                        else elements * ELIAS_FANO_LAUNCH_SECONDS_PER_ELEMENT)
         if self.all_gather:
-            reads = ELIAS_FANO_DECODE_READS if self.elias_fano else 1
-            seconds += (ranks - 1) * reads * self.wire_bytes / tensor_parallel / device.memory_bytes_per_s
+            moved = ELIAS_FANO_DECODE_TRAFFIC if self.elias_fano else 1
+            seconds += (ranks - 1) * moved * self.wire_bytes / tensor_parallel / device.memory_bytes_per_s
         return seconds
 
     @property

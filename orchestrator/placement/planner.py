@@ -150,8 +150,12 @@ class Planner:
         """The job's config with [parallel] comm_hook = name, or None where the config's own checks
         refuse that hook for this job (powersgd over gloo; compression with bf16 weights, compiled
         autograd or FSDP)."""
+        return self._config_with(comm_hook=name)
+
+    def _config_with(self, **parallel) -> JobConfig | None:
+        """The job's config with these [parallel] settings, or None where its own checks refuse them."""
         data = self.config.to_dict()
-        data["parallel"]["comm_hook"] = name
+        data["parallel"].update(parallel)
         try:
             return JobConfig.from_dict(data)
         except ConfigError:
@@ -456,9 +460,7 @@ class Planner:
         if self.costing.comm_hook.name != "topk":
             return []
         other = "offsets" if self.config.parallel.topk_wire == "elias_fano" else "elias_fano"
-        data = self.config.to_dict()
-        data["parallel"]["topk_wire"] = other
-        hook = CommHookCost.for_job(JobConfig.from_dict(data), "topk")
+        hook = CommHookCost.for_job(self._config_with(topk_wire=other), "topk")
         outcome = self.costing.with_comm_hook(hook).evaluate(best.footprint)
         if not (isinstance(outcome, Outcome) and outcome.step_seconds < best.step_seconds):
             return []

@@ -7,10 +7,8 @@ import pytest
 
 from orchestrator.config import JobConfig
 from orchestrator.errors import ConfigError, PlacementError
-from orchestrator.cost import (ELIAS_FANO_CPU_CORE_NS_PER_ELEMENT, ELIAS_FANO_DECODE_READS,
-                               ELIAS_FANO_LAUNCH_SECONDS_PER_ELEMENT, NVLINK_DDP_COMPUTE_SLOWDOWN,
-                               POWERSGD_HOST_SECONDS_PER_MATRIX, CollectiveCostModel, LinkCalibration, LinkClass,
-                               parse_calibration)
+from orchestrator.cost import (NVLINK_DDP_COMPUTE_SLOWDOWN, POWERSGD_HOST_SECONDS_PER_MATRIX,
+                               CollectiveCostModel, LinkCalibration, LinkClass, parse_calibration)
 from orchestrator.placement.comm_hooks import CommHookCost
 from orchestrator.placement.devices import DeviceType
 from orchestrator.placement.plan import DeviceKind, Plan
@@ -60,9 +58,8 @@ def test_topk_wire_bytes_follow_the_encoding_asked_for():
 
 
 def test_the_elias_fano_wire_costs_its_launches_and_a_decode_of_every_rank():
-    """On top of top-k's own kernels. On a GPU the encode and decode are launch-bound, a fixed cost
-    per element, plus the decode's traffic for each other rank's wire; the CPU twins' cost grows
-    with every rank's decode."""
+    """On top of top-k's own kernels: about what two H200s measured, and more with every rank whose
+    wire is decoded, on a GPU and on CPU workers (the torch twins)."""
     coded, offsets = (CommHookCost.for_job(job("topk", parallel={"topk_wire": wire}))
                       for wire in ("elias_fano", "offsets"))
     h200 = DeviceType(kind=DeviceKind.GPU, model="H200", label="H200", peak_tflops=989.0, memory_bytes=141 << 30,
@@ -73,16 +70,9 @@ def test_the_elias_fano_wire_costs_its_launches_and_a_decode_of_every_rank():
     def extra(device: DeviceType, ranks: int) -> float:  # coded's compute beyond offsets'
         return coded.compute_seconds(device, ranks) - offsets.compute_seconds(device, ranks)
 
-    def reads(device: DeviceType, ranks: int) -> float:
-        wire_read = ELIAS_FANO_DECODE_READS * coded.wire_bytes - offsets.wire_bytes
-        return (ranks - 1) * wire_read / device.memory_bytes_per_s
-
-    launches = coded.elements * ELIAS_FANO_LAUNCH_SECONDS_PER_ELEMENT
-    assert extra(h200, 2) == pytest.approx(launches + reads(h200, 2))
-    assert extra(h200, 64) == pytest.approx(launches + reads(h200, 64))
-    assert 0.7e-3 < extra(h200, 2) < 0.8e-3  # 124 M elements; two H200s measured 0.4 ms a step
-    twins = lambda ranks: (1 + ranks) * coded.elements * ELIAS_FANO_CPU_CORE_NS_PER_ELEMENT * 1e-9 / 2  # noqa: E731
-    assert extra(cpu, 8) == pytest.approx(twins(8) + reads(cpu, 8))
+    assert 0.2e-3 < extra(h200, 2) < 0.8e-3  # measured 0.4 ms a step (one call; single steps read to ~1 ms)
+    assert extra(h200, 2) < extra(h200, 8) < extra(h200, 64)
+    assert 0 < extra(cpu, 2) < extra(cpu, 8)
 
 
 def test_a_topk_plan_names_the_other_wire_where_it_is_predicted_faster():

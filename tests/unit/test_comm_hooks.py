@@ -164,6 +164,7 @@ def test_powersgd_is_refused_over_gloo_rather_than_left_to_hang(tmp_path):
 
 
 def test_an_unknown_topk_wire_is_refused_by_name():
-    with pytest.raises(ValueError, match="unknown topk wire 'auto'; choose one of elias_fano, offsets"):
+    with pytest.raises(ValueError, match=r"unknown topk wire 'auto' \(\[parallel\] topk_wire\); choose one of "
+                                         "elias_fano, offsets"):
         make_hook("topk", stats=CommStats(), world_size=2, islands=None, warmup_steps=0, powersgd_rank=2,
                   topk_ratio=0.1, topk_wire="auto")

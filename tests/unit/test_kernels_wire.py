@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kernels import compress, decompress_accumulate
+from kernels.compression import payload_layout
 from kernels.payload import SEGMENT
 from kernels.wire import WireLayout, decode_wires, encode_wire, wire_nbytes
 from tests.unit.test_kernels_compression import layered_gradient
@@ -63,9 +64,9 @@ def test_all_rows_of_a_gather_decode_in_one_call():
 @pytest.mark.parametrize("k_ratio", [0.003, 0.01, 0.03, 0.1, 0.25])
 def test_a_place_costs_at_most_two_bits_more_than_log2_of_the_spacing(k_ratio):
     n = 4_000_000
-    layout = compress(layered_gradient(n, seed=2), torch.zeros(n), k_ratio).layout
+    layout = payload_layout(n, k_ratio)
     shape = WireLayout.of(layout)
-    place_bits = 8 * (shape.values - shape.high + shape.high - shape.low)
+    place_bits = 8 * (shape.values - shape.low)
     assert place_bits <= layout.capacity * (2 + math.log2(n / layout.capacity)) + 256
     # ...so the wire is smaller than the payload's 2-byte offsets, and than a bitmap of the bucket below 25 %
     assert wire_nbytes(layout) < layout.nbytes
@@ -73,16 +74,28 @@ def test_a_place_costs_at_most_two_bits_more_than_log2_of_the_spacing(k_ratio):
         assert place_bits < n
 
 
-def test_a_corrupted_place_is_dropped_not_written_out_of_range():
+def test_a_place_past_the_bucket_is_dropped_and_the_rest_decodes_exactly():
+    """A corrupted wire: one more unary bit, at the end, names a place past the bucket's end."""
     mine = compress(layered_gradient(20_000, seed=4), torch.zeros(20_000), 0.05)
+    assert mine.sent() < mine.capacity
     wire = encode_wire(mine)
     shape = WireLayout.of(mine.layout)
-    wire[shape.values - 16:shape.values] = 255  # the unary code's last bits: places past the bucket's end
-    decoded = mine.with_payload(decode_wires(wire.unsqueeze(0), mine.layout)[0])
-    assert bool((decoded.element_indices() < mine.numel).all())
-    dense = torch.zeros(mine.numel)
-    decompress_accumulate(dense, decoded)
-    assert torch.isfinite(dense).all()
+    last = shape.high_bits - 1
+    wire[shape.high + last // 8] |= 1 << (last % 8)
+    assert torch.equal(decode_wires(wire.unsqueeze(0), mine.layout)[0], mine.payload)
+
+
+def test_a_row_with_more_entries_than_capacity_keeps_the_other_rows_whole():
+    """A corrupted row whose unary code is all ones: its bits past capacity are dropped, and no
+    other rank's row moves."""
+    rows = [compress(layered_gradient(30_000, seed=s), torch.zeros(30_000), 0.02) for s in range(3)]
+    wires = torch.stack([encode_wire(r) for r in rows])
+    shape = WireLayout.of(rows[0].layout)
+    wires[0, shape.high:shape.values] = 255
+    decoded = decode_wires(wires, rows[0].layout)
+    assert torch.equal(decoded[1], rows[1].payload) and torch.equal(decoded[2], rows[2].payload)
+    garbled = rows[0].with_payload(decoded[0])
+    assert bool((garbled.element_indices() < garbled.numel).all())
 
 
 def test_a_wire_of_the_wrong_size_is_refused():
