@@ -27,7 +27,8 @@ Layout (byte offsets, each array 16-byte aligned; bit b of byte i is bit 8i + b)
     scales  float32[num_blocks]         the payload's scales
 
 CUDA tensors run the Triton kernels (kernels/triton_wire.py), anything else the torch twins here;
-both give the same bytes. Neither waits for the device, so a comm hook calls them while backward
+both give the same bytes, and both drop a corrupted wire's places past the bucket or past capacity
+(only a wire whose places stop rising, possible at L >= 15, can get different segment starts). Neither waits for the device, so a comm hook calls them while backward
 runs; decoding takes all gathered rows at once.
 """
 
