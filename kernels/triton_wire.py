@@ -86,10 +86,9 @@ def encode(bucket: CompressedBucket, wire: torch.Tensor, shape: WireLayout) -> N
             wire[shape.scales:shape.nbytes].view(torch.float32), wire[shape.high:].view(torch.int32),
             layout.num_segments, layout.capacity, layout.num_blocks, shape.low_bits, ENTRIES=ENCODE_ENTRIES,
             BLOCKS_PER_SEGMENT=SEGMENT // layout.block)
-        low_words = -(-layout.capacity * shape.low_bits // 32)
-        if low_words:
-            _pack_low_bits_kernel[(triton.cdiv(low_words, WORDS),)](
-                places, header, wire[shape.low:shape.high].view(torch.int32), low_words, layout.capacity,
+        if shape.low_words:
+            _pack_low_bits_kernel[(triton.cdiv(shape.low_words, WORDS),)](
+                places, header, wire[shape.low:shape.high].view(torch.int32), shape.low_words, layout.capacity,
                 shape.low_bits, WORDS=WORDS)
 
 
@@ -164,7 +163,7 @@ def decode_places(wires: torch.Tensor, payloads: torch.Tensor, layout: PayloadLa
     rows, capacity, device = wires.shape[0], layout.capacity, wires.device
     if not capacity:
         return
-    row_words, high_words = wires.shape[1] // 4, -(-shape.high_bits // 32)
+    row_words, high_words = wires.shape[1] // 4, shape.high_words
     programs = triton.cdiv(high_words, WORDS)
     words = wires.view(torch.int32)
     counts = torch.empty(rows, programs, dtype=torch.int32, device=device)
@@ -175,7 +174,7 @@ def decode_places(wires: torch.Tensor, payloads: torch.Tensor, layout: PayloadLa
                                               WORDS=WORDS)
         _decode_entries_kernel[(rows, programs)](
             words, counts, payloads.view(torch.int16)[:, HEADER_BYTES // 2:], places, row_words, shape.high // 4,
-            high_words, shape.low // 4, -(-capacity * shape.low_bits // 32), programs, payloads.shape[1] // 2,
+            high_words, shape.low // 4, shape.low_words, programs, payloads.shape[1] // 2,
             capacity, layout.numel, shape.low_bits, WORDS=WORDS)
         _segment_starts_kernel[(rows, triton.cdiv(segments, STARTS_SEGMENTS))](
             places, payloads.view(torch.int32)[:, layout.starts_offset // 4:], payloads.shape[1] // 4, capacity,

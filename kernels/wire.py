@@ -19,12 +19,12 @@ are clamped at the capacity as compress clamps them).
 
 Layout (byte offsets, each array 16-byte aligned; bit b of byte i is bit 8i + b):
 
-    header  int32[4]                    the payload's header
-    low     uint8[ceil(capacity L / 8)]  entry j's low L bits, bits jL to jL + L - 1
-    high    uint8[ceil(H / 8)]           bit (place_j >> L) + j set for each sent entry j, with
-                                        H = capacity + ((numel - 1) >> L) + 1
-    values  int8[capacity]              the payload's codes, in ascending place order
-    scales  float32[num_blocks]         the payload's scales
+    header  int32[4]                       the payload's header
+    low     uint32[ceil(capacity L / 32)]  entry j's low L bits, bits jL to jL + L - 1
+    high    uint8[ceil(H / 8)]             bit (place_j >> L) + j set for each sent entry j, with
+                                           H = capacity + ((numel - 1) >> L) + 1
+    values  int8[capacity]                 the payload's codes, in ascending place order
+    scales  float32[num_blocks]            the payload's scales
 
 CUDA tensors run the Triton kernels (kernels/triton_wire.py), anything else the torch twins here;
 both give the same bytes, and both drop a corrupted wire's places past the bucket or past capacity
@@ -51,6 +51,8 @@ class WireLayout:
     """L: the low bits of each place sent as they are."""
     high_bits: int
     """H: bits of the unary-coded high parts (one more than the highest an entry can set)."""
+    low_words: int
+    """32-bit words the low bits fill: capacity × L / 32, rounded up."""
     low: int
     high: int
     values: int
@@ -67,10 +69,17 @@ class WireLayout:
         capacity, numel = layout.capacity, layout.numel
         low_bits = (numel // capacity).bit_length() - 1 if capacity else 0
         high_bits = capacity + (max(numel - 1, 0) >> low_bits) + 1 if numel else 0
-        high = _align16(HEADER_BYTES + -(-capacity * low_bits // 8))
+        low_words = -(-capacity * low_bits // 32)
+        high = _align16(HEADER_BYTES + 4 * low_words)
         values = _align16(high + -(-high_bits // 8))
         scales = _align16(values + capacity)
-        return cls(low_bits, high_bits, HEADER_BYTES, high, values, scales, _align16(scales + 4 * layout.num_blocks))
+        return cls(low_bits, high_bits, low_words, HEADER_BYTES, high, values, scales,
+                   _align16(scales + 4 * layout.num_blocks))
+
+    @property
+    def high_words(self) -> int:
+        """32-bit words the unary code fills."""
+        return -(-self.high_bits // 32)
 
 
 def wire_nbytes(layout: PayloadLayout) -> int:
