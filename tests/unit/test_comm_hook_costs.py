@@ -11,7 +11,7 @@ from orchestrator.cost import (NVLINK_DDP_COMPUTE_SLOWDOWN, POWERSGD_HOST_SECOND
                                CollectiveCostModel, LinkCalibration, LinkClass, parse_calibration)
 from orchestrator.placement.comm_hooks import CommHookCost
 from orchestrator.placement.devices import DeviceType
-from orchestrator.placement.plan import DeviceKind, Plan
+from orchestrator.placement.plan import Plan
 from orchestrator.placement import planner as planner_module
 from orchestrator.placement.planner import AUTO_BF16_MIN_GAIN, Planner
 from orchestrator.topology import machines
@@ -62,10 +62,9 @@ def test_the_elias_fano_wire_costs_its_launches_and_a_decode_of_every_rank():
     wire is decoded, on a GPU and on CPU workers (the torch twins)."""
     coded, offsets = (CommHookCost.for_job(job("topk", parallel={"topk_wire": wire}))
                       for wire in ("elias_fano", "offsets"))
-    h200 = DeviceType(kind=DeviceKind.GPU, model="H200", label="H200", peak_tflops=989.0, memory_bytes=141 << 30,
-                      price_units=1.0, memory_bytes_per_s=4.8e12)
-    cpu = DeviceType(kind=DeviceKind.CPU, model="cpu", label="cpu", peak_tflops=0.1, memory_bytes=16 << 30,
-                     price_units=2.0, cores=2, memory_bytes_per_s=2e10)
+    h200 = two_h200s(job("topk"), "nvswitch").pool.domains[0].type
+    cpu_job = job("topk", cluster={"use_gpu": False}, compile={"enable": False}, train={"precision": "fp32"})
+    cpu = Planner(machines.cluster("1xH200"), cpu_job, exact_memory=False).pool.domains[0].type
 
     def extra(device: DeviceType, ranks: int) -> float:  # coded's compute beyond offsets'
         return coded.compute_seconds(device, ranks) - offsets.compute_seconds(device, ranks)
