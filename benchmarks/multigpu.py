@@ -17,7 +17,8 @@ Sections (--only picks some):
           against the measured engine DDP step (topology.json is the probe's map)
   hooks   GPT-2 124M on real text (the standard library's .py bytes) for --hook-steps steps per hook:
           step time, final loss and bytes per step; the hook's own compute cost from a one-rank run
-          gives the link bandwidth below which it beats plain all-reduce
+          gives the link bandwidth below which it beats plain all-reduce; with --overlap-shares,
+          allreduce and bf16 again under the next-forward overlap (workers/comm/overlap.py)
 
 Every figure is a median over timed steps after warm-up, between CUDA synchronisations. Rank 0
 writes the results; each configuration runs in fresh processes so compile caches do not leak.
@@ -329,12 +330,15 @@ def _text_tokens() -> np.ndarray:
 
 
 def hook_run(rank: int, world: int, cpu: bool, model: dict, micro: int, hook: str, steps: int, topk_ramp_steps: int,
-             topk_wire: str | None, out_path: str) -> None:
-    # Every hook, plain all-reduce included, under DDPOptimizer: the same graph splits for all of them.
-    config = _job(model, micro, world, cpu,
-                  parallel={"comm_hook": hook, "comm_warmup_steps": 10, "topk_ramp_steps": topk_ramp_steps,
-                            **({"topk_wire": topk_wire} if topk_wire else {})},
-                  compile={"ddp_mode": "ddp_optimizer"})
+             topk_wire: str | None, overlap_share: float | None, no_clip: bool, out_path: str) -> None:
+    # Every hook, plain all-reduce included, under DDPOptimizer: the same graph splits for all of them
+    # (the next-forward overlap compiles block by block instead: it runs between blocks).
+    parallel = {"comm_hook": hook, "comm_warmup_steps": 10, "topk_ramp_steps": topk_ramp_steps,
+                **({"topk_wire": topk_wire} if topk_wire else {})}
+    if overlap_share is not None:
+        parallel.update(overlap="next_forward", overlap_backward_share=overlap_share)
+    config = _job(model, micro, world, cpu, parallel=parallel, compile={"ddp_mode": "ddp_optimizer"},
+                  train={"grad_clip": 0.0} if no_clip else {})
     config.train.lr, config.train.min_lr = 6e-4, 6e-4
     plan = Plan.uniform(job_name="hooks", world_size=world, micro_batch_size=micro, grad_accum_steps=1,
                         seq_len=config.model.seq_len)
@@ -343,25 +347,47 @@ def hook_run(rank: int, world: int, cpu: bool, model: dict, micro: int, hook: st
     span = config.model.seq_len + 1
     g = torch.Generator().manual_seed(7)
     device = _device(rank, cpu)
-    losses, times, comm_bytes = [], [], 0
-    for step in range(steps):
+    batches = []
+    for _ in range(steps):  # made and copied up front: the timed loop must not wait on the host
         starts = torch.randint(0, len(tokens) - span, (world, micro), generator=g)[rank]
-        batch = torch.stack([tokens[s:s + span] for s in starts.tolist()]).to(device)
-        _sync(cpu)
-        begin = time.perf_counter()
+        batches.append(torch.stack([tokens[s:s + span] for s in starts.tolist()]).to(device))
+    # A step is the time between the starts of consecutive steps on the compute stream, read once at
+    # the end: no host wait and no collective between steps, which would drain the wire the
+    # next-forward overlap keeps busy into the next step (and queue behind its buckets on NCCL).
+    marks, losses = [], []
+    _sync(cpu)
+    for step, batch in enumerate(batches):
+        marks.append(_mark(cpu))
         loss, _ = engine([batch], config.train.lr)
-        _sync(cpu)
-        times.append(time.perf_counter() - begin)
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(float(total) / world)
+        losses.append(loss.detach())
         if step == 19:  # bytes of the compressed steps only (after comm_warmup_steps)
             engine.comm_stats.take()
+    marks.append(_mark(cpu))
+    engine.settle()
+    _sync(cpu)
+    times = [_seconds_between(a, b) for a, b in zip(marks, marks[1:])]
     comm_bytes = engine.comm_stats.take()
+    total = torch.stack(losses)
+    dist.all_reduce(total)
+    losses = (total / world).tolist()
+    exposed = engine.window_metrics().get("exposed_comm_s")
     if rank == 0:
         Path(out_path).write_text(json.dumps({
             "step_s": statistics.median(times[20:]), "final_loss": statistics.mean(losses[-10:]),
-            "bytes_per_step": comm_bytes / (steps - 20), "losses": [round(x, 4) for x in losses]}))
+            "bytes_per_step": comm_bytes / (steps - 20), "losses": [round(x, 4) for x in losses],
+            "exposed_comm_s": exposed}))
+
+
+def _mark(cpu: bool):
+    if cpu:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _seconds_between(start, end) -> float:
+    return end - start if isinstance(start, float) else start.elapsed_time(end) / 1e3
 
 
 def _hooked_engine(config: JobConfig, plan: Plan, rank: int, world: int, cpu: bool) -> Engine:
@@ -385,22 +411,24 @@ def hooks_section(args, world: int) -> list[dict]:
     if "allreduce" not in args.hooks:
         raise SystemExit("--hooks must include allreduce: every hook is compared with it")
     rows = []
-    runs = [(hook, wire) for hook in args.hooks for wire in (args.topk_wires if hook == "topk" else [None])]
-    for hook, wire in runs:
+    runs = [(hook, wire, None) for hook in args.hooks for wire in (args.topk_wires if hook == "topk" else [None])]
+    runs += [(hook, None, share) for hook in args.hooks if hook in ("allreduce", "bf16") for share in args.overlap_shares]
+    no_clip = bool(args.overlap_shares)  # the overlap cannot clip: no row of the call does, for a fair comparison
+    for hook, wire, share in runs:
         if args.cpu and hook == "powersgd":
             print("powersgd skipped: it hangs over gloo, and the config refuses it there", flush=True)
             continue
         ramp = args.topk_ramp_steps if hook == "topk" else 0
-        on_world = run_ranks(world, args.cpu, hook_run, model, micro, hook, args.hook_steps, ramp, wire)
-        alone = (on_world if world == 1 else {} if args.skip_alone
-                 else run_ranks(1, args.cpu, hook_run, model, micro, hook, 40, ramp, wire))
+        on_world = run_ranks(world, args.cpu, hook_run, model, micro, hook, args.hook_steps, ramp, wire, share, no_clip)
+        alone = (on_world if world == 1 else {} if args.skip_alone or share is not None
+                 else run_ranks(1, args.cpu, hook_run, model, micro, hook, 40, ramp, wire, None, no_clip))
         rows.append({"model": name, "hook": hook, "world": world, "topk_ramp_steps": ramp, "topk_wire": wire,
-                     **on_world, "alone_step_s": alone.get("step_s"),
-                     "alone_bytes_per_step": alone.get("bytes_per_step")})
+                     "overlap_backward_share": share, "grad_clip": 0.0 if no_clip else None, **on_world,
+                     "alone_step_s": alone.get("step_s"), "alone_bytes_per_step": alone.get("bytes_per_step")})
         print(json.dumps(rows[-1]), flush=True)  # as it lands: a call's time limit may cut the section short
-    base = next(r for r in rows if r["hook"] == "allreduce")
+    base = next(r for r in rows if r["hook"] == "allreduce" and r["overlap_backward_share"] is None)
     for row in rows:
-        if "error" in row or "error" in base or row["hook"] == "allreduce":
+        if "error" in row or "error" in base or row is base:
             continue
         row["step_vs_allreduce"] = round(row["step_s"] / base["step_s"], 3)
         row["loss_vs_allreduce"] = round(row["final_loss"] / base["final_loss"] - 1, 4)
@@ -409,7 +437,7 @@ def hooks_section(args, world: int) -> list[dict]:
         # this rank hands to collectives (CommStats); from a one-rank run they stand for two ranks, where
         # a ring all-reduce and an all-gather both put exactly those bytes on each rank's link.
         row.update(_time_to_loss(row, base))
-        if args.skip_alone:
+        if args.skip_alone or row["overlap_backward_share"] is not None:
             continue
         cost = row["alone_step_s"] - base["alone_step_s"]
         full = base["bytes_per_step"] if world > 1 else base["alone_bytes_per_step"]
@@ -455,6 +483,10 @@ def main() -> None:
                         help="[parallel] topk_ramp_steps for the topk hook: its share falls from 25 %% to topk_ratio over them")
     parser.add_argument("--topk-wires", nargs="+", choices=("elias_fano", "offsets"), default=["elias_fano"],
                         help="[parallel] topk_wire values the topk hook runs with, one run each")
+    parser.add_argument("--overlap-shares", nargs="+", type=float, default=[],
+                        help="hooks: also run allreduce and bf16 with [parallel] overlap = \"next_forward\" at each "
+                             "overlap_backward_share given (0: from the plan); every row of the call then trains "
+                             "with grad_clip = 0, which the overlap needs")
     parser.add_argument("--engine-configs", nargs="+", choices=list(ENGINE_CONFIGS), default=list(ENGINE_CONFIGS),
                         help="which engine wrappings the train section measures")
     parser.add_argument("--cpu", action="store_true", help="gloo on CPU processes with a tiny model")

@@ -249,8 +249,22 @@ class ParallelConfig:
     (benchmarks/RESULTS.md). The planner costs both, and the plan's notes name the other where it
     is predicted faster: Elias–Fano pays where the all-gather is exposed, on slow links."""
 
+    overlap: Literal["off", "next_forward"] = "off"
+    """next_forward lets the gradient reduction run on into the next step's forward
+    (workers/comm/overlap.py): buckets that backward fills after `overlap_backward_share` of the
+    step's bytes are sent once it ends, the first layers' first, and each bucket's optimizer update
+    is applied just before the next forward first uses its parameters. For links slower than
+    backward; DDP with comm_hook "allreduce" or "bf16", no gradient clipping (grad_clip = 0), not
+    fp16, bf16_weights or compiled autograd. Blocks are compiled one by one, as under FSDP."""
+    overlap_backward_share: float = 0.0
+    """With overlap = "next_forward": the share of a step's gradient bytes sent while backward still
+    runs, in the order its buckets fill. 0 takes it from the plan: its predicted backward time
+    (two thirds of compute) over its predicted communication time, at most 1."""
+
     def __post_init__(self) -> None:
         _positive("parallel", bucket_mb=self.bucket_mb, powersgd_rank=self.powersgd_rank)
+        _check(0.0 <= self.overlap_backward_share <= 1.0, "[parallel] overlap_backward_share",
+               f"must be in [0, 1], got {self.overlap_backward_share}", "set it to 0 to take it from the plan")
         _check(0.0 < self.topk_ratio <= 0.5, "[parallel] topk_ratio", f"must be in (0, 0.5], got {self.topk_ratio}",
                "set topk_ratio = 0.01 (send 1% of entries per step)")
         _check(self.comm_warmup_steps >= 0, "[parallel] comm_warmup_steps",
@@ -486,6 +500,8 @@ class JobConfig:
                POWERSGD_ON_GLOO_FIX)
         if self.train.bf16_weights:
             self._check_bf16_weights()
+        if self.parallel.overlap == "next_forward":
+            self._check_overlap()
         _check(bool(self.name) and "/" not in self.name and self.name not in (".", ".."), "name",
                f"{self.name!r} is not a usable run name", 'use letters, digits, "-" and "_", e.g. name = "cpu-tiny"')
         # A fixed number of CPU workers are identical slots that split the batch evenly; GPU jobs and
@@ -519,6 +535,26 @@ class JobConfig:
         _check(self.parallel.comm_hook in ("allreduce", "auto", "hierarchical"), "[parallel] comm_hook",
                f"{self.parallel.comm_hook!r} compresses fp32 gradients; with bf16_weights they are bf16 already",
                'use comm_hook = "allreduce" or "hierarchical", or bf16_weights = false')
+
+    def _check_overlap(self) -> None:
+        where = '[parallel] overlap'
+        fix = 'or set overlap = "off"'
+        _check(self.parallel.strategy == "ddp", where, "reorders DDP's buckets; FSDP2 reduce-scatters its own",
+               f'use strategy = "ddp", {fix}')
+        _check(self.parallel.comm_hook in ("allreduce", "bf16"), where,
+               f"sends plain or bf16 buckets itself, so comm_hook {self.parallel.comm_hook!r} would not run",
+               f'use comm_hook = "allreduce" or "bf16", {fix}')
+        _check(self.train.grad_clip == 0, where,
+               "applies each bucket's update before the others have arrived, so the global gradient norm "
+               f"that clipping (grad_clip = {self.train.grad_clip:g}) divides by is not known yet",
+               f"set [train] grad_clip = 0, {fix}")
+        _check(self.train.precision != "fp16", where,
+               "applies updates before every bucket has arrived, so a step whose gradients overflow cannot be "
+               "skipped as fp16's loss scaling needs", f'use precision = "bf16", {fix}')
+        _check(not self.train.bf16_weights, where, "steps the fp32 model's optimizer per bucket; bf16_weights "
+               "steps a separate bf16 copy", f"set [train] bf16_weights = false, {fix}")
+        _check(not self.compile.uses_compiled_autograd, where,
+               "needs DDP's comm hook, which compiled autograd replaces", f'set [compile] ddp_mode = "auto", {fix}')
 
     def _check_batch_splits(self, world_sizes: range) -> None:
         """Every worker count the elastic range allows can split the global batch: some accumulation

@@ -3,6 +3,7 @@
     engine = Engine(config, plan, rank, device)        # after torch.distributed is up (or alone)
     loss, grad_norm = engine(micro_batches, lr)        # one optimizer step
     engine.window_metrics()                            # comm bytes, exposed comm, overlap, skips, compile
+    engine.settle()                                    # every update applied (next-forward overlap)
 
 It needs no Ray: benchmarks and GPU tests build one directly; the Ray Train loop builds one per
 worker. Everything it decides comes from the JobConfig and this worker's entry in the Plan.
@@ -25,7 +26,7 @@ from workers.compiler import compile_stats
 from workers.compute_copy import Bf16ComputeCopy
 from workers.models.gpt import GPT
 from workers.optim import build_optimizer, set_lr
-from workers.parallel import wrap
+from workers.parallel import attach_overlap, wrap
 from workers.precision import LossScaler, convert_to_float8, resolve_precision
 
 
@@ -47,6 +48,13 @@ class Engine:
         # After wrapping: FSDP2 replaces parameters with sharded DTensors the optimizer must see.
         self.optimizer = build_optimizer(self.model, config.train, device)
         self.scaler = LossScaler(self.precision, device)
+        # With the next-forward overlap, each bucket's update is applied in the next step's forward.
+        self.overlap = attach_overlap(self.wrapped, self.model, self.optimizer, config, plan, self.comm_stats)
+        if self.overlap is not None and self.scaler.enabled:
+            raise ConfigError(f"precision resolved to {self.precision.name} on this {self.device.type} worker, whose "
+                              "loss scaling must see every bucket before an update; the next-forward overlap applies "
+                              "them bucket by bucket", where="[parallel] overlap",
+                              fix='set precision = "bf16" on GPUs that have it, or overlap = "off"')
         self.max_grad_norm = config.train.grad_clip if config.train.grad_clip > 0 else float("inf")
         # Fused AdamW divides each gradient by `grad_scale` as it reads it (the hook GradScaler uses),
         # so clipping can ride on the optimizer's own pass: the gradients are read once for the norm
@@ -84,6 +92,8 @@ class Engine:
 
         With fp16, a step whose gradients hold inf/NaN is skipped (and counted) instead of applied."""
         set_lr(self.optimizer, lr)
+        if self.overlap is not None:
+            self.overlap.begin_step(lr)
         if self.compute_copy is not None:
             self.compute_copy.pull_weights()
         total_loss = torch.zeros((), device=self.device)
@@ -99,6 +109,8 @@ class Engine:
                 with self.wrapped.backward_context():
                     self.scaler.scale(loss).backward()
             total_loss += loss.detach()
+        if self.overlap is not None:  # the update follows in the next forward (or settle())
+            return total_loss, self.overlap.end_step()
         grad_norm = self._fused_bf16_step() if self.fused_bf16_step else self._clip_and_step()
         self.optimizer.zero_grad(set_to_none=True)
         return total_loss, grad_norm
@@ -164,9 +176,16 @@ class Engine:
         min(1, max_norm / (norm + 1e-6)), so the inverse, at least 1."""
         return torch.clamp((grad_norm + 1e-6) / self.max_grad_norm, min=1.0)
 
+    def settle(self) -> None:
+        """Applies every optimizer update still in flight under the next-forward overlap (a no-op
+        otherwise): call before reading the weights, the optimizer state or a step's grad norm."""
+        if self.overlap is not None:
+            self.overlap.settle()
+
     @torch.no_grad()
     def evaluate(self, batches: list[torch.Tensor]) -> tuple[float, int]:
         """Summed loss and token count over `batches`, in eval mode (collective under FSDP: call on every rank)."""
+        self.settle()
         forward = self.model  # unwrapped for DDP; under FSDP2 the model itself is the sharded module
         self.model.eval()
         loss_sum, tokens = 0.0, 0
@@ -185,7 +204,12 @@ class Engine:
         if self.wrapped.hook_state is not None:  # FSDP and compiled autograd move bytes no hook counts
             self.wrapped.hook_state.check()
             metrics["comm_bytes"] = self.comm_stats.take()
-        metrics.update(_ddp_timing(self.wrapped.ddp))
+        if self.overlap is not None:  # DDP's timers see the hook's futures done at once
+            exposed = self.overlap.exposed_seconds()
+            if exposed is not None:
+                metrics["exposed_comm_s"] = exposed
+        else:
+            metrics.update(_ddp_timing(self.wrapped.ddp))
         if self.scaler.enabled:
             metrics["skipped_steps"] = self.scaler.skipped_steps
             metrics["loss_scale"] = self.scaler.scaler.get_scale()

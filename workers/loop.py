@@ -80,7 +80,7 @@ class MetricsWindow:
 
     steps: list[int] = field(default_factory=list)
     lrs: list[float] = field(default_factory=list)
-    values: list[torch.Tensor] = field(default_factory=list)
+    values: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     data_waits: list[float] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
 
@@ -89,11 +89,13 @@ class MetricsWindow:
         """data_wait_s: how long the step waited for its input (rank 0's wait; the loader reads ahead)."""
         self.steps.append(step)
         self.lrs.append(lr)
-        self.values.append(torch.stack([loss.float(), grad_norm.float()]))
+        # Kept as they are until flush: under the next-forward overlap a step's norm is written
+        # only once its updates are applied (Engine.settle).
+        self.values.append((loss, grad_norm))
         self.data_waits.append(data_wait_s)
 
     def flush(self, tokens_per_step: int, consumed_samples: int) -> list[dict]:
-        values = torch.stack(self.values)
+        values = torch.stack([torch.stack([loss.float(), norm.float()]) for loss, norm in self.values])
         if dist.is_initialized():
             dist.all_reduce(values)
             values /= dist.get_world_size()
@@ -176,6 +178,7 @@ def train(job: WorkerJob, ctx, started_at: float) -> dict:
 
         final = progress.step == cfg.train.steps
         if progress.step % cfg.train.log_every == 0 or final:
+            engine.settle()
             rows = window.flush(cfg.tokens_per_step, progress.consumed_samples)
             rows[-1].update(engine.window_metrics())
             if progress.step % cfg.train.eval_every == 0 or final:
@@ -184,6 +187,7 @@ def train(job: WorkerJob, ctx, started_at: float) -> dict:
             send(job, rank, rows)
         notice = preemption.check(progress.step)
         if progress.step % cfg.checkpoint.every_steps == 0 or final or notice:
+            engine.settle()
             info = checkpoint.CheckpointInfo.for_job(cfg, progress.step, progress.consumed_samples, job.tokenizer, world)
             saving = time.perf_counter()
             with window.paused():

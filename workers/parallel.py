@@ -2,7 +2,8 @@
 
 Compilation is applied where it works best with each: DDP is compiled as a whole (Dynamo's
 DDPOptimizer splits the graph at bucket boundaries so all-reduces overlap backward, or compiled
-autograd captures them); FSDP2 compiles each block before sharding it (the torchtitan recipe).
+autograd captures them), or block by block under the next-forward overlap, which runs between
+blocks; FSDP2 compiles each block before sharding it (the torchtitan recipe).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from orchestrator.config import JobConfig
 from orchestrator.placement.plan import Plan
 from workers.comm.groups import build_island_groups
 from workers.comm.hooks import HookState, make_hook
+from workers.comm.overlap import NextForwardOverlap
 from workers.comm.stats import CommStats
 from workers.compiler import compile_options, maybe_compile
 from workers.models.gpt import GPT
@@ -72,10 +74,39 @@ def comm_hook_to_run(config: JobConfig, plan: Plan) -> str:
     return "allreduce" if name == "auto" else name
 
 
+def attach_overlap(wrapped: WrappedModel, model: GPT, optimizer: torch.optim.Optimizer, config: JobConfig,
+                   plan: Plan, comm_stats: CommStats) -> NextForwardOverlap | None:
+    """The next-forward overlap, hooked into DDP, when the job asks for it and there is DDP to hook
+    (one worker alone has nothing to reduce); None otherwise."""
+    if wrapped.ddp is None or config.parallel.overlap != "next_forward":
+        return None
+    overlap = NextForwardOverlap(model, optimizer, world_size=dist.get_world_size(), stats=comm_stats,
+                                 wire="bf16" if comm_hook_to_run(config, plan) == "bf16" else "fp32",
+                                 backward_share=overlap_backward_share(config, plan))
+    overlap.register(wrapped.ddp)
+    wrapped.hook_state = overlap.state
+    return overlap
+
+
+def overlap_backward_share(config: JobConfig, plan: Plan) -> float:
+    """[parallel] overlap_backward_share, or for 0 the plan's predicted backward time (two thirds of
+    its compute) over its predicted communication time, at most 1 (1 without a prediction)."""
+    if config.parallel.overlap_backward_share > 0:
+        return config.parallel.overlap_backward_share
+    predicted = plan.predicted
+    if predicted.communication_seconds <= 0:
+        return 1.0
+    return min(1.0, 2 / 3 * predicted.compute_seconds / predicted.communication_seconds)
+
+
 def _wrap_ddp(model: GPT, config: JobConfig, plan: Plan, device: torch.device, world: int,
               comm_stats: CommStats) -> WrappedModel:
     par = config.parallel
     compiled_autograd = config.compile.uses_compiled_autograd
+    # The next-forward overlap runs Python between blocks (GPT.before_stage): compile block by block.
+    by_block = par.overlap == "next_forward"
+    if by_block:
+        _compile_by_block(model, config)
     # DDP reads optimize_ddp once, in its constructor; both flags are process-wide, so every wrap
     # sets them either way (a later engine in the same process must not inherit them).
     # With compiled autograd, DDP's C++ reducer is replaced by the Python one, whose all-reduces
@@ -88,7 +119,7 @@ def _wrap_ddp(model: GPT, config: JobConfig, plan: Plan, device: torch.device, w
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                   bucket_cap_mb=plan.ddp_bucket_cap_mb or par.bucket_mb, gradient_as_bucket_view=True)
     state = None
-    if not compiled_autograd:
+    if not (compiled_autograd or by_block):  # the overlap registers its own hook (attach_overlap)
         hook_name = comm_hook_to_run(config, plan)
         islands = (build_island_groups(plan.intra_island_groups, plan.inter_island_groups)
                    if hook_name == "hierarchical" else None)
@@ -100,19 +131,26 @@ def _wrap_ddp(model: GPT, config: JobConfig, plan: Plan, device: torch.device, w
     # DDP times compute, communication and their overlap on sampled iterations; a sampled iteration
     # waits for the previous one's timing events, so sample once per metrics window, not every step.
     ddp._set_ddp_runtime_logging_sample_rate(config.train.log_every * plan.grad_accum_steps)
-    return WrappedModel(maybe_compile(ddp, config.compile, fullgraph=compiled_autograd), ddp, False, state,
-                        compiled_autograd=compiled_autograd)
+    forward = ddp if by_block else maybe_compile(ddp, config.compile, fullgraph=compiled_autograd)
+    return WrappedModel(forward, ddp, False, state, compiled_autograd=compiled_autograd)
 
 
 def _wrap_fsdp(model: GPT, config: JobConfig, precision: Precision) -> WrappedModel:
     # Parameters are gathered in the autocast dtype and gradients reduced in fp32.
     policy = MixedPrecisionPolicy(param_dtype=precision.autocast_dtype, reduce_dtype=torch.float32)
-    options = compile_options(config.compile, fullgraph=config.compile.fullgraph)
+    _compile_by_block(model, config)
     for block in model.blocks:
-        if config.compile.enable:
-            block.compile(**options)
         fully_shard(block, mp_policy=policy)
-    if config.compile.enable:
-        model.head = torch.compile(model.head, **options)
     fully_shard(model, mp_policy=policy)  # in place: the model itself is now the FSDP module
     return WrappedModel(model, None, True, None)
+
+
+def _compile_by_block(model: GPT, config: JobConfig) -> None:
+    """Compiles each block and the head in place (names unchanged, so checkpoints load either way);
+    what runs between them, embeddings included, stays eager (the torchtitan recipe)."""
+    if not config.compile.enable:
+        return
+    options = compile_options(config.compile, fullgraph=config.compile.fullgraph)
+    for block in model.blocks:
+        block.compile(**options)
+    model.head = torch.compile(model.head, **options)

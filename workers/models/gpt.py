@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -92,6 +93,9 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.tok_emb.weight  # tied: one matrix embeds tokens and scores them
+        self.before_stage: Callable[[int], None] | None = None
+        """Called with 0 before the embeddings and i + 1 before block i, when set: the next-forward
+        overlap (workers/comm/overlap.py) applies the updates each stage needs there."""
         self.apply(self._init_weights)
         # GPT-2: scale the residual projections so the residual stream's variance does not grow with depth.
         for name, p in self.named_parameters():
@@ -119,8 +123,12 @@ class GPT(nn.Module):
         gradient made in the forward pass by one kernel) or "chunked" (workers.models.loss: the
         (tokens × vocab) logits never exist whole)."""
         T = idx.shape[1]
+        if self.before_stage is not None:
+            self.before_stage(0)
         x = self.tok_emb(idx) + self.pos_emb(torch.arange(T, device=idx.device))
-        for block in self.blocks:
+        for i, block in enumerate(self.blocks):
+            if self.before_stage is not None:
+                self.before_stage(i + 1)
             x = block(x)
         return self.head(x, targets, loss_kernel)
 
