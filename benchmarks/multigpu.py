@@ -15,12 +15,14 @@ Sections (--only picks some):
           one GPU; tokens/s per GPU, MFU, scaling efficiency, exposed communication and overlap
   plan    the planner's plan for the same job on this machine's probed topology: predicted step time
           against the measured engine DDP step (topology.json is the probe's map)
-  hooks   GPT-2 124M on real text (the standard library's .py bytes) for --hook-steps steps per hook:
+  hooks   GPT-2 124M (or the first of --models) on real text (the standard library's .py bytes) for
+          --hook-steps steps per hook:
           step time, final loss and bytes per step; the hook's own compute cost from a one-rank run
           gives the link bandwidth below which it beats plain all-reduce; with --overlap-shares,
           allreduce and bf16 again under the next-forward overlap (workers/comm/overlap.py)
 
-Every figure is a median over timed steps after warm-up, between CUDA synchronisations. Rank 0
+Every figure is a median over timed steps after warm-up, between CUDA synchronisations (the hooks
+section: between events at each step's start, with no wait between steps). Rank 0
 writes the results; each configuration runs in fresh processes so compile caches do not leak.
 Needs no Ray. Keep NCCL's NVLink multicast off on the lent machines (NCCL_NVLS_ENABLE=0; set here).
 """
@@ -407,7 +409,9 @@ def _hooked_engine(config: JobConfig, plan: Plan, rank: int, world: int, cpu: bo
 
 
 def hooks_section(args, world: int) -> list[dict]:
-    name, (model, micro) = next(iter((CPU_MODELS if args.cpu else GPU_MODELS).items()))
+    models = CPU_MODELS if args.cpu else GPU_MODELS
+    name = args.models[0] if args.models else next(iter(models))
+    model, micro = models[name]
     if "allreduce" not in args.hooks:
         raise SystemExit("--hooks must include allreduce: every hook is compared with it")
     rows = []

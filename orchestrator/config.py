@@ -502,6 +502,12 @@ class JobConfig:
             self._check_bf16_weights()
         if self.parallel.overlap == "next_forward":
             self._check_overlap()
+        # DDP's first bucket is 1 MiB; Dynamo's DDPOptimizer, which splits the compiled DDP graph at
+        # bucket boundaries, asserts that no bucket is smaller (torch 2.11, found on two H200s).
+        _check(not (self.compile.enable and self.parallel.strategy == "ddp" and self.parallel.overlap == "off"
+                    and not self.compile.uses_compiled_autograd and self.parallel.bucket_mb < 1.0),
+               "[parallel] bucket_mb", f"{self.parallel.bucket_mb:g} is below the 1 MiB that compiled DDP "
+               "(Dynamo's DDPOptimizer) accepts", "set bucket_mb to 1 or more, or [compile] enable = false")
         _check(bool(self.name) and "/" not in self.name and self.name not in (".", ".."), "name",
                f"{self.name!r} is not a usable run name", 'use letters, digits, "-" and "_", e.g. name = "cpu-tiny"')
         # A fixed number of CPU workers are identical slots that split the batch evenly; GPU jobs and

@@ -126,3 +126,13 @@ def test_powersgd_over_gloo_is_refused_before_it_hangs(tmp_path):
     assert "[parallel] comm_hook" in message and "hangs over gloo" in message and 'comm_hook = "bf16"' in message
     message = error_for(tmp_path, '[cluster]\nuse_gpu = true\n[parallel]\ncomm_hook = "powersgd"\nbackend = "gloo"\n')
     assert "hangs over gloo" in message
+
+
+def test_compiled_ddp_refuses_buckets_below_a_mebibyte():
+    small = {"parallel": {"bucket_mb": 0.25}, "cluster": {"num_workers": 2}}
+    with pytest.raises(ConfigError) as caught:
+        JobConfig.from_dict({**small, "compile": {"enable": True}})
+    assert caught.value.where == "[parallel] bucket_mb" and "1 MiB" in str(caught.value)
+    JobConfig.from_dict(small)  # eager DDP takes any size
+    JobConfig.from_dict({**small, "compile": {"enable": True}, "train": {"grad_clip": 0.0},
+                         "parallel": {"bucket_mb": 0.25, "overlap": "next_forward"}})  # compiled block by block
