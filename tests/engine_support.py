@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import tempfile
 import traceback
+from pathlib import Path
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -25,14 +28,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, backend: str, fn, args, errors) -> None:
+def _entry(rank: int, world: int, port: int, backend: str, fn, args, errors, out_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if backend == "nccl":
         import torch
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
-        fn(rank, world, *args)
+        result = fn(rank, world, *args)
+        if rank == 0:
+            Path(out_path).write_text(json.dumps(result))
     except BaseException:
         errors.put((rank, traceback.format_exc()))
         raise
@@ -40,12 +45,15 @@ def _entry(rank: int, world: int, port: int, backend: str, fn, args, errors) -> 
         dist.destroy_process_group()
 
 
-def run_ranks(world: int, fn, *args, backend: str = "gloo") -> None:
+def run_ranks(world: int, fn, *args, backend: str = "gloo"):
     """Runs fn(rank, world, *args) in `world` processes joined by a process group (gloo, or nccl with
-    one GPU per rank); fn must be importable."""
+    one GPU per rank) and returns what rank 0's call returned, through JSON; fn must be importable."""
     errors = mp.get_context("spawn").SimpleQueue()
-    try:
-        mp.spawn(_entry, args=(world, free_port(), backend, fn, args, errors), nprocs=world)
-    except mp.ProcessRaisedException:
-        rank, text = errors.get()
-        raise AssertionError(f"rank {rank} failed:\n{text}") from None
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = str(Path(tmp) / "rank0.json")
+        try:
+            mp.spawn(_entry, args=(world, free_port(), backend, fn, args, errors, out_path), nprocs=world)
+        except mp.ProcessRaisedException:
+            rank, text = errors.get()
+            raise AssertionError(f"rank {rank} failed:\n{text}") from None
+        return json.loads(Path(out_path).read_text())

@@ -1,6 +1,5 @@
 """The engine's DDP comm hooks over NCCL on two GPUs: futures chained on CUDA streams, not gloo threads."""
 
-import json
 
 import pytest
 import torch
@@ -61,7 +60,7 @@ def train_steps(engine: Engine, rank: int, device: torch.device) -> list[float]:
     return losses
 
 
-def nccl_runs(rank: int, world: int, out_path: str) -> None:
+def nccl_runs(rank: int, world: int) -> dict:
     device = torch.device("cuda", rank)
     results = {}
     cases = {hook: (hook, {}, {}) for hook in HOOKS} | VARIANTS
@@ -78,16 +77,12 @@ def nccl_runs(rank: int, world: int, out_path: str) -> None:
         metrics = engine.window_metrics()
         results[name] = {"losses": losses, "comm_bytes": metrics["comm_bytes"], "powersgd_all_reduced": counting.bytes,
                          "exposed_comm_s": metrics.get("exposed_comm_s"), "overlap_ratio": metrics.get("overlap_ratio")}
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f)
+    return results
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("nccl") / "runs.json"
-    run_ranks(2, nccl_runs, str(out), backend="nccl")
-    return json.loads(out.read_text())
+def runs():
+    return run_ranks(2, nccl_runs, backend="nccl")
 
 
 def test_every_hook_trains_over_nccl(runs):
@@ -140,7 +135,7 @@ OVERLAP_CASES = {  # name: ([parallel], compile); every case without clipping, w
 }
 
 
-def overlap_runs(rank: int, world: int, out_path: str) -> None:
+def overlap_runs(rank: int, world: int) -> dict:
     device = torch.device("cuda", rank)
     results = {}
     for name, (parallel, compiled) in OVERLAP_CASES.items():
@@ -158,16 +153,12 @@ def overlap_runs(rank: int, world: int, out_path: str) -> None:
         weights = torch.cat([p.detach().flatten() for p in engine.model.parameters()])
         results[name] = {"losses": (total / 2).tolist(), "weights_sum": float(weights.double().sum()),
                          "weights_head": weights[:256].tolist(), "metrics": engine.window_metrics().get("exposed_comm_s")}
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f)
+    return results
 
 
 @pytest.fixture(scope="module")
-def overlapped(tmp_path_factory):
-    out = tmp_path_factory.mktemp("overlap") / "runs.json"
-    run_ranks(2, overlap_runs, str(out), backend="nccl")
-    return json.loads(out.read_text())
+def overlapped():
+    return run_ranks(2, overlap_runs, backend="nccl")
 
 
 def test_the_next_forward_overlap_trains_as_plain_ddp_over_nccl(overlapped):

@@ -1,6 +1,5 @@
 """DDP comm hooks on 4 gloo ranks in 2 fake NVLink islands: results and bytes on the wire."""
 
-import json
 import math
 
 import pytest
@@ -55,7 +54,7 @@ def reduce_with(hook_name: str, rank: int, world: int, integer: bool, steps: int
     return [p.grad.clone() for p in model.module.p], step_bytes
 
 
-def hook_ranks(rank: int, world: int, out_path: str) -> None:
+def hook_ranks(rank: int, world: int) -> dict:
     plain, plain_bytes = reduce_with("allreduce", rank, world, integer=True)
     hier, hier_bytes = reduce_with("hierarchical", rank, world, integer=True)
     bf16, bf16_bytes = reduce_with("bf16", rank, world, integer=False)
@@ -64,7 +63,7 @@ def hook_ranks(rank: int, world: int, out_path: str) -> None:
     _, ramp_bytes = reduce_with("topk", rank, world, integer=False, steps=5, topk_ramp_steps=3)
     _, warm_bytes = reduce_with("topk", rank, world, integer=False, steps=3, warmup_steps=1)
     expected = [sum(gradients(r, True)[i] for r in range(world)) / world for i in range(len(SIZES))]
-    result = {
+    return {
         "hier_equals_plain": all(torch.equal(a, b) for a, b in zip(hier, plain)),
         "plain_equals_expected": all(torch.equal(a, b) for a, b in zip(plain, expected)),
         "bf16_max_rel_err": max(float(((a - b).abs() / b.abs().clamp_min(1e-3)).median()) for a, b in zip(bf16, reference)),
@@ -74,16 +73,11 @@ def hook_ranks(rank: int, world: int, out_path: str) -> None:
         "topk_warmup_bytes": warm_bytes,
         "topk_nonzero_share": sum(int((g != 0).sum()) for g in topk) / sum(SIZES),
     }
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(result, f)
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hooks") / "result.json"
-    run_ranks(4, hook_ranks, str(out))
-    return json.loads(out.read_text())
+def results():
+    return run_ranks(4, hook_ranks)
 
 
 def test_hierarchical_allreduce_equals_plain_allreduce_exactly(results):
@@ -143,23 +137,18 @@ def test_topk_sends_a_fraction_and_reduces_to_sparse_gradients(results):
     assert 0.1 <= results["topk_nonzero_share"] <= 4 * 0.1 + 0.01  # union of 4 ranks' selections
 
 
-def powersgd_on_gloo(rank: int, world: int, out_path: str) -> None:
+def powersgd_on_gloo(rank: int, world: int) -> str:
     try:
         make_hook("powersgd", stats=CommStats(), world_size=world, islands=None, warmup_steps=0, powersgd_rank=2,
                   topk_ratio=0.1)
-        outcome = "made"
+        return "made"
     except ConfigError as e:
-        outcome = str(e)
-    if rank == 0:
-        with open(out_path, "w") as f:
-            f.write(outcome)
+        return str(e)
 
 
-def test_powersgd_is_refused_over_gloo_rather_than_left_to_hang(tmp_path):
+def test_powersgd_is_refused_over_gloo_rather_than_left_to_hang():
     """The planner reduces over gloo for several MIG slices of one GPU, past the config's own check."""
-    out = tmp_path / "outcome.txt"
-    run_ranks(1, powersgd_on_gloo, str(out))
-    message = out.read_text()
+    message = run_ranks(1, powersgd_on_gloo)
     assert "[parallel] comm_hook" in message and "hangs over gloo" in message and '"topk"' in message
 
 

@@ -2,7 +2,6 @@
 fp32 model, alone and under DDP on 2 gloo ranks; what it refuses, and how it restores."""
 
 import copy
-import json
 
 import pytest
 import torch
@@ -69,20 +68,16 @@ def test_a_restored_engine_continues_exactly_from_the_saved_masters():
     assert torch.equal(restored(batches_for(3, 0, 1, 2), lr=3e-3)[0], expected)
 
 
-def ddp_runs(rank: int, world: int, out_path: str) -> None:
+def ddp_runs(rank: int, world: int) -> dict:
     results = {}
     for hook in ("allreduce", "hierarchical"):
         engine = bf16_weights_engine(world=world, accum=1, rank=rank, comm_hook=hook)
         results[hook] = {"losses": train(engine, rank, world, 1), "comm_bytes": engine.window_metrics()["comm_bytes"]}
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f)
+    return results
 
 
-def test_ddp_on_two_ranks_tracks_one_process_and_reduces_bf16(tmp_path):
-    out = tmp_path / "ddp.json"
-    run_ranks(2, ddp_runs, str(out))
-    runs = json.loads(out.read_text())
+def test_ddp_on_two_ranks_tracks_one_process_and_reduces_bf16():
+    runs = run_ranks(2, ddp_runs)
     single = train(bf16_weights_engine(), 0, 1, 2)
     for ours, theirs in zip(runs["allreduce"]["losses"], single):
         assert ours == pytest.approx(theirs, rel=5e-3)

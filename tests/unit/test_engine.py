@@ -2,7 +2,6 @@
 error feedback against plain all-reduce, loss scaling, the chunked loss and compile on CPU."""
 
 import dataclasses
-import json
 import math
 
 import pytest
@@ -71,7 +70,7 @@ def text_losses(engine: Engine, data_dir: str, rank: int, world: int, steps: int
     return losses
 
 
-def distributed_runs(rank: int, world: int, data_dir: str, out_path: str) -> None:
+def distributed_runs(rank: int, world: int, data_dir: str) -> dict:
     results = {}
     for name, parallel in {"ddp": {}, "fsdp": {"strategy": "fsdp"}}.items():
         config = job(**parallel)
@@ -91,9 +90,7 @@ def distributed_runs(rank: int, world: int, data_dir: str, out_path: str) -> Non
                         torch.device("cpu"))
         results[name] = {"losses": text_losses(engine, data_dir, rank, world, TEXT_STEPS),
                          **_plain(engine.window_metrics())}
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f)
+    return results
 
 
 def _plain(metrics: dict) -> dict:
@@ -101,10 +98,8 @@ def _plain(metrics: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(dataset_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("engine") / "runs.json"
-    run_ranks(2, distributed_runs, str(dataset_dir), str(out))
-    results = json.loads(out.read_text())
+def runs(dataset_dir):
+    results = run_ranks(2, distributed_runs, str(dataset_dir))
     single = Engine(job(), uniform_plan(1, MICRO, 2), 0, torch.device("cpu"))
     results["single"] = {"losses": train(single, 0, 1, 2)}
     return results

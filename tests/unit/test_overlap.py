@@ -1,7 +1,6 @@
 """The next-forward overlap (workers/comm/overlap.py) on 2 gloo ranks against plain DDP: the same
 weights and losses, buckets applied stage by stage, and the config's refusals."""
 
-import json
 
 import pytest
 import torch
@@ -65,7 +64,7 @@ def stage_order(rank: int, world: int) -> dict:
     return {"needs": needs, "applied": applied_needs, "pending": pending_needs, "left": len(overlap.unapplied)}
 
 
-def compare(rank: int, world: int, out_path: str) -> None:
+def compare(rank: int, world: int) -> dict:
     lr_of_step = lambda step: 3e-3 * (1 - step / STEPS)  # a different rate every step  # noqa: E731
     results = {}
     for name, accum, parallel in [("plain", 1, {}), ("overlap", 1, {"overlap": "next_forward"}),
@@ -82,16 +81,12 @@ def compare(rank: int, world: int, out_path: str) -> None:
         result["moments"] = result["moments"].tolist()
         results[name] = result
     results["stages"] = stage_order(rank, world)
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f)
+    return results
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("overlap") / "runs.json"
-    run_ranks(2, compare, str(out))
-    return json.loads(out.read_text())
+def runs():
+    return run_ranks(2, compare)
 
 
 @pytest.mark.parametrize("overlapped, plain", [("overlap", "plain"), ("overlap_held", "plain"),
