@@ -1,6 +1,5 @@
 """The engine's DDP comm hooks over NCCL on two GPUs: futures chained on CUDA streams, not gloo threads."""
 
-
 import pytest
 import torch
 import torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook as powersgd_module

@@ -1,6 +1,7 @@
 """The next-forward overlap (workers/comm/overlap.py) on 2 gloo ranks against plain DDP: the same
 weights and losses, buckets applied stage by stage, and the config's refusals."""
 
+import dataclasses
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from tests.engine_support import run_ranks, uniform_plan
 from workers.comm.overlap import forward_stages
 from workers.engine import Engine
 from workers.models.gpt import GPT
+from workers.parallel import overlap_backward_share
 
 STEPS = 6
 MICRO = 4
@@ -145,3 +147,15 @@ def test_the_config_refuses_what_the_overlap_cannot_do(setting, field):
     with pytest.raises(ConfigError) as caught:
         JobConfig.from_dict(raw)
     assert caught.value.where == field
+
+
+def test_the_share_sent_during_backward_comes_from_the_plan_unless_set():
+    plan = uniform_plan(2, MICRO, 1)
+    config = job(overlap="next_forward")
+    assert overlap_backward_share(config, plan) == 1.0  # a hand-made plan predicts no communication
+    # GPT-2 124M over a 3.4 GB/s link: 60 ms of compute (40 of it backward), 146 ms of all-reduce.
+    predicted = dataclasses.replace(plan.predicted, compute_seconds=0.060, communication_seconds=0.146)
+    assert overlap_backward_share(config, dataclasses.replace(plan, predicted=predicted)) == pytest.approx(0.274, abs=1e-3)
+    fast = dataclasses.replace(plan.predicted, compute_seconds=0.060, communication_seconds=0.004)
+    assert overlap_backward_share(config, dataclasses.replace(plan, predicted=fast)) == 1.0
+    assert overlap_backward_share(job(overlap="next_forward", overlap_backward_share=0.5), plan) == 0.5
