@@ -73,10 +73,19 @@ def _future(work: dist.Work, value: torch.Tensor) -> torch.futures.Future[torch.
         return done
 
 
+def start_average(state: HookState, buffer: torch.Tensor, *, bf16: bool) -> tuple[torch.Tensor, dist.Work]:
+    """Starts the all-reduce that averages `buffer` over the ranks, its bytes counted: on the buffer
+    itself, divided in place first, or on a bf16 copy of it. Returns (what is reduced, its work).
+    The next-forward overlap sends with it too, so both paths compute the same bits."""
+    wire = buffer.to(torch.bfloat16) if bf16 else buffer
+    state.stats.add(wire.numel() * wire.element_size())
+    wire.div_(state.world_size)
+    return wire, dist.all_reduce(wire, async_op=True)
+
+
 def _allreduce(state: HookState, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    state.stats.add(tensor.numel() * tensor.element_size())
-    tensor.div_(state.world_size)
-    return _future(dist.all_reduce(tensor, async_op=True), tensor)
+    _, work = start_average(state, tensor, bf16=False)
+    return _future(work, tensor)
 
 
 def allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -85,15 +94,13 @@ def allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.F
 
 def bf16_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     buffer = bucket.buffer()
-    compressed = buffer.to(torch.bfloat16)
-    state.stats.add(compressed.numel() * 2)
-    compressed.div_(state.world_size)
+    compressed, work = start_average(state, buffer, bf16=True)
 
     def decompress(fut: torch.futures.Future) -> torch.Tensor:
         buffer.copy_(compressed)
         return buffer
 
-    return _future(dist.all_reduce(compressed, async_op=True), compressed).then(decompress)
+    return _future(work, compressed).then(decompress)
 
 
 @dataclass

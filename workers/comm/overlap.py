@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from workers.comm.hooks import HookState
+from workers.comm.hooks import HookState, start_average
 from workers.comm.stats import CommStats
 from workers.models.gpt import GPT
 
@@ -76,8 +76,8 @@ class NextForwardOverlap:
         self.wire = wire
         self.state = HookState(stats=stats, world_size=world_size)
         self.stage_of = forward_stages(model)
-        element_bytes = 2 if wire == "bf16" else 4
-        step_bytes = sum(p.numel() for p in model.parameters() if p.requires_grad) * element_bytes
+        self.element_bytes = 2 if wire == "bf16" else 4
+        step_bytes = sum(p.numel() for p in model.parameters() if p.requires_grad) * self.element_bytes
         self.backward_bytes = backward_share * step_bytes
         """Bytes a backward sends as its buckets fill; the rest waits for its last bucket."""
         self.step = 0
@@ -117,7 +117,7 @@ class NextForwardOverlap:
         reduction = _Reduction(step=self.step, need=min(self.stage_of[id(p)] for p in params), index=bucket.index(),
                                buffer=bucket.buffer(), params=params, grads=bucket.gradients())
         self.unapplied.append(reduction)
-        nbytes = reduction.buffer.numel() * (2 if self.wire == "bf16" else 4)
+        nbytes = reduction.buffer.numel() * self.element_bytes
         if self.sent_bytes + nbytes <= self.backward_bytes:
             self._send(reduction)
             self.sent_bytes += nbytes
@@ -134,12 +134,7 @@ class NextForwardOverlap:
         return done
 
     def _send(self, reduction: _Reduction) -> None:
-        # The same operations, in the same order, as the allreduce and bf16 hooks (workers/comm/hooks.py).
-        wire = reduction.buffer.to(torch.bfloat16) if self.wire == "bf16" else reduction.buffer
-        self.state.stats.add(wire.numel() * wire.element_size())
-        wire.div_(self.state.world_size)
-        reduction.wire = wire
-        reduction.work = dist.all_reduce(wire, async_op=True)
+        reduction.wire, reduction.work = start_average(self.state, reduction.buffer, bf16=self.wire == "bf16")
 
     def before_stage(self, stage: int) -> None:
         """Applies every update the forward's stage `stage` needs (GPT calls it; 0 is the embeddings)."""
