@@ -116,6 +116,8 @@ class Orchestrator:
                            f"× {plan.grad_accum_steps} accumulation; predicted {predicted.tokens_per_second:,.0f} "
                            f"tokens/s, ${predicted.dollars_per_million_tokens:.4f} per million tokens "
                            f"({self.run.plan_path})", markup=False)
+        for note in plan.notes:
+            self.console.print(f"  plan note: {note}", markup=False)
         return plan
 
     def _open_run(self, tokenizer: str) -> tuple[Path | Location | None, int]:

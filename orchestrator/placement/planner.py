@@ -430,6 +430,7 @@ class Planner:
                          "a step (costed as after its plain all-reduce warm-up)")
         notes.extend(self._hook_advice(best))
         notes.extend(self._topk_wire_advice(best))
+        notes.extend(self._overlap_notes(best))
         if best.backend == "gloo" and self.job.use_gpu:
             notes.append("several MIG slices of one GPU: NCCL runs one rank per GPU, so gradients are reduced "
                          "with gloo through host memory")
@@ -453,6 +454,16 @@ class Planner:
         return [f"the step waits {exposed:.0%} of its {best.step_seconds * 1e3:.1f} ms on gradient communication; "
                 f"predicted with [parallel] comm_hook = {', '.join(steps)} (per step: compression can cost "
                 "loss, benchmarks/RESULTS.md)"] if steps else []
+
+    def _overlap_notes(self, best: Outcome) -> list[str]:
+        """What becomes of [parallel] overlap = "next_forward" on this plan: nothing to overlap with
+        one data-parallel worker, and otherwise a step the prediction does not cost."""
+        if self.config.parallel.overlap != "next_forward":
+            return []
+        if best.devices // self.job.tensor_parallel_size <= 1:
+            return ['[parallel] overlap = "next_forward" is ignored: one data-parallel worker exchanges no gradients']
+        return ['[parallel] overlap = "next_forward" is not costed: the prediction is plain DDP\'s step (on two '
+                "H200s the overlap measured 0.88x to 1.03x of it, by model, link and wire; benchmarks/RESULTS.md)"]
 
     def _topk_wire_advice(self, best: Outcome) -> list[str]:
         """For topk, the step with its places sent the other way on the same devices, where that is

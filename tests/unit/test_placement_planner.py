@@ -251,3 +251,13 @@ def test_a_measured_calibration_file_replaces_the_link_table(tmp_path):
     assert ratio > 1.05
     with pytest.raises(ConfigError, match="calibration"):
         planner("8xH200:1", job(placement={"calibration_file": str(tmp_path / "missing.json")})).plan()
+
+
+def test_the_plan_notes_say_what_becomes_of_the_next_forward_overlap():
+    overlap = {"parallel": {"overlap": "next_forward"}, "train": {"grad_clip": 0.0}}
+    alone = planner("1xH200:1", job(**overlap)).plan()
+    assert alone.world_size == 1 and any("is ignored: one data-parallel worker" in note for note in alone.notes)
+    pair = planner("8xH100-SXM:1", job(**overlap, placement={"min_gpus": 2})).plan()
+    assert pair.world_size >= 2 and any("is not costed: the prediction is plain DDP's" in note for note in pair.notes)
+    plain = planner("8xH100-SXM:1", job(placement={"min_gpus": 2})).plan()
+    assert not any("overlap" in note for note in plain.notes)
