@@ -7,7 +7,10 @@
 Per bucket size:
   copy        the baseline: dst.copy_(src) of the bucket; its bandwidth counts bytes read + written
   compress    compress(bucket, residual, k_ratio, check_finite=False), the comm-hook path; bytes =
-              bucket read + residual read and written + payload written
+              bucket read + residual read and written + payload written. Every replay compresses
+              the same state: the residuals are restored before it (untimed, then 256 MB written so
+              none is left in L2); without that, each replay would add the bucket to its residual
+              once more, and later replays would time ever larger residuals
   decompress  decompress_accumulate(dense, payload); bytes = payload entries, scales and starts read + 8 per
               entry (its dense fp32 element read and written). At k = 1 % entries are ~100 elements
               apart, so each costs DRAM a 32-byte sector both ways: "sector GB/s" counts that
@@ -55,6 +58,8 @@ from kernels.wire import decode_wires, encode_wire  # noqa: E402
 
 RANKS = 8
 """Payloads summed by decompress_sum per call, as after an all-gather over 8 ranks."""
+L2_EVICT_BYTES = 256 * 2**20
+"""Written between replays that restore residuals: several times an H200's 50 MB of L2."""
 ROTATE_BYTES = 1 << 30
 """Buffers cycled through per size, so each call finds its inputs in DRAM, not the 60 MB L2."""
 
@@ -71,8 +76,10 @@ def selected(backend: ModuleType, x: torch.Tensor, residual: torch.Tensor | None
     return out
 
 
-def graph_seconds(calls: list[Callable[[], object]], replays: int = 30) -> float:
-    """Median seconds per call: all calls captured in one CUDA graph, replayed `replays` times."""
+def graph_seconds(calls: list[Callable[[], object]], replays: int = 30,
+                  before_each: Callable[[], object] | None = None) -> float:
+    """Median seconds per call: all calls captured in one CUDA graph, replayed `replays` times
+    (each after before_each(), untimed, when given)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -85,7 +92,12 @@ def graph_seconds(calls: list[Callable[[], object]], replays: int = 30) -> float
             call()
     graph.replay()
     torch.cuda.synchronize()
-    return statistics.median(_timed(graph.replay) for _ in range(replays)) / len(calls)
+    times = []
+    for _ in range(replays):
+        if before_each:
+            before_each()
+        times.append(_timed(graph.replay))
+    return statistics.median(times) / len(calls)
 
 
 def eager_seconds(call: Callable[[], object], repeats: int) -> float:
@@ -120,6 +132,14 @@ class Buffers:
     buckets: list[torch.Tensor]
     residuals: list[torch.Tensor]
     copies: list[torch.Tensor]
+    saved: list[torch.Tensor]
+    """The residuals as made: compress updates them in place, so timings restore them."""
+    evict: torch.Tensor
+
+    def restore_residuals(self) -> None:
+        for residual, saved in zip(self.residuals, self.saved):
+            residual.copy_(saved)
+        self.evict.zero_()  # so no call starts with a residual the copies left in L2
 
     @classmethod
     def make(cls, size_mb: float) -> Buffers:
@@ -128,7 +148,8 @@ class Buffers:
         gen = torch.Generator(device="cuda").manual_seed(0)
         buckets = [torch.randn(numel, device="cuda", generator=gen) for _ in range(sets)]
         residuals = [torch.randn(numel, device="cuda", generator=gen) * 1e-3 for _ in range(sets)]
-        return cls(numel, buckets, residuals, [torch.empty_like(b) for b in buckets])
+        return cls(numel, buckets, residuals, [torch.empty_like(b) for b in buckets], [r.clone() for r in residuals],
+                   torch.empty(L2_EVICT_BYTES // 4, device="cuda"))
 
 
 def copy_gbs(buffers: Buffers) -> float:
@@ -141,14 +162,11 @@ def copy_gbs(buffers: Buffers) -> float:
 def bench_kernels(buffers: Buffers, k_ratio: float) -> dict:
     numel, buckets, residuals, copies = buffers.numel, buffers.buckets, buffers.residuals, buffers.copies
     sets = len(buckets)
-    saved = [r.clone() for r in residuals]  # compress updates residuals: every measurement starts from the same
-
     compress_calls = [lambda i=i: kp.compress(buckets[i], residuals[i], k_ratio, check_finite=False)
                       for i in range(sets)]
-    compress_s = graph_seconds(compress_calls)
+    compress_s = graph_seconds(compress_calls, before_each=buffers.restore_residuals)
     eager_s = back_to_back_seconds(compress_calls)
-    for r, s in zip(residuals, saved):
-        r.copy_(s)
+    buffers.restore_residuals()
     payloads = [kp.compress(buckets[i], residuals[i], k_ratio) for i in range(sets)]
     compress_gbs = (3 * numel * 4 + payloads[0].payload.numel()) / compress_s / 1e9
 
@@ -183,8 +201,7 @@ def bench_kernels(buffers: Buffers, k_ratio: float) -> dict:
     wire_matches = bool(torch.equal(decode_wires(wires, layout), rows))
     wire_share = wires.shape[1] / layout.nbytes
     del rows, total, check, payloads, wires
-    for r, s in zip(residuals, saved):
-        r.copy_(s)
+    buffers.restore_residuals()
 
     k = max(1, round(k_ratio * numel))
     magnitudes = [b.abs() for b in buckets]  # outside the baseline's timing: torch.topk alone, its best case
@@ -196,7 +213,7 @@ def bench_kernels(buffers: Buffers, k_ratio: float) -> dict:
     index, _ = kp.topk_by_magnitude(x, k)
     exact = torch.topk(magnitudes[0], len(index), sorted=False).indices
     exact_match = torch.equal(index.long().sort().values, exact.sort().values)
-    del magnitudes, exact, saved
+    del magnitudes, exact
     torch.cuda.empty_cache()
     return dict(compress_gbs=compress_gbs, compress_us=compress_s * 1e6, eager_us=eager_s * 1e6,
                 decompress_gbs=decompress_gbs, sector_gbs=sector_gbs, decompress_us=decompress_s * 1e6,
@@ -248,7 +265,7 @@ def sweep(buffers: Buffers, k_ratio: float, copy: float) -> list[dict]:
             if not _compiles(lambda: compress(buckets[0], residuals[0].clone(), k_ratio), "compress", tuning, rows):
                 continue
             seconds = graph_seconds([lambda i=i: compress(buckets[i], residuals[i], k_ratio, check_finite=False)
-                                     for i in range(sets)])
+                                     for i in range(sets)], before_each=buffers.restore_residuals)
             twin_residual = residuals[0].clone()
             got = compress(buckets[0], residuals[0], k_ratio, check_finite=False)
             want = selected(reference, buckets[0], twin_residual, k_ratio)

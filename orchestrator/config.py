@@ -256,9 +256,10 @@ class ParallelConfig:
     is applied just before the next forward first uses its parameters. For links slower than
     backward; DDP with comm_hook "allreduce" or "bf16", no gradient clipping (grad_clip = 0), not
     fp16, bf16_weights or compiled autograd. Blocks are compiled one by one, as under FSDP.
-    On two H200s over a 3.4 GB/s link: GPT 1.3B with bf16 807 ms a step against 915; GPT-2 124M
-    no faster (its tied embedding, a third of the bytes, is the last bucket out of backward and
-    the first the forward needs), nor over NVSwitch, where nothing waits (benchmarks/RESULTS.md)."""
+    On two H200s over a 3.4 GB/s link: GPT 1.3B with bf16 807 ms a step against 915, in fp32
+    (share 0.12) 1,850 against 1,973; GPT-2 124M no faster (its tied embedding, a third of the
+    bytes, is the last bucket out of backward and the first the forward needs), nor over NVSwitch,
+    where nothing waits (benchmarks/RESULTS.md)."""
     overlap_backward_share: float = 0.0
     """With overlap = "next_forward": the share of a step's gradient bytes sent while backward still
     runs, in the order its buckets fill. 0 takes it from the plan: its predicted backward time
