@@ -124,14 +124,18 @@ class NextForwardOverlap:
         else:
             self.held.append(reduction)
         if bucket.is_last():
-            # Python's sort is stable and the keys are the same on every rank: so is the order.
-            for held in sorted(self.held, key=_by_need):
-                self._send(held)
-            self.held, self.sent_bytes = [], 0
+            self._send_held()
             self.unapplied.sort(key=lambda r: (r.step, r.need, r.index))
         done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         done.set_result(reduction.buffer)
         return done
+
+    def _send_held(self) -> None:
+        """Sends the held buckets, the first the next forward needs first. Python's sort is stable and
+        the keys are the same on every rank: so is the order."""
+        for held in sorted(self.held, key=_by_need):
+            self._send(held)
+        self.held, self.sent_bytes = [], 0
 
     def _send(self, reduction: _Reduction) -> None:
         reduction.wire, reduction.work = start_average(self.state, reduction.buffer, bf16=self.wire == "bf16")
@@ -143,9 +147,7 @@ class NextForwardOverlap:
 
     def settle(self) -> None:
         """Applies every update still pending: the weights, optimizer state and norms are then the step's."""
-        for held in sorted(self.held, key=_by_need):  # only after a backward that did not finish
-            self._send(held)
-        self.held, self.sent_bytes = [], 0
+        self._send_held()  # holds any only after a backward that did not finish
         while self.unapplied:
             self._apply(self.unapplied.pop(0))
 
