@@ -32,6 +32,11 @@ _NVLINK_DEVICE_TYPE_SWITCH = 2
 _FABRIC_STATE_COMPLETED = 3
 _SUCCESS = 0
 _UNSUPPORTED = object()
+_CLOCK_SM = 1  # NVML_CLOCK_SM
+_CLOCK_EVENT_REASONS = ((0x4, "power cap"), (0x8, "hardware slowdown"), (0x20, "thermal"), (0x40, "thermal"),
+                        (0x80, "power brake"))
+"""nvmlClocksEventReason* bits that hold the clocks down under load (nvml.h); idle and application
+settings are left out."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +167,18 @@ class Nvml:
         if info.state != _FABRIC_STATE_COMPLETED or info.status != _SUCCESS or not int(cluster, 16):
             return ""
         return f"{cluster}.{info.cliqueId}"
+
+    # ---- clocks and power under load (benchmarks sample them) ------------------------------------
+    def sm_clock_mhz(self, handle) -> int:
+        return int(self._absent(self._nvml.nvmlDeviceGetClockInfo, 0, handle, _CLOCK_SM))
+
+    def power_watts(self, handle) -> float:
+        return self._absent(self._nvml.nvmlDeviceGetPowerUsage, 0, handle) / 1000
+
+    def clock_limits(self, handle) -> frozenset[str]:
+        """What holds the clocks below their maximum now ("power cap", "thermal", ...); empty if nothing."""
+        reasons = self._absent(self._nvml.nvmlDeviceGetCurrentClocksEventReasons, 0, handle)
+        return frozenset(name for bit, name in _CLOCK_EVENT_REASONS if reasons & bit)
 
     # ---- pairs of GPUs -------------------------------------------------------------------------
     def common_ancestor(self, handle_a, handle_b) -> int | None:
