@@ -17,10 +17,13 @@ is the engine with those settings changed. Each row prints tokens/s, MFU against
 peak from the device catalog and peak memory, and the engine's ratios against both baselines.
 
 Step time: every step's start is marked with a CUDA event and the host runs ahead as in training (no
-wait between steps); the median of the per-step intervals after the warm-up steps is reported.
+wait between steps); the median of the per-step intervals after the warm-up steps is reported, with
+the median SM clock and board power over those steps (NVML) and the share of samples in which the
+power cap or heat held the clocks down.
 --profile adds a torch.profiler summary per row: device time per step by kernel group (matmul,
 attention, loss, elementwise/fused, optimizer, float8 scaling, memcpy/memset), idle time on the
-device, host time per step, the top kernels, and the matmul and attention rates that imply.
+device, host time per step, the top kernels overall and in each group, the largest idle gaps, and
+the matmul and attention rates that imply.
 Needs a CUDA GPU and no Ray.
 """
 
@@ -35,6 +38,7 @@ import statistics
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -46,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from orchestrator.config import JobConfig, ModelConfig  # noqa: E402
 from orchestrator.placement.plan import Plan  # noqa: E402
 from orchestrator.topology import catalog  # noqa: E402
+from orchestrator.topology.nvml import Nvml  # noqa: E402
 from workers.comm.stats import CommStats  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 from workers.models.gpt import GPT  # noqa: E402
@@ -116,6 +121,42 @@ def reset_compiler() -> None:
     dynamo_utils.counters.clear()
 
 
+class ClockSampler:
+    """The GPU's SM clock, board power and what held its clocks down, sampled every 20 ms while a row's
+    timed steps run: the same kernels take longer in a row whose GPU ran at lower clocks."""
+
+    def __init__(self, interval_s: float = 0.02):
+        self.nvml = Nvml.open()[0] if DEVICE == "cuda" else None
+        self.interval_s = interval_s
+        self.samples: list[tuple[int, float, frozenset[str]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        handle = self.nvml.handle(torch.cuda.current_device())  # NVML counts every GPU; fine where all are visible
+        while not self._stop.wait(self.interval_s):
+            self.samples.append((self.nvml.sm_clock_mhz(handle), self.nvml.power_watts(handle),
+                                 self.nvml.clock_limits(handle)))
+
+    def __enter__(self) -> ClockSampler:
+        if self.nvml is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *_) -> None:
+        if self.nvml is not None:
+            self._stop.set()
+            self._thread.join()
+
+    def summary(self) -> dict:
+        if not self.samples:
+            return {}
+        clocks, watts, limits = zip(*self.samples)
+        share = lambda reason: round(sum(reason in held for held in limits) / len(limits), 2)  # noqa: E731
+        return {"sm_mhz": statistics.median(clocks), "power_w": round(statistics.median(watts)),
+                "power_capped": share("power cap"), "thermal": share("thermal")}
+
+
 def time_steps(step, data: TextBatches, warmup: int, steps: int) -> dict:
     """Per-step device intervals after `warmup` steps (which include compilation), host running ahead."""
     started = time.perf_counter()
@@ -126,16 +167,17 @@ def time_steps(step, data: TextBatches, warmup: int, steps: int) -> dict:
     torch.cuda.reset_peak_memory_stats()
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
     losses, host = [], []
-    for i in range(steps):
-        marks[i].record()
-        begin = time.perf_counter()
-        losses.append(step(data[warmup + i], warmup + i))
-        host.append(time.perf_counter() - begin)
-    marks[-1].record()
-    torch.cuda.synchronize()
+    with ClockSampler() as clocks:
+        for i in range(steps):
+            marks[i].record()
+            begin = time.perf_counter()
+            losses.append(step(data[warmup + i], warmup + i))
+            host.append(time.perf_counter() - begin)
+        marks[-1].record()
+        torch.cuda.synchronize()
     intervals = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
     return {"seconds": statistics.median(intervals), "warm": warm, "host_seconds": statistics.median(host),
-            "losses": [float(x) for x in losses if x is not None]}
+            "losses": [float(x) for x in losses if x is not None], "clocks": clocks.summary()}
 
 
 def plain(name: str, compiled: bool, data: TextBatches, args, repeat: bool = False) -> tuple[dict, object]:
@@ -267,7 +309,8 @@ def result(what: str, name: str, model: GPT, timing: dict, data: TextBatches) ->
             "step_ms": round(timing["seconds"] * 1e3, 2), "host_ms": round(timing["host_seconds"] * 1e3, 2),
             "tokens_per_s": round(tok_s), "mfu": round(tok_s * model.flops_per_token() / peak_bf16_flops(), 4),
             "warmup_s": round(timing["warm"], 1), "peak_mem_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-            **loss_summary(timing["losses"]), "losses": [round(x, 4) for x in timing["losses"]]}
+            **timing.get("clocks", {}), **loss_summary(timing["losses"]),
+            "losses": [round(x, 4) for x in timing["losses"]]}
 
 
 def loss_summary(losses: list[float]) -> dict:
@@ -315,13 +358,23 @@ def profile_row(step, data: TextBatches, model: GPT, start: int, steps: int = 2)
     if not kernels:
         return {"error": "the profiler recorded no device kernels"}
     kernels.sort(key=lambda e: e["ts"])
-    busy, end = 0.0, kernels[0]["ts"]
+    busy, end, gaps, before = 0.0, kernels[0]["ts"], [], kernels[0]["name"]
     for e in kernels:  # the union of kernel intervals: overlapping streams count once
         lo, hi = max(e["ts"], end), e["ts"] + e["dur"]
+        if e["ts"] > end:
+            gaps.append((e["ts"] - end, before, e["name"]))
         if hi > lo:
             busy += hi - lo
+        if hi >= end:
+            before = e["name"]
         end = max(end, hi)
     span = end - kernels[0]["ts"]
+    # Host calls that synchronise or copy: a synchronise (or a copy from pageable memory) drains the
+    # launch queue, and the device then idles until the host has launched again.
+    waits: dict[str, int] = {}
+    for e in events:
+        if e.get("cat") == "cuda_runtime" and ("Synchronize" in e.get("name", "") or "Memcpy" in e.get("name", "")):
+            waits[e["name"]] = waits.get(e["name"], 0) + 1
     groups: dict[str, float] = {}
     by_name: dict[str, list[float]] = {}
     for e in kernels:
@@ -337,14 +390,30 @@ def profile_row(step, data: TextBatches, model: GPT, start: int, steps: int = 2)
         "span_ms": ms(span), "busy_ms": ms(busy), "idle_ms": ms(span - busy),
         "groups_ms": {g: ms(t) for g, t in sorted(groups.items(), key=lambda kv: -kv[1])},
         "kernels_per_step": round(len(kernels) / steps),
+        "sync_or_copy_calls_per_step": {n: c / steps for n, c in waits.items()},
         "top": [{"name": n[:110], "group": kernel_group(n), "ms": ms(sum(d)), "calls": round(len(d) / steps)}
                 for n, d in top],
+        "top_by_group": top_by_group(by_name, ms, steps),
+        # Where the device waits, over all profiled steps. The first step starts after a synchronise,
+        # so its first gaps are the host catching up, which a run whose host is ahead never shows.
+        "largest_gaps": [{"us": round(g, 1), "after": a[:90], "before": b[:90]}
+                         for g, a, b in sorted(gaps, reverse=True)[:8]],
     }
     if groups.get("matmul"):
         summary["matmul_TFLOPs"] = round(matmul_flops / (groups["matmul"] / 1e6 / steps) / 1e12)
     if groups.get("attention"):
         summary["attention_TFLOPs_palm"] = round(attention_flops / (groups["attention"] / 1e6 / steps) / 1e12)
     return summary
+
+
+def top_by_group(by_name: dict[str, list[float]], ms, steps: int, per_group: int = 5) -> dict[str, list[dict]]:
+    """The kernels that take most of each group's time, so a group's total can be read as kernels."""
+    groups: dict[str, list[tuple[str, list[float]]]] = {}
+    for n, d in by_name.items():
+        groups.setdefault(kernel_group(n), []).append((n, d))
+    return {g: [{"name": n[:110], "ms": ms(sum(d)), "calls": round(len(d) / steps)}
+                for n, d in sorted(members, key=lambda kv: -sum(kv[1]))[:per_group]]
+            for g, members in groups.items()}
 
 
 def print_profile(row: dict) -> None:
@@ -357,6 +426,30 @@ def print_profile(row: dict) -> None:
           f"{p.get('matmul_TFLOPs')} TFLOP/s, attention {p.get('attention_TFLOPs_palm')} (PaLM count)", flush=True)
     for k in p["top"][:8]:
         print(f"    {k['ms']:8.3f} ms x{k['calls']:<4} {k['group']:<28} {k['name'][:90]}", flush=True)
+    for group, members in p.get("top_by_group", {}).items():
+        if group in ("matmul", "attention"):
+            continue
+        print(f"    {group}:", "; ".join(f"{k['ms']:.3f} ms x{k['calls']} {k['name'][:60]}" for k in members), flush=True)
+    print(f"    host synchronise/copy calls a step: {p.get('sync_or_copy_calls_per_step')}", flush=True)
+    for gap in p.get("largest_gaps", [])[:5]:
+        print(f"    idle {gap['us']:.0f} us after {gap['after'][:60]} before {gap['before'][:60]}", flush=True)
+
+
+FAR_ABOVE_BEST_LOSS = 1.5
+"""A row whose last losses end this many times above the best row's on the same batches has not
+trained as the others did. The rows' schedules differ (the plain loop has no warm-up): over 20
+steps a sound row ends within ~1.25x of the best; a 1.3B engine row that diverged ended 3.3x above."""
+
+
+def training_warning(row: dict, best_loss_last5: float | None) -> str:
+    """Empty for a row that trains; otherwise why its step time is not worth printing alone."""
+    if not row.get("loss_fell", True):
+        return " | LOSS DID NOT FALL: this run does not train"
+    last = row.get("loss_last5")
+    if last is not None and best_loss_last5 and last > FAR_ABOVE_BEST_LOSS * best_loss_last5:
+        return (f" | LOSS FAR ABOVE THE BEST ROW'S ({last:.3f} against {best_loss_last5:.3f} on the same batches): "
+                "this run does not train as the others do")
+    return ""
 
 
 def compare_curves(rows: list[dict]) -> list[dict]:
@@ -428,13 +521,14 @@ def run_model(name: str, args, out: list[dict]) -> None:
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=1))
     by = {r["config"]: r for r in group if "error" not in r}
+    best = min((r["loss_last5"] for r in by.values() if "loss_last5" in r), default=None)
     for label, ours in by.items():
         if not label.startswith("engine") and not label.startswith("ddp"):
             continue
         ratios = ", ".join(f"/ {base} = {ours['tokens_per_s'] / by[base]['tokens_per_s']:.2f}x"
                            for base in ("plain eager", "plain compile", "plain compile (repeat)") if base in by)
-        warning = "" if ours.get("loss_fell", True) else " | LOSS DID NOT FALL: this run does not train"
-        print(f"{name}: {label}: {ours['tokens_per_s']:,} tok/s, MFU {ours['mfu']:.1%} {ratios}{warning}", flush=True)
+        print(f"{name}: {label}: {ours['tokens_per_s']:,} tok/s, MFU {ours['mfu']:.1%} {ratios}"
+              f"{training_warning(ours, best)}", flush=True)
     for curve in compare_curves(group):
         out.append(curve)
         print(json.dumps(curve), flush=True)
