@@ -1,19 +1,13 @@
 """benchmarks/multigpu.py's calibration row: the DDP compute slowdown it measures for the planner."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "multigpu.py"
+from tests.benchmark_support import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def multigpu():
-    spec = importlib.util.spec_from_file_location("multigpu_benchmark", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("multigpu")
 
 
 def test_the_slowdown_is_the_ddpoptimizer_rows_compute_beyond_one_gpu(multigpu):

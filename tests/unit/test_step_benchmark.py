@@ -1,19 +1,13 @@
 """benchmarks/step.py's judgement of whether a row trained: a step time is only worth printing for one that did."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "step.py"
+from tests.benchmark_support import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def step():
-    spec = importlib.util.spec_from_file_location("step_benchmark", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("step")
 
 
 def test_a_row_that_diverged_is_flagged_against_the_best_row(step):
