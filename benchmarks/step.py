@@ -147,6 +147,7 @@ class ClockSampler:
         if self.nvml is not None:
             self._stop.set()
             self._thread.join()
+            self.nvml.close()  # NVML counts its opens: one close for each row's open
 
     def summary(self) -> dict:
         if not self.samples:

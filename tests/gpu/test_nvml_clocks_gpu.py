@@ -18,8 +18,8 @@ def test_clock_and_power_read_plausibly_while_the_gpu_works():
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     for _ in range(50):
         a @ a
-    clock, watts, limits = nvml.sm_clock_mhz(handle), nvml.power_watts(handle), nvml.clock_limits(handle)
+    clock, watts = nvml.sm_clock_mhz(handle), nvml.power_watts(handle)
     torch.cuda.synchronize()
+    nvml.close()
     assert 300 <= clock <= 3000, clock
     assert 20 <= watts <= 2000, watts
-    assert limits <= {"power cap", "hardware slowdown", "thermal", "power brake"}, limits
