@@ -38,8 +38,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         # The fused gradient is made before a loss scale is known, and fp16 cannot hold it
         # unscaled (probabilities / rows fall below its range): fp16 takes the plain loss.
         return F.cross_entropy(_logits(hidden, weight, dtype).float(), targets)
-    loss, _ = _linear_cross_entropy(hidden, weight, targets, dtype or hidden.dtype)
-    return loss
+    return _linear_cross_entropy(hidden, weight, targets, dtype or hidden.dtype)[0]
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -49,40 +48,53 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype | Non
     return hidden @ weight.t()
 
 
-# The op takes hidden and weight as they are (fp32 under autocast) and casts them itself. With
-# the casts outside, torch 2.11's Inductor, compiling GPT at n_embd 2048 on a GPU, handed the op
-# a wrong bf16 copy of the final norm's output (a different one each run: the loss 0.4 % off,
-# the 1.3B model diverging; tests/gpu/test_loss_gpu.py keeps that case). Saving the fp32 inputs
-# also keeps no bf16 copy of the weight for backward.
+# The op takes hidden and weight as they are (fp32 under autocast) and makes every cast itself,
+# the low-precision hidden that backward needs included: the hidden is cast once, and backward
+# keeps the bf16 copy, not the fp32 input. (Left to AOTAutograd, that cast happened a second time,
+# in the forward graph, fused into the final norm's kernel.)
+#
+# Known hazard, not avoided here: torch 2.11's Inductor fuses the last block's residual add and the
+# final norm into a kernel whose last loop reads back what an earlier loop stored, with no barrier
+# between (pytorch/pytorch#190517). With some autotuned block sizes a warp reads values before
+# another warp has written them, and the op gets a wrong hidden: on an H200 at n_embd 2048, block
+# size 2048 put 6-22 % of it off by up to 0.9, and the 1.3B model diverged; 1024 trained. Which one
+# a compile gets depends on timings. tests/gpu/test_inductor_configs_gpu.py runs every candidate.
 @torch.library.custom_op("archipelago::linear_cross_entropy", mutates_args=())
 def _linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean loss, gradient of the mean loss with respect to the logits, in dtype)."""
-    logits = _logits(hidden, weight, dtype)
+                          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mean loss, gradient of the mean loss with respect to the logits in dtype, hidden cast to
+    dtype for backward: empty when hidden is in dtype already, since an op's output may not be its
+    input)."""
+    low_hidden = hidden.to(dtype)
+    logits = low_hidden @ weight.to(dtype).t()
     scale = 1.0 / logits.shape[0]
     losses = _rows(logits, targets, scale)
-    return losses.sum() * scale, logits
+    return losses.sum() * scale, logits, (low_hidden if hidden.dtype != dtype else hidden.new_empty(0))
 
 
 @_linear_cross_entropy.register_fake
 def _(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # The op's own casts and matmul on fake tensors: the memory estimator (orchestrator/memory.py),
     # which runs this, sees the casts alive beside the logits as they are in the op.
-    return hidden.new_empty((), dtype=torch.float32), _logits(hidden, weight, dtype)
+    low_hidden = hidden.to(dtype) if hidden.dtype != dtype else hidden.new_empty(0)
+    return hidden.new_empty((), dtype=torch.float32), _logits(hidden, weight, dtype), low_hidden
 
 
 def _save_for_backward(ctx, inputs, output) -> None:
     hidden, weight, _, _ = inputs
-    ctx.save_for_backward(hidden, weight, output[1])
+    _, grad_logits, low_hidden = output
+    ctx.hidden_dtype = hidden.dtype
+    # The fp32 weight is a parameter, alive anyway: casting it again in backward keeps no copy.
+    ctx.save_for_backward(low_hidden if low_hidden.numel() else hidden, weight, grad_logits)
 
 
-def _backward(ctx, grad_loss: torch.Tensor, _grad_of_gradient: torch.Tensor):
-    hidden, weight, grad_logits = ctx.saved_tensors
+def _backward(ctx, grad_loss: torch.Tensor, _grad_of_gradient: torch.Tensor, _grad_of_low_hidden: torch.Tensor):
+    low_hidden, weight, grad_logits = ctx.saved_tensors
     # The matmuls in the logits' dtype; scaled in fp32 after them: grad_loss (a loss weight, a
     # loss scale) need not be exact in bf16.
-    grad_hidden = ((grad_logits @ weight.to(grad_logits.dtype)).float() * grad_loss).to(hidden.dtype)
-    grad_weight = ((grad_logits.t() @ hidden.to(grad_logits.dtype)).float() * grad_loss).to(weight.dtype)
+    grad_hidden = ((grad_logits @ weight.to(grad_logits.dtype)).float() * grad_loss).to(ctx.hidden_dtype)
+    grad_weight = ((grad_logits.t() @ low_hidden).float() * grad_loss).to(weight.dtype)
     return grad_hidden, grad_weight, None, None
 
 

@@ -117,3 +117,33 @@ print(json.dumps(results))
 def test_interpreted_loss_kernel_matches_the_twin():
     for row in run_interpreted(INTERPRETED):
         assert all(row.values()), row
+
+
+def test_the_op_makes_the_bf16_hidden_backward_needs():
+    # One cast, inside the op, reused by backward; left to AOTAutograd's partitioner, a second cast
+    # landed in the forward graph, where Inductor fuses it into the final norm's kernel.
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    forward_graphs = []
+
+    def keep_forward(graph, _inputs):
+        forward_graphs.append(graph)
+        return make_boxed_func(graph.forward)
+
+    hidden, weight, targets = case(seed=4)
+    gain = torch.ones(hidden.shape[1], requires_grad=True)
+    backend = aot_autograd(fw_compiler=keep_forward, bw_compiler=lambda graph, _inputs: make_boxed_func(graph.forward),
+                           partition_fn=min_cut_rematerialization_partition)
+
+    def normed_loss(x, w, g, t):
+        return linear_cross_entropy(F.layer_norm(x, (x.shape[1],), g), w, t)
+
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = torch.compile(normed_loss, backend=backend, fullgraph=True)(hidden, weight, gain, targets)
+    loss.backward()
+    casts = [node for node in forward_graphs[0].graph.nodes
+             if node.target in (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
+             and node.args[0].meta["val"].shape == hidden.shape]
+    assert casts == [] and hidden.grad is not None
