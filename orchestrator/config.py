@@ -184,9 +184,11 @@ class CompileConfig:
     check_tolerance: float = 1e-3
     """Largest relative difference allowed between the first micro-batch's loss from the compiled
     model and from the same model run eagerly; a larger one stops the run with a CompileError
-    before any weight changes (torch 2.11's Inductor once fed the fused loss a wrong input at
-    n_embd 2048: 0.4 % off at the first step, the 1.3B model diverging). 0 skips the check; it is
-    not made with dropout (the masks differ) or float8."""
+    before any weight changes. It catches a compiled step whose forward is far off; near the
+    initial weights a wrong input moves the loss little: torch 2.11's Inductor fed the 1.3B model's
+    fused loss a wrong input once at 0.4 % off (caught) and once at 0.025 % (not caught, and the
+    model diverged; kernels/loss.py). 0 skips the check; it is not made with dropout (the masks
+    differ) or float8."""
     ddp_mode: Literal["auto", "ddp_optimizer", "compiled_autograd"] = "auto"
     """How compile meets DDP: Dynamo's DDPOptimizer (graph split per bucket, comm hooks work) or
     compiled autograd (one backward graph, comm captured in it; no comm hooks). auto takes
