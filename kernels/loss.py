@@ -1,16 +1,17 @@
 """Linear + cross-entropy whose gradient is made in the forward pass, by one kernel over the logits.
 
-    loss = linear_cross_entropy(hidden, weight, targets)   # mean of CE(hidden @ weight.T, targets)
+    loss = linear_cross_entropy(hidden, weight, targets)         # mean of CE(hidden @ weight.T, targets)
+    loss = linear_cross_entropy(hidden, weight, targets, norm)   # the same of norm(hidden), norm inside
 
 The logits are made by one matmul in the autocast dtype (bf16; the op casts its fp32 inputs itself,
-see below). One kernel then writes each row's loss and turns the logits, in place, into their
-gradient (softmax - one_hot) / rows, computed in fp32 and rounded once, as the plain loss's backward
-would round it. Backward is two matmuls scaled by the incoming gradient. Against
-`F.cross_entropy(logits.float(), targets)` compiled by Inductor, that is one read of the logits and
-one write of their gradient instead of several passes (GPT-2 124M's 32768 x 50304 logits on an H200:
-4.4 ms fwd + bwd down to 2.3; benchmarks/RESULTS.md), with the same memory: the bf16 gradient is
-kept where the plain loss keeps the bf16 logits. Evaluation runs the kernel's first read alone, so
-no fp32 logits exist then either.
+and runs the final layer norm when given one, see below). One kernel then writes each row's loss and
+turns the logits, in place, into their gradient (softmax - one_hot) / rows, computed in fp32 and
+rounded once, as the plain loss's backward would round it. Backward is two matmuls scaled by the
+incoming gradient. Against `F.cross_entropy(logits.float(), targets)` compiled by Inductor, that is
+one read of the logits and one write of their gradient instead of several passes (GPT-2 124M's 32768
+x 50304 logits on an H200: 4.4 ms fwd + bwd down to 2.3; benchmarks/RESULTS.md), with the same
+memory: the bf16 gradient is kept where the plain loss keeps the bf16 logits. Evaluation runs the
+kernel's first read alone, so no fp32 logits exist then either.
 
 CUDA tensors run the Triton kernel (kernels/triton_loss.py), anything else the torch twin below
 (kernels.backend decides, as for the compression kernels).
@@ -25,20 +26,29 @@ import torch.nn.functional as F
 from kernels.backend import use_triton
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of `hidden @ weight.T` against `targets`; hidden is (rows, C), weight
-    (vocab, C), targets (rows,) class indices. Matches `F.cross_entropy((hidden @ weight.T).float(),
-    targets)` and its gradients, the matmuls in the autocast dtype where autocast is on; in fp16 it
-    is that plain loss."""
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         norm: torch.nn.LayerNorm | None = None) -> torch.Tensor:
+    """Mean cross-entropy of `norm(hidden) @ weight.T` against `targets` (no norm when None); hidden
+    is (rows, C), weight (vocab, C), targets (rows,) class indices. Matches
+    `F.cross_entropy((norm(hidden) @ weight.T).float(), targets)` and its gradients, the matmuls in the
+    autocast dtype where autocast is on; in fp16 it is that plain loss. In training the norm runs
+    inside the op, so that no compiler fuses it with what makes the op's input (see below)."""
     dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) else None
-    if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
-        # Evaluation: the losses alone, without fp32 logits (twice the bf16 logits' size).
-        return _cross_entropy_rows(_logits(hidden, weight, dtype), targets).mean()
-    if (dtype or hidden.dtype) == torch.float16:
+    training = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (hidden, weight, *(norm.parameters() if norm is not None else ())))
+    if not training or (dtype or hidden.dtype) == torch.float16:
+        hidden = norm(hidden) if norm is not None else hidden
+        if not training:
+            # Evaluation: the losses alone, without fp32 logits (twice the bf16 logits' size).
+            return _cross_entropy_rows(_logits(hidden, weight, dtype), targets).mean()
         # The fused gradient is made before a loss scale is known, and fp16 cannot hold it
         # unscaled (probabilities / rows fall below its range): fp16 takes the plain loss.
         return F.cross_entropy(_logits(hidden, weight, dtype).float(), targets)
-    return _linear_cross_entropy(hidden, weight, targets, dtype or hidden.dtype)[0]
+    if norm is not None and norm.weight is None:
+        raise ValueError("linear_cross_entropy runs a LayerNorm with a weight (elementwise_affine=True); "
+                         "apply one without it before the call and pass norm=None")
+    norm_weight, norm_bias, eps = ((norm.weight, norm.bias, norm.eps) if norm is not None else (None, None, 0.0))
+    return _linear_cross_entropy(hidden, weight, targets, dtype or hidden.dtype, norm_weight, norm_bias, eps)[0]
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -49,53 +59,75 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype | Non
 
 
 # The op takes hidden and weight as they are (fp32 under autocast) and makes every cast itself,
-# the low-precision hidden that backward needs included: the hidden is cast once, and backward
-# keeps the bf16 copy, not the fp32 input. (Left to AOTAutograd, that cast happened a second time,
-# in the forward graph, fused into the final norm's kernel.)
-#
-# Known hazard, not avoided here: torch 2.11's Inductor fuses the last block's residual add and the
-# final norm into a kernel whose last loop reads back what an earlier loop stored, with no barrier
-# between (pytorch/pytorch#190517). With some autotuned block sizes a warp reads values before
-# another warp has written them, and the op gets a wrong hidden: on an H200 at n_embd 2048, block
-# size 2048 put 6-22 % of it off by up to 0.9, and the 1.3B model diverged; 1024 trained. Which one
-# a compile gets depends on timings. tests/gpu/test_inductor_configs_gpu.py runs every candidate.
+# the low-precision hidden that backward keeps included (so the hidden is cast once). It also runs
+# the final norm, in eager PyTorch, where Inductor cannot fuse it: torch 2.11's Inductor fused the
+# last residual add, the norm and the casts into one kernel whose last loop reads back what an
+# earlier loop stored, with no barrier between (pytorch/pytorch#190517). With some autotuned block
+# sizes a warp read values before another warp had written them: on an H200 at n_embd 2048, block
+# size 2048 gave the op a hidden 6-22 % wrong (by up to 0.9) and the 1.3B model diverged, while
+# 1024 trained; which one a compile got depended on timings. Before the norm moved in, the first-step
+# loss was only 2.5e-4 off, under the compile check's tolerance.
+# tests/gpu/test_inductor_configs_gpu.py runs every candidate block size of every kernel.
 @torch.library.custom_op("archipelago::linear_cross_entropy", mutates_args=())
-def _linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(mean loss, gradient of the mean loss with respect to the logits in dtype, hidden cast to
-    dtype for backward: empty when hidden is in dtype already, since an op's output may not be its
-    input)."""
-    low_hidden = hidden.to(dtype)
+def _linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype,
+                          norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None,
+                          eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mean loss, gradient of the mean loss with respect to the logits in dtype, the normed hidden
+    in dtype for backward, the norm's mean and 1/std). Without a norm, the last two are empty, and so
+    is the third when hidden is in dtype already: an op's output may not be its input."""
+    normed, mean, rstd = _norm(hidden, norm_weight, norm_bias, eps)
+    low_hidden = normed.to(dtype)
     logits = low_hidden @ weight.to(dtype).t()
     scale = 1.0 / logits.shape[0]
     losses = _rows(logits, targets, scale)
-    return losses.sum() * scale, logits, (low_hidden if hidden.dtype != dtype else hidden.new_empty(0))
+    if low_hidden is hidden:
+        low_hidden = hidden.new_empty(0)
+    return losses.sum() * scale, logits, low_hidden, mean, rstd
+
+
+def _norm(hidden: torch.Tensor, norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None,
+          eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(layer norm of hidden's rows, their mean, their 1/std); hidden itself and empty statistics
+    without a norm."""
+    if norm_weight is None:
+        return hidden, hidden.new_empty(0), hidden.new_empty(0)
+    return torch.ops.aten.native_layer_norm(hidden, [hidden.shape[-1]], norm_weight, norm_bias, eps)
 
 
 @_linear_cross_entropy.register_fake
-def _(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # The op's own casts and matmul on fake tensors: the memory estimator (orchestrator/memory.py),
-    # which runs this, sees the casts alive beside the logits as they are in the op.
-    low_hidden = hidden.to(dtype) if hidden.dtype != dtype else hidden.new_empty(0)
-    return hidden.new_empty((), dtype=torch.float32), _logits(hidden, weight, dtype), low_hidden
+def _(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype,
+      norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None,
+      eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # The op's own norm, casts and matmul on fake tensors: the memory estimator (orchestrator/memory.py),
+    # which runs this, sees them alive beside the logits as they are in the op.
+    normed, mean, rstd = _norm(hidden, norm_weight, norm_bias, eps)
+    low_hidden = normed.to(dtype) if normed is not hidden or hidden.dtype != dtype else hidden.new_empty(0)
+    return hidden.new_empty((), dtype=torch.float32), _logits(normed, weight, dtype), low_hidden, mean, rstd
 
 
 def _save_for_backward(ctx, inputs, output) -> None:
-    hidden, weight, _, _ = inputs
-    _, grad_logits, low_hidden = output
+    hidden, weight, _, _, norm_weight, norm_bias, _ = inputs
+    _, grad_logits, low_hidden, mean, rstd = output
     ctx.hidden_dtype = hidden.dtype
+    ctx.normed = norm_weight is not None
     # The fp32 weight is a parameter, alive anyway: casting it again in backward keeps no copy.
-    ctx.save_for_backward(low_hidden if low_hidden.numel() else hidden, weight, grad_logits)
+    ctx.save_for_backward(low_hidden if low_hidden.numel() else hidden, weight, grad_logits,
+                          *((hidden, mean, rstd, norm_weight, norm_bias) if ctx.normed else ()))
 
 
-def _backward(ctx, grad_loss: torch.Tensor, _grad_of_gradient: torch.Tensor, _grad_of_low_hidden: torch.Tensor):
-    low_hidden, weight, grad_logits = ctx.saved_tensors
+def _backward(ctx, grad_loss: torch.Tensor, *_grads_of_the_other_outputs: torch.Tensor):
+    low_hidden, weight, grad_logits, *norm_saved = ctx.saved_tensors
     # The matmuls in the logits' dtype; scaled in fp32 after them: grad_loss (a loss weight, a
     # loss scale) need not be exact in bf16.
-    grad_hidden = ((grad_logits @ weight.to(grad_logits.dtype)).float() * grad_loss).to(ctx.hidden_dtype)
+    grad_normed = ((grad_logits @ weight.to(grad_logits.dtype)).float() * grad_loss).to(ctx.hidden_dtype)
     grad_weight = ((grad_logits.t() @ low_hidden).float() * grad_loss).to(weight.dtype)
-    return grad_hidden, grad_weight, None, None
+    if not ctx.normed:
+        return grad_normed, grad_weight, None, None, None, None, None
+    hidden, mean, rstd, norm_weight, norm_bias = norm_saved
+    grad_hidden, grad_norm_weight, grad_norm_bias = torch.ops.aten.native_layer_norm_backward(
+        grad_normed, hidden, [hidden.shape[-1]], mean, rstd, norm_weight, norm_bias,
+        [True, True, norm_bias is not None])
+    return grad_hidden, grad_weight, None, None, grad_norm_weight, grad_norm_bias, None
 
 
 _linear_cross_entropy.register_autograd(_backward, setup_context=_save_for_backward)

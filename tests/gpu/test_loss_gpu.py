@@ -37,8 +37,8 @@ def test_out_of_range_target_gives_a_nan_loss():
 
 
 # (n_embd, n_head, seq_len, batch): small, and the 1.3B model's width, at which Inductor's final-norm
-# kernel gives the op a wrong input under one of its block sizes (kernels/loss.py says how; whether this
-# test meets it depends on the block size the compile picks: test_inductor_configs_gpu.py tries each).
+# kernel once fed the op a wrong input under one of its block sizes (kernels/loss.py says how;
+# test_inductor_configs_gpu.py tries every block size).
 @pytest.mark.parametrize("width, heads, seq_len, batch", [(256, 4, 256, 8), (2048, 16, 1024, 16)])
 def test_compiled_model_with_the_fused_loss_matches_the_plain_loss(width, heads, seq_len, batch):
     torch.manual_seed(0)

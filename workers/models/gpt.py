@@ -119,9 +119,9 @@ class GPT(nn.Module):
                 loss_kernel: str = "plain") -> torch.Tensor:
         """Returns the mean cross-entropy over all positions when targets are given, else the logits.
 
-        loss_kernel: "plain" (F.cross_entropy over fp32 logits), "fused" (kernels.loss: the logits'
-        gradient made in the forward pass by one kernel) or "chunked" (workers.models.loss: the
-        (tokens × vocab) logits never exist whole)."""
+        loss_kernel: "plain" (F.cross_entropy over fp32 logits), "fused" (kernels.loss: the final
+        norm and the logits' gradient made in the forward pass, inside one op) or "chunked"
+        (workers.models.loss: the (tokens × vocab) logits never exist whole)."""
         T = idx.shape[1]
         if self.before_stage is not None:
             self.before_stage(0)
@@ -135,11 +135,11 @@ class GPT(nn.Module):
     def head(self, x: torch.Tensor, targets: torch.Tensor | None, loss_kernel: str) -> torch.Tensor:
         """Final norm, output projection and loss: a separate method so that FSDP2, which compiles
         block by block, can compile it too (eager, its fp32 logits cost time and memory)."""
+        if targets is not None and loss_kernel == "fused":  # the op runs the final norm itself (kernels/loss.py)
+            return linear_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1), self.ln_f)
         x = self.ln_f(x)
         if targets is None:
             return self.lm_head(x)
-        if loss_kernel == "fused":
-            return linear_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1))
         if loss_kernel == "chunked":
             return chunked_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1))
         if loss_kernel != "plain":
