@@ -186,8 +186,8 @@ class CompileConfig:
     model and from the same model run eagerly; a larger one stops the run with a CompileError
     before any weight changes. It catches a compiled step whose forward is far off; near the
     initial weights a wrong input moves the loss little: torch 2.11's Inductor fed the 1.3B model's
-    fused loss a wrong input once at 0.4 % off (caught) and once at 0.025 % (not caught, and the
-    model diverged; kernels/loss.py). 0 skips the check; it is not made with dropout (the masks
+    fused loss a wrong input once 0.4 % off (over this tolerance) and once 0.025 % off (under it;
+    the model diverged; kernels/loss.py). 0 skips the check; it is not made with dropout (the masks
     differ) or float8."""
     ddp_mode: Literal["auto", "ddp_optimizer", "compiled_autograd"] = "auto"
     """How compile meets DDP: Dynamo's DDPOptimizer (graph split per bucket, comm hooks work) or
