@@ -81,17 +81,20 @@ class EveryConfig:
                                                "argument": i, "elements": apart})
 
 
+@pytest.mark.parametrize("precision", ["autocast", "bf16 weights"])
 @pytest.mark.parametrize("width, heads", [(2048, 16), (768, 12)])
-def test_every_autotune_candidate_of_a_compiled_training_step_computes_the_same(width, heads):
+def test_every_autotune_candidate_of_a_compiled_training_step_computes_the_same(width, heads, precision):
     torch.manual_seed(0)
     model = GPT(ModelConfig(n_layer=2, n_head=heads, n_embd=width, seq_len=1024, vocab_size=50304)).cuda()
+    if precision == "bf16 weights":  # the engine's bf16 compute copy: a bf16 model, no autocast
+        model = model.to(torch.bfloat16)
     tokens = torch.randint(0, 50304, (8, 1025), device="cuda")
     torch._dynamo.reset()
     step = torch.compile(lambda x, y: model(x, y, loss_kernel="fused"), fullgraph=True)
     # No compile caches: a cached graph keeps the block sizes an earlier run picked, and only a
     # fresh compile autotunes (so has every candidate built).
     with torch._inductor.config.patch(force_disable_caches=True), EveryConfig() as audit:
-        with torch.autocast("cuda", torch.bfloat16):
+        with torch.autocast("cuda", torch.bfloat16, enabled=precision == "autocast"):
             loss = step(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
     autotuned = [name for name, configs in audit.kernels.items() if len(set(configs)) > 1]
