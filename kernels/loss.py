@@ -73,16 +73,13 @@ def _linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
                           norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None,
                           eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(mean loss, gradient of the mean loss with respect to the logits in dtype, the normed hidden
-    in dtype for backward, the norm's mean and 1/std). Without a norm, the last two are empty, and so
-    is the third when hidden is in dtype already: an op's output may not be its input."""
+    in dtype for backward (see _kept_for_backward), the norm's mean and 1/std: empty without a norm)."""
     normed, mean, rstd = _norm(hidden, norm_weight, norm_bias, eps)
     low_hidden = normed.to(dtype)
     logits = low_hidden @ weight.to(dtype).t()
     scale = 1.0 / logits.shape[0]
     losses = _rows(logits, targets, scale)
-    if low_hidden is hidden:
-        low_hidden = hidden.new_empty(0)
-    return losses.sum() * scale, logits, low_hidden, mean, rstd
+    return losses.sum() * scale, logits, _kept_for_backward(hidden, low_hidden), mean, rstd
 
 
 def _norm(hidden: torch.Tensor, norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None,
@@ -94,6 +91,12 @@ def _norm(hidden: torch.Tensor, norm_weight: torch.Tensor | None, norm_bias: tor
     return torch.ops.aten.native_layer_norm(hidden, [hidden.shape[-1]], norm_weight, norm_bias, eps)
 
 
+def _kept_for_backward(hidden: torch.Tensor, low_hidden: torch.Tensor) -> torch.Tensor:
+    """The normed hidden in dtype, as the op returns it for backward: empty when it is the op's
+    input itself (no norm, hidden in dtype already), since an op's output may not be its input."""
+    return hidden.new_empty(0) if low_hidden is hidden else low_hidden
+
+
 @_linear_cross_entropy.register_fake
 def _(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype,
       norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None,
@@ -101,7 +104,7 @@ def _(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: 
     # The op's own norm, casts and matmul on fake tensors: the memory estimator (orchestrator/memory.py),
     # which runs this, sees them alive beside the logits as they are in the op.
     normed, mean, rstd = _norm(hidden, norm_weight, norm_bias, eps)
-    low_hidden = normed.to(dtype) if normed is not hidden or hidden.dtype != dtype else hidden.new_empty(0)
+    low_hidden = _kept_for_backward(hidden, normed.to(dtype))
     return hidden.new_empty((), dtype=torch.float32), _logits(normed, weight, dtype), low_hidden, mean, rstd
 
 
