@@ -184,11 +184,16 @@ class CompileConfig:
     check_tolerance: float = 1e-3
     """Largest relative difference allowed between the first micro-batch's loss from the compiled
     model and from the same model run eagerly; a larger one stops the run with a CompileError
-    before any weight changes. It catches a compiled step whose forward is far off; near the
-    initial weights a wrong input moves the loss little: torch 2.11's Inductor fed the 1.3B model's
-    fused loss a wrong input once 0.4 % off (over this tolerance) and once 0.025 % off (under it;
-    the model diverged; kernels/loss.py). 0 skips the check; it is not made with dropout (the masks
-    differ) or float8."""
+    before any weight changes. Near the initial weights a wrong kernel moves the loss little: torch
+    2.11's Inductor fed the 1.3B model's fused loss a wrong input once 0.4 % off and once 0.025 %
+    off (under this tolerance; the model diverged), hence gradient_tolerance. 0 skips the check (and
+    the gradients'); it is not made with dropout (the masks differ) or float8."""
+    gradient_tolerance: float = 1e-2
+    """Largest relative difference (L2 norm of the difference over the eager gradient's) allowed
+    between any parameter's first-micro-batch gradient from the compiled step and from the same
+    model run eagerly. Compared by a worker alone only: DDP and FSDP reduce gradients inside
+    backward. The eager pass recomputes its activations, so it needs less memory than the step, and
+    keeps its gradients on the host until compared."""
     ddp_mode: Literal["auto", "ddp_optimizer", "compiled_autograd"] = "auto"
     """How compile meets DDP: Dynamo's DDPOptimizer (graph split per bucket, comm hooks work) or
     compiled autograd (one backward graph, comm captured in it; no comm hooks). auto takes
@@ -206,6 +211,9 @@ class CompileConfig:
     def __post_init__(self) -> None:
         _check(self.check_tolerance >= 0, "[compile] check_tolerance", f"must be 0 or more, got {self.check_tolerance}",
                "set check_tolerance = 0 to skip the check, or e.g. 1e-3")
+        _check(self.gradient_tolerance > 0, "[compile] gradient_tolerance",
+               f"must be more than 0, got {self.gradient_tolerance}",
+               "set gradient_tolerance to e.g. 1e-2; check_tolerance = 0 skips the whole check")
 
 
 @dataclass(kw_only=True, slots=True)

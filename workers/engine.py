@@ -12,6 +12,7 @@ worker. Everything it decides comes from the JobConfig and this worker's entry i
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
@@ -19,9 +20,10 @@ from torch.distributed.tensor import DTensor
 
 from kernels.backend import use_triton
 from orchestrator.config import JobConfig
-from orchestrator.errors import CompileError, ConfigError, PlacementError
+from orchestrator.errors import ConfigError, PlacementError
 from orchestrator.placement.plan import Plan
 from workers.comm.stats import CommStats
+from workers.compile_check import CompileCheck
 from workers.compiler import compile_stats
 from workers.compute_copy import Bf16ComputeCopy
 from workers.models.gpt import GPT
@@ -81,10 +83,12 @@ class Engine:
         self.micro_batch_weight = replicas * self.worker.micro_batch_size / plan.global_batch_size
         # Evaluation passes are collective under FSDP: every rank cuts the same number of chunks.
         self.eval_batch_size = min(plan.replica_micro_batch_sizes())
-        # The first micro-batch's compiled loss is checked against eager PyTorch's (check_compiled_loss).
-        self.compile_check_pending = (config.compile.enable and config.compile.check_tolerance > 0
-                                      and config.model.dropout == 0 and self.precision.name != "fp8")
-        self.compile_check: dict | None = None
+        # The first micro-batch's compiled step is checked against eager PyTorch's (workers/compile_check.py).
+        self.compile_checker = (CompileCheck(trained, loss_tolerance=config.compile.check_tolerance,
+                                             gradient_tolerance=config.compile.gradient_tolerance,
+                                             compare_gradients=self.wrapped.ddp is None and not self.wrapped.fsdp)
+                                if config.compile.enable and config.compile.check_tolerance > 0
+                                and config.model.dropout == 0 and self.precision.name != "fp8" else None)
 
     def __call__(self, micro_batches: list[torch.Tensor], lr: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Trains on `micro_batches` (each (B, seq_len + 1) tokens); returns (this rank's weighted loss,
@@ -97,30 +101,39 @@ class Engine:
         if self.compute_copy is not None:
             self.compute_copy.pull_weights()
         total_loss = torch.zeros((), device=self.device)
+        check = self.compile_checker if self.compile_checker is not None and self.compile_checker.pending else None
         for i, batch in enumerate(micro_batches):
             inputs, targets = batch[:, :-1], batch[:, 1:]
-            eager_loss = self._eager_loss(inputs, targets) if self.compile_check_pending else None
+            forward = functools.partial(self._forward, inputs, targets)
+            eager_loss = check.run_eagerly(forward, self._backward) if check is not None and i == 0 else None
             with self.wrapped.sync_gradients(i == len(micro_batches) - 1):
-                with self._training_autocast():
-                    loss = self.wrapped.forward(inputs, targets, loss_kernel=self.config.train.loss_kernel)
-                    if eager_loss is not None:
-                        self._check_compiled_loss(loss, eager_loss)
-                    loss = loss * self.micro_batch_weight
-                with self.wrapped.backward_context():
-                    self.scaler.scale(loss).backward()
-            total_loss += loss.detach()
+                loss = forward()
+                if eager_loss is not None:
+                    check.check_loss(loss, eager_loss, worst_over_ranks=_worst_over_ranks)
+                self._backward(loss)
+                if eager_loss is not None and check.compare_gradients:
+                    check.check_gradients()
+            total_loss += loss.detach() * self.micro_batch_weight
         if self.overlap is not None:  # the update follows in the next forward (or settle())
             return total_loss, self.overlap.end_step()
         grad_norm = self._fused_bf16_step() if self.fused_bf16_step else self._clip_and_step()
         self.optimizer.zero_grad(set_to_none=True)
         return total_loss, grad_norm
 
-    @torch.no_grad()
-    def _eager_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """This micro-batch's loss with every compiled function run eagerly (collective under DDP
-        and FSDP as the step is: every rank makes it)."""
-        with torch.compiler.set_stance("force_eager"), self._training_autocast():
+    def _forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's mean loss (collective under DDP and FSDP: every rank makes it)."""
+        with self._training_autocast():
             return self.wrapped.forward(inputs, targets, loss_kernel=self.config.train.loss_kernel)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's mean loss, weighted by its share of the global batch (and scaled with fp16)."""
+        with self.wrapped.backward_context():
+            self.scaler.scale(loss * self.micro_batch_weight).backward()
+
+    @property
+    def compile_check(self) -> dict | None:
+        """The first step's compiled-against-eager figures (workers/compile_check.py), once made."""
+        return self.compile_checker.result if self.compile_checker is not None else None
 
     def _compute_copy(self, config: JobConfig) -> Bf16ComputeCopy | None:
         if not config.train.bf16_weights:
@@ -135,18 +148,6 @@ class Engine:
         """Autocast for the training forward; none on a bf16 compute copy: its weights are bf16
         already, and autocast would run its layer norms, and so the residual stream, in fp32."""
         return contextlib.nullcontext() if self.compute_copy is not None else self.precision.autocast(self.device)
-
-    def _check_compiled_loss(self, compiled: torch.Tensor, eager: torch.Tensor) -> None:
-        """Stops the run, on every rank at once, if the compiled step computes another loss than eager
-        PyTorch on the same weights and tokens; records both otherwise. Once: a miscompiled graph
-        shows at the first step, before any weight changes."""
-        self.compile_check_pending = False
-        apart = relative_difference(compiled.detach(), eager).reshape(1)
-        if dist.is_initialized():
-            dist.all_reduce(apart, op=dist.ReduceOp.MAX)
-        self.compile_check = {"compiled_loss": float(compiled.detach()), "eager_loss": float(eager),
-                              "relative_difference": float(apart)}
-        check_compiled_loss(self.compile_check, self.config.compile.check_tolerance)
 
     def _clip_and_step(self) -> torch.Tensor:
         """Clips the global gradient norm to max_grad_norm and applies the optimizer step; returns the norm."""
@@ -222,26 +223,9 @@ class Engine:
         return metrics
 
 
-def relative_difference(compiled: torch.Tensor, eager: torch.Tensor) -> torch.Tensor:
-    """|compiled - eager| / |eager|; infinite when only the compiled loss is NaN or infinite, and 0
-    when the eager one is (then the model or data is at fault, not the compiler)."""
-    compiled, eager = compiled.float(), eager.float()
-    apart = (compiled - eager).abs() / eager.abs().clamp_min(1e-12)
-    apart = torch.nan_to_num(apart, nan=float("inf"), posinf=float("inf"))
-    return torch.where(torch.isfinite(eager), apart, torch.zeros_like(apart))
-
-
-def check_compiled_loss(check: dict, tolerance: float) -> None:
-    """Raises CompileError when the compiled and eager losses of `check` (the largest relative
-    difference over the ranks) are further apart than `tolerance`."""
-    if check["relative_difference"] > tolerance:
-        raise CompileError(
-            f"the compiled training step's loss on the first micro-batch is {check['compiled_loss']:.6g}, the same "
-            f"model run eagerly gives {check['eager_loss']:.6g} ({check['relative_difference']:.3%} apart on the "
-            f"worst rank, more than the {tolerance:g} allowed): torch.compile made a step that computes something "
-            "else, and training on it would be silently wrong", where="[compile] check_tolerance",
-            fix="set [compile] enable = false to train eagerly; if the difference is expected rounding "
-                "(a model resumed in low precision), raise check_tolerance")
+def _worst_over_ranks(value: torch.Tensor) -> None:
+    if dist.is_initialized():
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
 
 
 def _ddp_timing(ddp) -> dict:

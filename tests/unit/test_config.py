@@ -86,9 +86,11 @@ def test_negative_topk_ramp_names_the_key_and_the_fix(tmp_path):
     assert "[parallel] topk_ramp_steps" in message and "-5" in message and "topk_ramp_steps = 0" in message
 
 
-def test_negative_compile_check_tolerance_names_the_key_and_the_fix(tmp_path):
+def test_bad_compile_check_tolerances_name_the_key_and_the_fix(tmp_path):
     message = error_for(tmp_path, "[compile]\ncheck_tolerance = -0.1\n")
     assert "[compile] check_tolerance: must be 0 or more, got -0.1" in message and "check_tolerance = 0" in message
+    message = error_for(tmp_path, "[compile]\ngradient_tolerance = 0\n")
+    assert "[compile] gradient_tolerance: must be more than 0, got 0" in message and "check_tolerance = 0" in message
 
 
 def test_choice_outside_the_allowed_set(tmp_path):

@@ -13,7 +13,8 @@ from storage.sampler import BatchLayout, DeterministicSampler
 from storage.shards import TokenDataset
 from tests.engine_support import uniform_plan, run_ranks
 from orchestrator.errors import CompileError
-from workers.engine import Engine, _ddp_timing, check_compiled_loss, relative_difference
+from workers.compile_check import check_compiled_loss, relative_difference
+from workers.engine import Engine, _ddp_timing
 from workers.models.gpt import GPT
 from workers.models.loss import chunked_cross_entropy
 from workers.precision import LossScaler, Precision
@@ -290,9 +291,11 @@ def test_compile_runs_on_cpu_and_matches_eager():
     stats = compiled.window_metrics()["compile"]
     assert stats["frames_compiled"] >= 1 and stats["graph_breaks"] == 0 and stats["compile_seconds"] > 0
     assert math.isfinite(ours[-1])
-    # The first micro-batch was also run eagerly, and the two losses agreed.
+    # The first micro-batch was also run eagerly, and the two losses and every gradient agreed.
     check = stats["eager_check"]
     assert check["compiled_loss"] == pytest.approx(check["eager_loss"], rel=1e-5) and check["relative_difference"] < 1e-5
+    assert check["gradient_difference"] < 1e-4
+    assert check["gradient_worst"] in dict(compiled.model.named_parameters())
 
 
 def test_a_compiled_step_apart_from_eager_stops_before_any_weight_changes(monkeypatch):
@@ -311,6 +314,51 @@ def test_a_compiled_step_apart_from_eager_stops_before_any_weight_changes(monkey
     assert "set [compile] enable = false" in message
     assert all(torch.equal(a, b) for a, b in zip(before, engine.model.parameters()))
     check_compiled_loss({"compiled_loss": 5.5, "eager_loss": 5.5, "relative_difference": 0.0009}, 1e-3)  # within
+
+
+class ScaleGradient(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by `factor`."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def test_a_compiled_step_with_the_right_loss_and_wrong_gradients_stops_before_any_weight_changes(monkeypatch):
+    """A compiler fault injected: the gradient flowing back out of the final norm is 5 % too large
+    only when traced by torch.compile, so the loss agrees with eager and the loss check passes."""
+    plain_head = GPT.head
+    monkeypatch.setattr(GPT, "head", lambda self, x, *args: plain_head(
+        self, ScaleGradient.apply(x, 1.05 if torch.compiler.is_compiling() else 1.0), *args))
+    config = JobConfig.from_dict({**job().to_dict(), "compile": {"enable": True}, "cluster": {"num_workers": 1},
+                                  "parallel": {"activation_checkpointing": "selective"}})
+    engine = Engine(config, uniform_plan(1, MICRO, 2), 0, torch.device("cpu"))
+    before = [p.detach().clone() for p in engine.model.parameters()]
+    with pytest.raises(CompileError) as refused:
+        train(engine, 0, 1, 2, steps=1)
+    check = engine.compile_check
+    assert check["relative_difference"] < 1e-5
+    assert check["gradient_difference"] == pytest.approx(0.05, rel=1e-3)
+    assert check["gradient_worst"].startswith("blocks.")  # before the head: every block's gradient is 5 % off
+    message = str(refused.value)
+    assert message.startswith(f"[compile] gradient_tolerance: the compiled training step's gradient of "
+                              f"{check['gradient_worst']} on the first micro-batch is 5.000% away")
+    assert "set [compile] enable = false" in message
+    assert all(torch.equal(a, b) for a, b in zip(before, engine.model.parameters()))
+    # The eager pass recomputed its activations, and left the configured checkpointing in place.
+    assert {block.activation_checkpointing for block in engine.model.blocks} == {"selective"}
+
+
+def test_relative_difference_of_gradients_is_over_the_whole_tensor():
+    eager = torch.tensor([3.0, 4.0])
+    assert relative_difference(eager + torch.tensor([0.0, 0.05]), eager).item() == pytest.approx(0.01, rel=1e-5)
+    assert relative_difference(torch.zeros(2), torch.zeros(2)).item() == 0.0
+    assert relative_difference(torch.tensor([1.0, float("nan")]), eager).item() == float("inf")
 
 
 def test_a_nan_compiled_loss_is_infinitely_apart_unless_eager_is_nan_too():

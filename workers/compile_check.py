@@ -1,0 +1,132 @@
+"""The first step's check of torch.compile against eager PyTorch.
+
+On its first micro-batch the engine also runs the model eagerly, on the same weights and tokens, and
+stops the run with a CompileError, before any weight changes, when the compiled step computes
+something else. Every worker compares the loss. A worker alone compares the gradients too: near the
+initial weights a wrong kernel moves the loss little and the gradients much more (torch 2.11's
+final-norm race on the 1.3B model put the loss 2.5e-4 off, under check_tolerance, and the run
+diverged; benchmarks/compile_check.py measures both). DDP and FSDP reduce gradients inside backward,
+across workers whose tokens differ, so with several workers only the loss is compared.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+
+from orchestrator.errors import CompileError
+from workers.models.gpt import GPT
+
+
+class CompileCheck:
+    """Compares one micro-batch of the compiled step with the same micro-batch run eagerly."""
+
+    def __init__(self, model: GPT, *, loss_tolerance: float, gradient_tolerance: float, compare_gradients: bool):
+        self.model = model
+        """The module whose parameters the training step's backward fills."""
+        self.loss_tolerance = loss_tolerance
+        self.gradient_tolerance = gradient_tolerance
+        self.compare_gradients = compare_gradients
+        self.pending = True
+        self.result: dict | None = None
+        """Both losses and how far apart they and the gradients were, once checked (for the metrics)."""
+        self._eager_gradients: dict[str, torch.Tensor] = {}
+        self.gradient_differences: dict[str, float] = {}
+        """Each parameter's relative gradient difference, once checked."""
+
+    def run_eagerly(self, forward: Callable[[], torch.Tensor],
+                    backward: Callable[[torch.Tensor], None]) -> torch.Tensor:
+        """The micro-batch's eager loss. With gradients compared, also runs `backward` on it and keeps
+        the gradients on the host, leaving the parameters without any for the compiled step."""
+        self.pending = False
+        with torch.compiler.set_stance("force_eager"):
+            if not self.compare_gradients:
+                with torch.no_grad():
+                    return forward().detach()
+            # Recomputing every block keeps the eager pass below the compiled step's memory.
+            with _full_activation_checkpointing(self.model):
+                loss = forward()
+                backward(loss)
+        for name, p in self.model.named_parameters():
+            if p.grad is not None:
+                self._eager_gradients[name] = p.grad.to("cpu")
+            p.grad = None
+        return loss.detach()
+
+    def check_loss(self, compiled: torch.Tensor, eager: torch.Tensor, worst_over_ranks=None) -> None:
+        """Records both losses; raises CompileError when they are further apart than the tolerance.
+        `worst_over_ranks` turns this rank's difference into the largest over the ranks (in place)."""
+        apart = relative_difference(compiled.detach(), eager).reshape(1)
+        if worst_over_ranks is not None:
+            worst_over_ranks(apart)
+        self.result = {"compiled_loss": float(compiled.detach()), "eager_loss": float(eager),
+                       "relative_difference": float(apart)}
+        check_compiled_loss(self.result, self.loss_tolerance)
+
+    def check_gradients(self) -> None:
+        """After the compiled backward of the same micro-batch: compares each parameter's gradient
+        with its eager one; raises CompileError when any is further apart than the tolerance."""
+        worst, worst_name = 0.0, ""
+        for name, p in self.model.named_parameters():
+            eager = self._eager_gradients.pop(name, None)
+            if eager is None and p.grad is None:
+                continue
+            compiled = p.grad if p.grad is not None else torch.zeros_like(p)
+            eager = eager.to(p.device) if eager is not None else torch.zeros_like(p)
+            apart = self.gradient_differences[name] = float(relative_difference(compiled, eager))
+            if apart > worst or not worst_name:
+                worst, worst_name = apart, name
+        self.result.update(gradient_difference=worst, gradient_worst=worst_name)
+        check_compiled_gradients(self.result, self.gradient_tolerance)
+
+
+@contextlib.contextmanager
+def _full_activation_checkpointing(model: GPT):
+    modes = [block.activation_checkpointing for block in model.blocks]
+    model.set_activation_checkpointing("full")
+    try:
+        yield
+    finally:
+        for block, mode in zip(model.blocks, modes):
+            block.activation_checkpointing = mode
+
+
+def relative_difference(compiled: torch.Tensor, eager: torch.Tensor) -> torch.Tensor:
+    """‖compiled - eager‖ / ‖eager‖ (L2 norms; for one number, |compiled - eager| / |eager|); infinite
+    when only the compiled side holds NaN or infinity, and 0 when the eager side does (then the model
+    or data is at fault, not the compiler)."""
+    compiled, eager = compiled.float(), eager.float()
+    apart = torch.linalg.vector_norm(compiled - eager) / torch.linalg.vector_norm(eager).clamp_min(1e-12)
+    apart = torch.nan_to_num(apart, nan=float("inf"), posinf=float("inf"))
+    return torch.where(torch.isfinite(eager).all(), apart, torch.zeros_like(apart))
+
+
+_FIX = ("set [compile] enable = false to train eagerly; if the difference is expected rounding "
+        "(a model resumed in low precision), raise {key}")
+
+
+def check_compiled_loss(check: dict, tolerance: float) -> None:
+    """Raises CompileError when the compiled and eager losses of `check` (the largest relative
+    difference over the ranks) are further apart than `tolerance`."""
+    if check["relative_difference"] > tolerance:
+        raise CompileError(
+            f"the compiled training step's loss on the first micro-batch is {check['compiled_loss']:.6g}, the same "
+            f"model run eagerly gives {check['eager_loss']:.6g} ({check['relative_difference']:.3%} apart on the "
+            f"worst rank, more than the {tolerance:g} allowed): torch.compile made a step that computes something "
+            "else, and training on it would be silently wrong", where="[compile] check_tolerance",
+            fix=_FIX.format(key="check_tolerance"))
+
+
+def check_compiled_gradients(check: dict, tolerance: float) -> None:
+    """Raises CompileError when the gradient of `check`'s worst parameter is further from eager's
+    than `tolerance` (relative L2 norm)."""
+    if check["gradient_difference"] > tolerance:
+        raise CompileError(
+            f"the compiled training step's gradient of {check['gradient_worst']} on the first micro-batch is "
+            f"{check['gradient_difference']:.3%} away from the same model's run eagerly (the norm of the difference "
+            f"over the eager gradient's; more than the {tolerance:g} allowed), while the losses are "
+            f"{check['relative_difference']:.2e} apart: torch.compile made a step that computes something else, "
+            "and training on it would be silently wrong", where="[compile] gradient_tolerance",
+            fix=_FIX.format(key="gradient_tolerance"))
