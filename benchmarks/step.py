@@ -266,7 +266,7 @@ def _engine(name: str, label: str, data: TextBatches, args, steps: int, extra: d
     stats = eng.window_metrics().get("compile", {})
     row = result(f"engine {label}".strip(), name, eng.model, timing, data)
     row.update(graph_breaks=stats.get("graph_breaks"), recompilations=stats.get("recompilations"),
-               float8_layers=eng.float8_layers or None)
+               float8_layers=eng.float8_layers or None, compile_check=eng.compile_check)
     return row, lambda tokens, i: _with(attention_backends(backend), step, tokens, i)
 
 
