@@ -20,6 +20,7 @@ Needs a CUDA GPU and no Ray.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -93,18 +94,14 @@ def first_step(name: str, precision: str, way: str, data: TextBatches) -> dict:
     plan = Plan.uniform(job_name=name, world_size=1, micro_batch_size=B, grad_accum_steps=1, seq_len=seq_len)
     engine = Engine(config, plan, 0, torch.device("cuda", 0))
     row = {"model": name, "precision": precision, "way": way}
-    holder = HeldBlockSize(largest="largest" in way) if way != "as tuned" else None
-    head = GPT.head
-    try:
-        if holder is not None:
+    holder = None
+    with contextlib.ExitStack() as old_head:
+        if way != "as tuned":
+            holder = old_head.enter_context(HeldBlockSize(largest="largest" in way))
+            old_head.callback(setattr, GPT, "head", GPT.head)
             GPT.head = head_with_the_norm_outside
-            holder.__enter__()
         engine([data[0]], lr=0.0)
         torch.cuda.synchronize()
-    finally:
-        GPT.head = head
-        if holder is not None:
-            holder.__exit__()
     row.update(engine.compile_check)
     row["stopped_by"] = [key for key, apart in (("check_tolerance", row["relative_difference"]),
                                                  ("gradient_tolerance", row["gradient_difference"]))

@@ -15,6 +15,7 @@ import contextlib
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from orchestrator.errors import CompileError
 from workers.models.gpt import GPT
@@ -55,12 +56,12 @@ class CompileCheck:
             p.grad = None
         return loss.detach()
 
-    def check_loss(self, compiled: torch.Tensor, eager: torch.Tensor, worst_over_ranks=None) -> None:
-        """Records both losses; raises CompileError when they are further apart than the tolerance.
-        `worst_over_ranks` turns this rank's difference into the largest over the ranks (in place)."""
+    def check_loss(self, compiled: torch.Tensor, eager: torch.Tensor) -> None:
+        """Records both losses; raises CompileError, on every rank at once, when they are further apart
+        than the tolerance on any rank."""
         apart = relative_difference(compiled.detach(), eager).reshape(1)
-        if worst_over_ranks is not None:
-            worst_over_ranks(apart)
+        if dist.is_initialized():
+            dist.all_reduce(apart, op=dist.ReduceOp.MAX)
         self.result = {"compiled_loss": float(compiled.detach()), "eager_loss": float(eager),
                        "relative_difference": float(apart)}
         check_compiled_loss(self.result, self.loss_tolerance)
@@ -68,17 +69,15 @@ class CompileCheck:
     def check_gradients(self) -> None:
         """After the compiled backward of the same micro-batch: compares each parameter's gradient
         with its eager one; raises CompileError when any is further apart than the tolerance."""
-        worst, worst_name = 0.0, ""
         for name, p in self.model.named_parameters():
             eager = self._eager_gradients.pop(name, None)
             if eager is None and p.grad is None:
                 continue
             compiled = p.grad if p.grad is not None else torch.zeros_like(p)
             eager = eager.to(p.device) if eager is not None else torch.zeros_like(p)
-            apart = self.gradient_differences[name] = float(relative_difference(compiled, eager))
-            if apart > worst or not worst_name:
-                worst, worst_name = apart, name
-        self.result.update(gradient_difference=worst, gradient_worst=worst_name)
+            self.gradient_differences[name] = float(relative_difference(compiled, eager))
+        worst = max(self.gradient_differences, key=self.gradient_differences.get)
+        self.result.update(gradient_difference=self.gradient_differences[worst], gradient_worst=worst)
         check_compiled_gradients(self.result, self.gradient_tolerance)
 
 

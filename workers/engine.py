@@ -15,7 +15,6 @@ import contextlib
 import functools
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from kernels.backend import use_triton
@@ -109,7 +108,7 @@ class Engine:
             with self.wrapped.sync_gradients(i == len(micro_batches) - 1):
                 loss = forward()
                 if eager_loss is not None:
-                    check.check_loss(loss, eager_loss, worst_over_ranks=_worst_over_ranks)
+                    check.check_loss(loss, eager_loss)
                 self._backward(loss)
                 if eager_loss is not None and check.compare_gradients:
                     check.check_gradients()
@@ -221,11 +220,6 @@ class Engine:
         if self.float8_layers:
             metrics["float8_layers"] = self.float8_layers
         return metrics
-
-
-def _worst_over_ranks(value: torch.Tensor) -> None:
-    if dist.is_initialized():
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
 
 
 def _ddp_timing(ddp) -> dict:
