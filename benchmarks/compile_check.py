@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels.loss import linear_cross_entropy  # noqa: E402
 from orchestrator.config import CompileConfig  # noqa: E402
 from orchestrator.placement.plan import Plan  # noqa: E402
-from step import MODELS, TextBatches, engine_config, reset_compiler  # noqa: E402
+from benchmarks import step  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 from workers.models.gpt import GPT  # noqa: E402
 
@@ -85,14 +85,14 @@ class HeldBlockSize:
         triton_heuristics.CachingAutotuner.run = self._run
 
 
-def first_step(name: str, precision: str, way: str, data: TextBatches) -> dict:
-    reset_compiler()
+def first_step(name: str, precision: str, way: str, data: step.TextBatches) -> dict:
+    step.reset_compiler()
     B, seq_len = data.tokens.shape[1], data.tokens.shape[2] - 1
     # Tolerances no difference reaches, so both comparisons are always made and recorded; the row
     # then says which of the default tolerances would have stopped the run.
-    config = engine_config(name, B, {**PRECISIONS[precision], "compile": RECORD_ONLY}, steps=100)
+    config = step.engine_config(name, B, {**PRECISIONS[precision], "compile": RECORD_ONLY}, steps=100)
     plan = Plan.uniform(job_name=name, world_size=1, micro_batch_size=B, grad_accum_steps=1, seq_len=seq_len)
-    engine = Engine(config, plan, 0, torch.device("cuda", 0))
+    engine = Engine(config, plan, 0, torch.device(step.DEVICE, 0))
     row = {"model": name, "precision": precision, "way": way}
     holder = None
     with contextlib.ExitStack() as old_head:
@@ -101,7 +101,6 @@ def first_step(name: str, precision: str, way: str, data: TextBatches) -> dict:
             old_head.callback(setattr, GPT, "head", GPT.head)
             GPT.head = head_with_the_norm_outside
         engine([data[0]], lr=0.0)
-        torch.cuda.synchronize()
     row.update(engine.compile_check)
     row["stopped_by"] = [key for key, apart in (("check_tolerance", row["relative_difference"]),
                                                  ("gradient_tolerance", row["gradient_difference"]))
@@ -118,7 +117,7 @@ def first_step(name: str, precision: str, way: str, data: TextBatches) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=list(step.MODELS), choices=list(step.MODELS))
     parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS))
     parser.add_argument("--ways", nargs="+", default=list(WAYS), choices=list(WAYS))
     parser.add_argument("--json", help="write the rows here too")
@@ -126,8 +125,8 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__}", flush=True)
     rows = []
     for name in args.models:
-        _, seq_len, *_, B = MODELS[name]
-        data = TextBatches(B, seq_len, steps=1)
+        _, seq_len, *_, B = step.MODELS[name]
+        data = step.TextBatches(B, seq_len, steps=1)
         for precision in args.precisions:
             for way in args.ways:
                 row = first_step(name, precision, way, data)
