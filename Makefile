@@ -21,7 +21,9 @@ demo: $(STAMP)
 	$(VENV)/bin/archipelago fit examples/cpu-tiny.toml --overwrite
 
 # pytest exits 5 when it collects no tests; make treats any non-zero exit as a failure.
+# lint-imports holds the layers of ARCHITECTURE.md: an import back up the stack fails the build.
 test: $(STAMP)
+	$(VENV)/bin/lint-imports
 	$(PYTHON) -m pytest --timeout=900 --durations=15
 
 test-gpu:

@@ -34,10 +34,10 @@ from torch._inductor.runtime import triton_heuristics
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.loss import linear_cross_entropy  # noqa: E402
-from orchestrator.config import CompileConfig  # noqa: E402
-from orchestrator.placement.plan import Plan  # noqa: E402
 from benchmarks import step  # noqa: E402
+from core.config import CompileConfig  # noqa: E402
+from core.plan import Plan  # noqa: E402
+from kernels.loss import linear_cross_entropy  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 from workers.models.gpt import GPT  # noqa: E402
 

@@ -51,10 +51,11 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 import kernels as kp  # noqa: E402
-from kernels import reference, triton_kernels as tk  # noqa: E402
+from kernels import reference  # noqa: E402
+from kernels import triton_kernels as tk
 from kernels.compression import DEFAULT_BLOCK  # noqa: E402
 from kernels.payload import PayloadLayout, allocate  # noqa: E402
-from kernels.plan import SelectionPlan  # noqa: E402
+from kernels.selection import SelectionPlan  # noqa: E402
 from kernels.wire import decode_wires, encode_wire  # noqa: E402
 
 RANKS = 8

@@ -49,12 +49,12 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orchestrator import placement  # noqa: E402
-from orchestrator.config import JobConfig  # noqa: E402
-from orchestrator.placement.plan import Plan  # noqa: E402
-from orchestrator.topology import catalog  # noqa: E402
-from orchestrator.topology.model import ClusterTopology  # noqa: E402
-from orchestrator.topology.probe import probe_local_node  # noqa: E402
+from core.config import JobConfig  # noqa: E402
+from core.plan import Plan  # noqa: E402
+from orchestrator import planning  # noqa: E402
+from topology import catalog  # noqa: E402
+from topology.cluster import ClusterTopology  # noqa: E402
+from topology.probe import probe_local_node  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 from workers.models.gpt import GPT  # noqa: E402
 
@@ -176,7 +176,7 @@ def calibration_row(rows: list[dict], world: int) -> dict:
 
 
 def measured_ddp_compute_slowdown(rows: list[dict]) -> float | None:
-    """The calibration's ddp_compute_slowdown (orchestrator/cost.py) from the train section: the
+    """The calibration's ddp_compute_slowdown (orchestrator/planning/collectives.py) from the train section: the
     engine's DDPOptimizer rows' compute_slowdown_vs_1gpu, averaged over the models; None without one."""
     shares = [max(0.0, row["compute_slowdown_vs_1gpu"]) for row in rows
               if row["config"] == ENGINE_CONFIGS["ddp_optimizer"][0] and "compute_slowdown_vs_1gpu" in row]
@@ -307,10 +307,10 @@ def plan_section(args, world: int, topology: ClusterTopology, calibration: dict 
                 continue
             kwargs = {}
             if table is not None:
-                from orchestrator.cost import CollectiveCostModel, parse_calibration
+                from orchestrator.planning.collectives import CollectiveCostModel, parse_calibration
                 kwargs["collectives"] = CollectiveCostModel(parse_calibration(table, where="sweep"))
             try:
-                plan = placement.make_plan(topology, config, **kwargs)
+                plan = planning.make_plan(topology, config, **kwargs)
             except Exception as e:  # the measurement stands even where the planner refuses
                 rows.append({"model": name, "calibration": label, "error": f"{type(e).__name__}: {e}"[:300]})
                 continue
@@ -539,7 +539,7 @@ def main() -> None:
 
 def _link_class(topology: ClusterTopology) -> str:
     """The class of the slowest link between this machine's GPUs (the ring's bottleneck)."""
-    from orchestrator.cost import LinkClass
+    from orchestrator.planning.collectives import LinkClass
     links = [link for node in topology.nodes for link in node.links]
     kinds = {getattr(link.kind, "value", link.kind) for link in links}
     if not links or kinds - {"nvlink", "nvswitch"}:

@@ -31,10 +31,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-from orchestrator import memory  # noqa: E402
-from orchestrator.config import JobConfig  # noqa: E402
-from orchestrator.placement.planner import Planner  # noqa: E402
-from orchestrator.topology import machines  # noqa: E402
+from core.config import JobConfig  # noqa: E402
+from orchestrator.planning import memory  # noqa: E402
+from orchestrator.planning.planner import Planner  # noqa: E402
+from topology import machines  # noqa: E402
 
 LARGE_CLUSTER = "8xH100-SXM:512,8xA100-SXM:256,8xL40S:256"
 GPT_1_3B = {"n_layer": 24, "n_head": 16, "n_embd": 2048, "seq_len": 2048, "vocab_size": 50304}

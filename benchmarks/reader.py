@@ -35,11 +35,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from core.plan import BatchLayout
 from storage.checkpoint_io import CheckpointStore, load_checkpoint, save_checkpoint  # noqa: E402
 from storage.loader import BatchLoader, read_to_device  # noqa: E402
-from storage.readers import KvikioReader, PosixReader, kvikio_unavailable  # noqa: E402
-from storage.sampler import BatchLayout, DeterministicSampler  # noqa: E402
-from storage.shards import HEADER_BYTES, Extent, TokenDataset, write_manifest, write_shard  # noqa: E402
+from storage.readers import (  # noqa: E402
+    Extent,  # noqa: E402
+    KvikioReader,
+    PosixReader,
+    kvikio_unavailable,
+)
+from storage.sampler import DeterministicSampler  # noqa: E402
+from storage.shards import HEADER_BYTES, TokenDataset, write_manifest, write_shard  # noqa: E402
 
 GB = 1e9
 

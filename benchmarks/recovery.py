@@ -8,7 +8,7 @@ a local Ray cluster started here, checkpoint every --every steps, and have worke
 (SIGKILL) at step --kill-at. Measured: the time from the kill to the end of the first step the
 restarted workers complete.
 
-- archipelago: `Orchestrator.fit()`; the split comes from its restart event (orchestrator/elastic.py):
+- archipelago: `Orchestrator.fit()`; the split comes from its restart event (orchestrator/coordinator.py):
   detection (kill → Ray Train's controller reports the failure), startup (→ the new workers' train
   function starts: Ray tears the group down and starts it again, process group included), re-plan,
   setup (model, engine, checkpoint group), restore (DCP load) and first step ("recompile": the first
@@ -41,9 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import ray  # noqa: E402
 import torch  # noqa: E402
 
+from core.config import JobConfig  # noqa: E402
 from orchestrator import Orchestrator  # noqa: E402
-from orchestrator.config import JobConfig  # noqa: E402
-from orchestrator.elastic import COORDINATOR_NAME  # noqa: E402
+from orchestrator.coordinator import COORDINATOR_NAME  # noqa: E402
 from storage.prepare import prepare_dataset  # noqa: E402
 
 MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 64, "seq_len": 64}
@@ -116,7 +116,7 @@ def plain_train_loop(config: dict) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from orchestrator.config import ModelConfig
+    from core.config import ModelConfig
     from workers.models.gpt import GPT
 
     entered = time.time()

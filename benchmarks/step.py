@@ -47,10 +47,10 @@ import torch._dynamo.utils as dynamo_utils
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orchestrator.config import JobConfig, ModelConfig  # noqa: E402
-from orchestrator.placement.plan import Plan  # noqa: E402
-from orchestrator.topology import catalog  # noqa: E402
-from orchestrator.topology.nvml import Nvml  # noqa: E402
+from core.config import JobConfig, ModelConfig  # noqa: E402
+from core.plan import Plan  # noqa: E402
+from topology import catalog  # noqa: E402
+from topology.nvml import Nvml  # noqa: E402
 from workers.comm.stats import CommStats  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 from workers.models.gpt import GPT  # noqa: E402

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orchestrator.config import JobConfig  # noqa: E402
+from core.config import JobConfig  # noqa: E402
 from storage.prepare import prepare_dataset  # noqa: E402
 from tests.engine_support import run_ranks, uniform_plan  # noqa: E402
 from tests.unit.test_engine import TEXT_STEPS, text_losses  # noqa: E402

@@ -11,8 +11,8 @@ AdamW on fp32 master weights straight from bf16 gradients and writes the bf16 we
 pass (bf16 weights, workers/compute_copy.py). Importing this package needs neither triton nor CUDA.
 """
 
+from core.errors import NonFiniteGradientError
 from kernels.compression import DEFAULT_BLOCK, compress, decompress_accumulate, decompress_sum, topk_by_magnitude
-from kernels.errors import NonFiniteGradientError
 from kernels.payload import CompressedBucket, PayloadLayout
 
 __all__ = [

@@ -24,7 +24,7 @@ are persistent tensors. What holds for every call:
   |acc - code * scale| is at most scale * (1/2 + 2**-16) (the code is acc times the block's
   correctly rounded reciprocal, rounded half-even). Entries whose code rounds to 0 are not sent
   and stay in the residual.
-- Count: about k = k_ratio * numel entries, within the tolerance documented in kernels.plan;
+- Count: about k = k_ratio * numel entries, within the tolerance documented in kernels.selection;
   at most `capacity`, and any excess stays in the residual.
 - NaN or inf in bucket or residual raises NonFiniteGradientError (from compress at once, or from
   raise_if_nonfinite() on any rank's payload when the check is deferred).
@@ -36,11 +36,11 @@ from types import ModuleType
 
 import torch
 
+from core.errors import NonFiniteGradientError
 from kernels import reference
 from kernels.backend import use_triton
-from kernels.errors import NonFiniteGradientError
 from kernels.payload import CompressedBucket, PayloadLayout, allocate
-from kernels.plan import SelectionPlan, check_k_ratio
+from kernels.selection import SelectionPlan, check_k_ratio
 
 DEFAULT_BLOCK = 1024
 """Elements per scale. At k = 1 % about 10 entries (50 bytes) share a 4-byte scale, 7 % of the
@@ -137,7 +137,7 @@ def topk_by_magnitude(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     """(int32 indices, values) of about k elements of x with the largest |x|, indices ascending.
 
     A sampled threshold and one compaction pass instead of a sort: the count is k within the
-    tolerance of kernels.plan (at most its capacity), and every element returned has a
+    tolerance of kernels.selection (at most its capacity), and every element returned has a
     magnitude at least that of every element left out. Waits for the device once.
     """
     flat = _flat(x, "x")

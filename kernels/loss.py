@@ -101,7 +101,7 @@ def _kept_for_backward(hidden: torch.Tensor, low_hidden: torch.Tensor) -> torch.
 def _(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype,
       norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None,
       eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    # The op's own norm, casts and matmul on fake tensors: the memory estimator (orchestrator/memory.py),
+    # The op's own norm, casts and matmul on fake tensors: the memory estimator (orchestrator/planning/memory.py),
     # which runs this, sees them alive beside the logits as they are in the op.
     normed, mean, rstd = _norm(hidden, norm_weight, norm_bias, eps)
     low_hidden = _kept_for_backward(hidden, normed.to(dtype))

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.errors import NonFiniteGradientError
-from kernels.plan import SelectionPlan
+from core.errors import NonFiniteGradientError
+from kernels.selection import SelectionPlan
 
 HEADER_BYTES = 16
 QUANT_MAX = 127

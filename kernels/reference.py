@@ -13,8 +13,17 @@ import math
 import torch
 
 from kernels.payload import QUANT_MAX, SEGMENT, CompressedBucket, PayloadLayout
-from kernels.plan import (EXPONENT_BINS, EXPONENT_SHIFT, FINE_BINS, FINE_SHIFT, NONFINITE_EXPONENT, SAMPLE_CHUNK,
-                          WORKSPACE_COUNTERS, WORKSPACE_FINE_COUNTS, SelectionPlan)
+from kernels.selection import (
+    EXPONENT_BINS,
+    EXPONENT_SHIFT,
+    FINE_BINS,
+    FINE_SHIFT,
+    NONFINITE_EXPONENT,
+    SAMPLE_CHUNK,
+    WORKSPACE_COUNTERS,
+    WORKSPACE_FINE_COUNTS,
+    SelectionPlan,
+)
 
 NONFINITE_BITS = NONFINITE_EXPONENT << EXPONENT_SHIFT
 

@@ -33,8 +33,6 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kernels.adamw import advance_steps
-
 _FIELDS = tl.constexpr(7)
 """int64 fields in a row of the tensor table."""
 _HYPER = tl.constexpr(5)
@@ -142,7 +140,7 @@ def adamw_from_bf16(tables: DeviceTables, tensors: list, hyper: list, grad_scale
     by grad_scale if given."""
     device = tensors[0].master.device
     rows = [_row(t, device) for t in tensors]
-    advance_steps(tensors)
+    torch._foreach_add_([t.step for t in tensors], 1)  # each step count, as fused AdamW advances it
     numels = tuple(t.master.numel() for t in tensors)
     chunk = ADAMW_TUNING.chunk
     tensor_table = tables.get("tensors", rows, lambda: rows, torch.int64, device)

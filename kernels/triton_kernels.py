@@ -66,9 +66,20 @@ import triton
 import triton.language as tl
 
 from kernels.payload import HEADER_BYTES, QUANT_MAX, SEGMENT, CompressedBucket, PayloadLayout
-from kernels.plan import (EXPONENT_BINS, EXPONENT_SHIFT, FINE_BINS, FINE_SHIFT, GROUP_ELEMENTS, NONFINITE_EXPONENT,
-                          SAMPLE_CHUNK, WORKSPACE_COUNTERS, WORKSPACE_FINE_COUNTS, WORKSPACE_GROUP_WORDS, SelectionPlan)
 from kernels.reference import power_of_two
+from kernels.selection import (
+    EXPONENT_BINS,
+    EXPONENT_SHIFT,
+    FINE_BINS,
+    FINE_SHIFT,
+    GROUP_ELEMENTS,
+    NONFINITE_EXPONENT,
+    SAMPLE_CHUNK,
+    WORKSPACE_COUNTERS,
+    WORKSPACE_FINE_COUNTS,
+    WORKSPACE_GROUP_WORDS,
+    SelectionPlan,
+)
 
 _EXPONENT_SHIFT = tl.constexpr(EXPONENT_SHIFT)
 _NONFINITE_EXPONENT = tl.constexpr(NONFINITE_EXPONENT)

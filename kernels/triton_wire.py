@@ -17,13 +17,17 @@ decode  a program per WORDS words of a row's unary code counts its set bits; a s
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels.payload import HEADER_BYTES, SEGMENT, CompressedBucket, PayloadLayout
 from kernels.triton_kernels import _on_device
-from kernels.wire import WireLayout
+
+if TYPE_CHECKING:  # for annotations only: kernels.wire is what imports this module
+    from kernels.wire import WireLayout
 
 _SEGMENT = tl.constexpr(SEGMENT)
 ENCODE_ENTRIES = 256

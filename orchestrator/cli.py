@@ -1,4 +1,4 @@
-"""The `archipelago` command.
+"""The `archipelago` command: one parser for every subcommand.
 
     archipelago fit examples/cpu-tiny.toml              # embedded local Ray cluster
     archipelago fit job.toml --address auto             # join a running cluster (or set RAY_ADDRESS)
@@ -8,6 +8,13 @@
     archipelago report runs/cpu-tiny                     # runs/cpu-tiny/report.html and its PNG plots
     archipelago report runs/a runs/b                     # two runs side by side (runs/compare-a-b/)
     archipelago prices --config job.toml                 # devices, peaks and prices in one unit ($ per bf16 TFLOP/s·h)
+    archipelago topology                                 # the live Ray cluster's map (RAY_ADDRESS, else embedded)
+    archipelago topology --local                         # this machine through NVML, without Ray
+    archipelago topology --from node-a.txt --from node-b.txt   # `nvidia-smi -L; nvidia-smi topo -m` texts
+    archipelago topology --generate 8xH100-SXM:4,8xL40S:2      # a made-up cluster, for planning
+    ray start --head $(archipelago node-resources)       # advertise islands and MIG profiles to Ray
+    archipelago plan --config job.toml                   # place a job on the live cluster
+    archipelago plan --topology cluster.json --config job.toml --json plan.json --png plan.png
 
 User errors print one line and exit 2; --debug shows the traceback.
 """
@@ -20,9 +27,9 @@ import sys
 from rich.console import Console
 from rich.markup import escape
 
-from orchestrator.errors import ArchipelagoError
-from orchestrator.placement.cli import add_commands as add_placement_commands
-from orchestrator.topology.cli import add_commands as add_topology_commands
+from core.errors import ArchipelagoError
+from topology import ClusterTopology, discover_cluster, load_files, machines
+from topology.discover import TIMEOUT_S
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _fit(args: argparse.Namespace, console: Console) -> int:
-    from orchestrator.config import JobConfig
+    from core.config import JobConfig
 
     config = JobConfig.from_toml(args.config)  # before importing Ray: config errors answer at once
     from orchestrator.fit import Orchestrator
@@ -98,7 +105,7 @@ def _verify(args: argparse.Namespace, console: Console) -> int:
 def _report(args: argparse.Namespace, console: Console) -> int:
     from pathlib import Path
 
-    from orchestrator.report_html import render_report
+    from orchestrator.accounting.report_html import render_report
 
     runs = [Path(d) for d in args.runs]
     if len(runs) > 2:
@@ -119,9 +126,9 @@ def _report(args: argparse.Namespace, console: Console) -> int:
 def _prices(args: argparse.Namespace, console: Console) -> int:
     from rich.table import Table
 
-    from orchestrator.config import JobConfig
-    from orchestrator.cost import PriceTable
-    from orchestrator.topology import catalog
+    from core.config import JobConfig
+    from orchestrator.planning.prices import PriceTable
+    from topology import catalog
 
     prices = PriceTable.for_job(JobConfig.from_toml(args.config)) if args.config else PriceTable()
     table = Table(title="devices and prices (dense peaks, bf16 as fp16 on V100; $ per device-hour)")
@@ -191,9 +198,122 @@ def _parser() -> argparse.ArgumentParser:
     prices.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     prices.set_defaults(command=_prices)
 
-    add_topology_commands(commands)
-    add_placement_commands(commands)
+    _add_topology_commands(commands)
+    _add_plan_command(commands)
     return parser
+
+
+# ---- topology and node-resources -----------------------------------------------------------------
+def _add_topology_commands(commands: argparse._SubParsersAction) -> None:
+    topology = commands.add_parser("topology", help="map GPUs, MIG slices, NVLink islands, PCIe/NUMA and NICs")
+    source = topology.add_mutually_exclusive_group()
+    source.add_argument("--address", help="Ray cluster to map (default: RAY_ADDRESS, else an embedded cluster)")
+    source.add_argument("--local", action="store_true", help="map this machine through NVML, without Ray")
+    source.add_argument("--from", dest="from_files", action="append", metavar="FILE",
+                        help="a saved topology JSON, or `nvidia-smi -L; nvidia-smi topo -m` text (one node "
+                             "per text file); repeat for more nodes")
+    source.add_argument("--generate", metavar="SPEC",
+                        help=f"a made-up cluster, MACHINE:COUNT,…; machines: {', '.join(machines.MACHINES)}")
+    topology.add_argument("--json", metavar="OUT", help="save the map as JSON")
+    topology.add_argument("--png", metavar="OUT", help="draw the map (needs matplotlib)")
+    add_timeout_argument(topology)
+    topology.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    topology.set_defaults(command=_topology)
+
+    resources = commands.add_parser("node-resources",
+                                    help="print `ray start` --resources/--labels for this machine's islands and MIG")
+    resources.add_argument("--format", choices=("args", "json"), default="args",
+                           help="args (default): flags to splice into `ray start`; json: an object")
+    resources.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    resources.set_defaults(command=_node_resources)
+
+
+def add_timeout_argument(parser: argparse.ArgumentParser) -> None:
+    """--timeout for the commands that map the live Ray cluster (topology discovery says to raise it)."""
+    parser.add_argument("--timeout", type=float, default=TIMEOUT_S,
+                        help=f"seconds to wait for every node's topology probe (default {TIMEOUT_S:g})")
+
+
+def _topology(args: argparse.Namespace, console: Console) -> int:
+    from topology.table import print_topology
+
+    cluster = _load(args)
+    print_topology(cluster, console)
+    if args.json:
+        console.print(f"saved {cluster.save(args.json)}")
+    if args.png:
+        from topology.drawing import draw_png
+        console.print(f"drew {draw_png(cluster, args.png)}")
+    return 0
+
+
+def _load(args: argparse.Namespace) -> ClusterTopology:
+    if args.local:
+        from topology.probe import probe_local_node
+        return ClusterTopology(nodes=[probe_local_node()])
+    if args.from_files:
+        return load_files(args.from_files)
+    if args.generate:
+        return machines.cluster(args.generate)
+    return discover_cluster(address=args.address or "", timeout_s=args.timeout)
+
+
+def _node_resources(args: argparse.Namespace, console: Console) -> int:
+    from topology.probe import probe_local_node
+    from topology.ray_resources import ray_start_arguments
+
+    arguments = ray_start_arguments(probe_local_node())
+    # Plain print: the output is spliced into a command line, so no wrapping or markup.
+    print(arguments.as_json() if args.format == "json" else arguments.as_arguments())
+    return 0
+
+
+# ---- plan --------------------------------------------------------------------------------------------
+def _add_plan_command(commands: argparse._SubParsersAction) -> None:
+    plan = commands.add_parser("plan", help="place a job's workers on the cluster and predict step time and dollars")
+    plan.add_argument("--config", required=True, help="job config (TOML)")
+    source = plan.add_mutually_exclusive_group()
+    source.add_argument("--topology", action="append", metavar="FILE",
+                        help="a topology JSON or `nvidia-smi -L; nvidia-smi topo -m` text (repeat for more nodes); "
+                             "default: map the live Ray cluster")
+    source.add_argument("--generate", metavar="SPEC", help=f"a made-up cluster, MACHINE:COUNT,…; machines: "
+                                                           f"{', '.join(machines.MACHINES)}")
+    source.add_argument("--address", help="Ray cluster to map (default: RAY_ADDRESS, else an embedded cluster)")
+    plan.add_argument("--json", metavar="OUT", help="save the plan as JSON (what the workers read)")
+    plan.add_argument("--png", metavar="OUT", help="draw the workers on the map (needs matplotlib)")
+    add_timeout_argument(plan)
+    plan.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    plan.set_defaults(command=_plan)
+
+
+def _plan(args: argparse.Namespace, console: Console) -> int:
+    from core.config import JobConfig
+
+    config = JobConfig.from_toml(args.config)
+    topology = _plan_topology(args)
+    from orchestrator.planning.plan_table import print_plan
+    from orchestrator.planning.planner import Planner
+
+    planner = Planner(topology, config)
+    plan = planner.plan()
+    naive = planner.naive(plan.world_size)
+    reason = "" if naive else (f"no single micro-batch divides {plan.global_batch_size} samples over "
+                               f"{plan.world_size} whole GPUs in PACK order and fits them all")
+    print_plan(plan, naive, console, naive_reason=reason)
+    if args.json:
+        console.print(f"saved {plan.save(args.json)}")
+    if args.png:
+        from orchestrator.planning.plan_drawing import draw_plan_png
+        console.print(f"drew {draw_plan_png(plan, topology, args.png, naive=naive)}")
+    return 0
+
+
+def _plan_topology(args: argparse.Namespace) -> ClusterTopology:
+    if args.topology:
+        return load_files(args.topology)
+    if args.generate:
+        return machines.cluster(args.generate)
+    return discover_cluster(address=args.address or "", timeout_s=args.timeout)
 
 
 if __name__ == "__main__":

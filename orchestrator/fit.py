@@ -4,7 +4,7 @@
     result = Orchestrator(JobConfig.from_toml("examples/cpu-tiny.toml")).fit()
     print(result.report.final_val_loss, result.checkpoint)
 
-Failures and resizes (orchestrator/elastic.py): Ray Train restarts the worker group within the
+Failures and resizes (orchestrator/coordinator.py): Ray Train restarts the worker group within the
 `[elastic]` failure budgets; a PlanCoordinator actor plans each new group for the workers Ray
 granted and records the events. The report is built with the plan the last group ran.
 """
@@ -25,20 +25,20 @@ from ray.train import PreemptionError, RunConfig, ScalingConfig, TrainingFailedE
 from ray.train.torch import TorchConfig, TorchTrainer
 from rich.console import Console
 
-from orchestrator import elastic, placement, topology
-from orchestrator.config import JobConfig
-from orchestrator.errors import ArchipelagoError, ClusterError, ConfigError, DataError, FailureBudgetError
-from orchestrator.memory import MemoryProfile, profile
-from orchestrator.placement import binding
-from orchestrator.placement.plan import Plan
+import topology
+from core.config import JobConfig
+from core.errors import ArchipelagoError, ClusterError, ConfigError, DataError, FailureBudgetError
+from core.plan import Plan
+from orchestrator import coordinator, planning
+from orchestrator.accounting.report import RunReport
+from orchestrator.planning.memory import MemoryProfile, profile
 from orchestrator.progress import MetricsSink, ProgressDisplay
-from orchestrator.report import RunReport
 from orchestrator.run_dir import RunDirectory
 from storage.fs import Location
 from storage.prepare import prepare_dataset
 from storage.shards import TokenDataset, check_files, has_dataset
 from storage.verify import verify_dataset
-from workers import checkpoint
+from workers import binding, checkpoint
 from workers.loop import WorkerJob, train_loop
 
 
@@ -76,16 +76,16 @@ class Orchestrator:
             cluster = topology.discover_cluster()
             memory = profile(self.config, device_type="cuda" if self.config.cluster.use_gpu else "cpu")
             plan = self._plan(cluster, memory)
-            sink = MetricsSink.options(scheduling_strategy=elastic.on_this_node()).remote()  # outlives worker nodes
-            coordinator = elastic.start_coordinator(self.config, plan, cluster, str(self.run.plan_path), sink, memory)
+            sink = MetricsSink.options(scheduling_strategy=coordinator.on_this_node()).remote()  # outlives worker nodes
+            plan_coordinator = coordinator.start_coordinator(self.config, plan, cluster, str(self.run.plan_path), sink, memory)
             try:
                 job = WorkerJob(config=self.config, data_dir=str(data_dir), tokenizer=tokenizer, plan=plan,
-                                metrics_sink=sink, coordinator=coordinator,
+                                metrics_sink=sink, coordinator=plan_coordinator,
                                 resume_from=str(resume_from) if resume_from else None)
                 rows = self._train(job, sink, first_step)
-                plan = ray.get(coordinator.current_plan.remote())  # the last group's: it may have been re-planned
+                plan = ray.get(plan_coordinator.current_plan.remote())  # the last group's: it may have been re-planned
             finally:
-                ray.kill(coordinator)
+                ray.kill(plan_coordinator)
         latest = self.run.latest_checkpoint()
         report = RunReport.from_rows(
             rows, plan=plan, name=self.config.name, status="completed", run_dir=str(self.run.path),
@@ -104,11 +104,11 @@ class Orchestrator:
         [elastic] min_workers and [cluster] num_workers: it grows later."""
         config = self.config
         if not config.cluster.use_gpu:
-            cluster, slots = elastic.ray_cpu_slots(cluster, config.cluster.cpus_per_worker)
+            cluster, slots = coordinator.ray_cpu_slots(cluster, config.cluster.cpus_per_worker)
             if config.elastic.min_workers:
-                config = elastic.config_for_world(config, max(config.elastic.min_workers,
+                config = coordinator.config_for_world(config, max(config.elastic.min_workers,
                                                               min(slots, config.cluster.num_workers)))
-        plan = placement.make_plan(cluster, config, memory=memory)
+        plan = planning.make_plan(cluster, config, memory=memory)
         plan.save(self.run.plan_path)
         predicted = plan.predicted
         self.console.print(f"plan: {plan.world_size} × {plan.workers[0].device_model} workers, "
@@ -209,8 +209,8 @@ class Orchestrator:
             torch_config=TorchConfig(backend=backend),
             scaling_config=ScalingConfig(**scaling, elastic_resize_monitor_interval_s=cfg.elastic.resize_check_s),
             run_config=RunConfig(name=cfg.name, storage_path=self.run.storage_path,
-                                 failure_config=elastic.failure_config(cfg),
-                                 callbacks=[elastic.failure_recorder(job.coordinator)]),
+                                 failure_config=coordinator.failure_config(cfg),
+                                 callbacks=[coordinator.failure_recorder(job.coordinator)]),
         )
         outcome: dict = {}
         thread = threading.Thread(target=_fit_into, args=(trainer, outcome), daemon=True)

@@ -3,7 +3,7 @@
 Rank 0 pushes rows into `MetricsSink` (a tiny actor) without waiting; the driver drains it
 twice a second, appends the rows to metrics.jsonl and moves the progress bar. On a terminal the
 bar redraws in place; elsewhere (CI logs, `ray job logs`) it prints one line per report. With the
-job's plan, the display also keeps the live bill (orchestrator/live_bill.py): MFU and dollars on
+job's plan, the display also keeps the live bill (orchestrator/accounting/live_bill.py): MFU and dollars on
 the progress line, alerts as they fire, and bill.jsonl, TensorBoard and Prometheus behind it.
 """
 
@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from orchestrator.live_bill import LiveBill
+from orchestrator.accounting.live_bill import LiveBill
 
 
 @ray.remote(num_cpus=0)

@@ -13,8 +13,8 @@ import json
 import shutil
 from pathlib import Path
 
-from orchestrator.atomic import write_text_atomically
-from orchestrator.errors import CheckpointError, ConfigError
+from core.atomic import write_text_atomically
+from core.errors import CheckpointError, ConfigError
 from storage.checkpoint_io import CheckpointStore
 from storage.fs import Location
 

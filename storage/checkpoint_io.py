@@ -43,17 +43,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan,
-                                                  SavePlanner, WriteItem, WriteItemType)
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
-from orchestrator.errors import ArchipelagoError, CheckpointError, DataError
+from core.errors import ArchipelagoError, CheckpointError, DataError
 from storage.fs import Location
 from storage.loader import read_to_device
-from storage.readers import RangeReader, ReaderKind, choose_reader, host_reader_for
-from storage.shards import Extent
+from storage.readers import Extent, RangeReader, ReaderKind, choose_reader, host_reader_for
 
 DCP_METADATA = ".metadata"
 ALIGN = 4096

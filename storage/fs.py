@@ -21,7 +21,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from orchestrator.errors import ArchipelagoError
+from core.errors import ArchipelagoError
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from storage.readers import ReaderChoice, RangeReader
-from storage.shards import Extent, TokenDataset
+from storage.readers import Extent, RangeReader, ReaderChoice
+from storage.shards import TokenDataset
 
 TORCH_TOKEN_DTYPES = {"uint16": torch.uint16, "uint32": torch.uint32}
 STAGING_BYTES = 64 * 2**20

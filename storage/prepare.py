@@ -36,7 +36,7 @@ from typing import Literal
 
 import numpy as np
 
-from orchestrator.errors import DataError
+from core.errors import DataError
 from storage.shards import ShardInfo, has_dataset, write_manifest, write_shard
 from storage.tokenizers import Tokenizer, load_tokenizer
 

@@ -23,19 +23,27 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
-from orchestrator.errors import ArchipelagoError, DataError
+from core.errors import ArchipelagoError, DataError
 from storage.fs import Location
-from storage.shards import Extent
 
 ReaderKind = Literal["auto", "kvikio", "posix", "remote"]
 TASK_BYTES = 4 * 2**20
 """Large extents are cut into pieces of this size so several threads read one file at once."""
 MIN_TASK_BYTES = 256 * 2**10
 """Small extents (single samples) are grouped into tasks of at least this many bytes."""
+
+
+class Extent(NamedTuple):
+    """One contiguous byte range of a file, and where it lands in the destination buffer."""
+
+    path: str
+    file_offset: int
+    nbytes: int
+    buffer_offset: int
 
 
 class PendingRead:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from core.plan import BatchLayout
+
 SAMPLER_NAME = "feistel-v1"
 """Recorded in checkpoints: a checkpoint made with another sampler would not resume at the same samples."""
 _ROUNDS = 4
@@ -38,41 +40,6 @@ def _mix(x: np.ndarray) -> np.ndarray:
     x = x ^ (x >> _S27)
     x = x * _M2
     return x ^ (x >> _S31)
-
-
-@dataclass(frozen=True, slots=True)
-class BatchLayout:
-    """How one optimizer step's samples are split: rank r takes accum_steps[r] micro-batches of micro_batch_sizes[r]."""
-
-    micro_batch_sizes: tuple[int, ...]
-    accum_steps: tuple[int, ...] | int
-
-    def __post_init__(self) -> None:
-        sizes = tuple(int(m) for m in self.micro_batch_sizes)
-        accum = self.accum_steps
-        accum = (int(accum),) * len(sizes) if isinstance(accum, (int, np.integer)) else tuple(int(a) for a in accum)
-        if not sizes or len(accum) != len(sizes):
-            raise ValueError(f"need one micro-batch size and one accumulation count per rank, got {sizes} and {accum}")
-        if min(sizes) < 1 or min(accum) < 1:
-            raise ValueError(f"micro-batch sizes and accumulation counts must be positive, got {sizes} and {accum}")
-        object.__setattr__(self, "micro_batch_sizes", sizes)
-        object.__setattr__(self, "accum_steps", accum)
-
-    @property
-    def world_size(self) -> int:
-        return len(self.micro_batch_sizes)
-
-    @property
-    def global_batch(self) -> int:
-        return sum(m * a for m, a in zip(self.micro_batch_sizes, self.accum_steps))
-
-    def rank_offset(self, rank: int) -> int:
-        """Where rank `rank`'s block starts inside a step."""
-        return sum(m * a for m, a in zip(self.micro_batch_sizes[:rank], self.accum_steps[:rank]))
-
-    @classmethod
-    def uniform(cls, world_size: int, micro_batch_size: int, accum_steps: int) -> BatchLayout:
-        return cls((micro_batch_size,) * world_size, accum_steps)
 
 
 class DeterministicSampler:

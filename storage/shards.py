@@ -25,15 +25,15 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from orchestrator.errors import DataError
+from core.errors import DataError
 from storage.fs import Location
+from storage.readers import Extent, host_reader_for
 
 MAGIC = b"ARCHTOK1"
 HEADER_BYTES = 4096
@@ -81,15 +81,6 @@ class Manifest:
 
     def split(self, name: str) -> list[ShardInfo]:
         return [s for s in self.shards if s.split == name]
-
-
-class Extent(NamedTuple):
-    """One contiguous byte range of a file, and where it lands in the destination buffer."""
-
-    path: str
-    file_offset: int
-    nbytes: int
-    buffer_offset: int
 
 
 def shard_header(dtype: str, num_tokens: int, tokenizer: str) -> bytes:
@@ -289,8 +280,6 @@ class TokenDataset:
         return flat.reshape(ids.size, self.seq_len + 1)
 
     def _read_host(self, extents: list[Extent], nbytes: int) -> np.ndarray:
-        from storage.readers import host_reader_for
-
         with self._lock:
             if self._host_reader is None:
                 self._host_reader = host_reader_for(self.location)

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from orchestrator.errors import DataError
+from core.errors import DataError
 
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|eos|>", "[EOS]", "<|end_of_text|>")
 """Special tokens taken as end-of-document, in this order, from a tokenizers file."""

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from orchestrator.errors import DataError
+from core.errors import DataError
 from storage.fs import Location
 from storage.shards import HEADER_BYTES, Manifest, ShardInfo, open_shard, read_manifest
 

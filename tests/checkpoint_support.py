@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from orchestrator.config import JobConfig
+from core.config import JobConfig
 from workers.models.gpt import GPT
 from workers.optim import build_optimizer
 

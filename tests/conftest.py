@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.config import JobConfig
+from core.config import JobConfig
 from storage.prepare import prepare_dataset
 
 # A slice of the standard library: real text, present on every machine, a few hundred KB.

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from orchestrator.placement.plan import Plan
+from core.plan import Plan
 
 
 def uniform_plan(world: int, micro_batch_size: int, accum: int, *, islands: list[list[int]] | None = None,

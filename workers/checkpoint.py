@@ -23,11 +23,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from orchestrator.config import JobConfig
-from orchestrator.errors import CheckpointError
-from storage.checkpoint_io import DCP_METADATA, PendingSave, is_committed, load_checkpoint, save_checkpoint
+from core.config import JobConfig
+from core.errors import CheckpointError
+from storage.checkpoint_io import (
+    DCP_METADATA,
+    CheckpointStore,
+    PendingSave,
+    checkpoint_group,
+    is_committed,
+    load_checkpoint,
+    save_checkpoint,
+)
 from storage.fs import Location
 from storage.readers import ReaderKind
 from storage.sampler import SAMPLER_NAME
@@ -140,8 +149,6 @@ class RunCheckpoints:
     """
 
     def __init__(self, root: str | Path | Location, config: JobConfig, rank: int):
-        from storage.checkpoint_io import CheckpointStore, checkpoint_group
-
         self.store = CheckpointStore(root)
         self.config = config
         self.rank = rank
@@ -188,8 +195,6 @@ class RunCheckpoints:
         return [step]
 
     def _on_rank0(self, fn) -> None:
-        import torch.distributed as dist
-
         if self.group is None:
             fn()
             return

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from orchestrator.errors import CompileError
+from core.errors import CompileError
 from workers.models.gpt import GPT
 
 

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch._dynamo.utils as dynamo_utils
 
-from orchestrator.config import CompileConfig
+from core.config import CompileConfig
 
 
 @dataclass(frozen=True, slots=True)

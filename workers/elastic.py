@@ -5,7 +5,7 @@
     ledger = LedgerKeeper(enabled, restored_bytes, rank, replica, group)
     steps = loader.stream(ledger.tap(sampler.steps(...)));  ledger.trained(step);  extra = ledger.extra()
 
-See orchestrator/elastic.py for the driver's side.
+See orchestrator/coordinator.py for the driver's side.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,10 +23,26 @@ import ray.train
 import torch
 import torch.distributed as dist
 
-from orchestrator.elastic import WorkerReport
-from orchestrator.errors import ArchipelagoError
-from orchestrator.placement.plan import Plan
+from core.errors import ArchipelagoError
+from core.plan import Plan
 from storage.ledger import LEDGER_FILE, SampleLedger
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerReport:
+    """What one worker of a new group says about itself before it has a plan."""
+
+    world_rank: int
+    local_rank: int
+    ray_node_id: str
+    address: str
+    """The node's IP, as Ray names it (for people reading the events)."""
+    pid: int = 0
+    """The worker's process id (tests and the recovery benchmark kill workers by it)."""
+    device_uuids: tuple[str, ...] = ()
+    """The GPUs Ray made visible to the worker (GPU-…); () on CPU workers."""
+    started_at: float = 0.0
+    """Unix time the train function began on this worker."""
 
 
 def join_group(coordinator, ctx, *, use_gpu: bool, started_at: float) -> tuple[Plan, int]:

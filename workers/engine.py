@@ -17,10 +17,10 @@ import functools
 import torch
 from torch.distributed.tensor import DTensor
 
+from core.config import JobConfig
+from core.errors import ConfigError, PlacementError
+from core.plan import Plan
 from kernels.backend import use_triton
-from orchestrator.config import JobConfig
-from orchestrator.errors import ConfigError, PlacementError
-from orchestrator.placement.plan import Plan
 from workers.comm.stats import CommStats
 from workers.compile_check import CompileCheck
 from workers.compiler import compile_stats

@@ -31,17 +31,16 @@ import ray.train
 import torch
 import torch.distributed as dist
 
-from orchestrator.config import JobConfig
-from orchestrator.errors import ArchipelagoError, CheckpointError
-from orchestrator.placement import binding
-from orchestrator.placement.plan import Plan
+from core.config import JobConfig
+from core.errors import ArchipelagoError, CheckpointError
+from core.plan import Plan
 from storage.fs import Location
 from storage.ledger import LEDGER_FILE
 from storage.loader import BatchLoader
 from storage.readers import choose_reader
 from storage.sampler import DeterministicSampler
 from storage.shards import TokenDataset
-from workers import checkpoint
+from workers import binding, checkpoint
 from workers.elastic import LedgerKeeper, PreemptionWatch, join_group, preemption_row
 from workers.engine import Engine
 from workers.optim import lr_at
@@ -61,7 +60,7 @@ class WorkerJob:
     metrics_sink: Any
     """Actor handle of the driver's MetricsSink."""
     coordinator: Any
-    """Actor handle of the driver's PlanCoordinator (orchestrator/elastic.py)."""
+    """Actor handle of the driver's PlanCoordinator (orchestrator/coordinator.py)."""
     resume_from: str | None = None
     """The committed checkpoint the driver chose for --resume (None for a new run). Workers always load the
     newest committed step in the run's storage (newer than this after a failure or a resize); this only

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from orchestrator.config import TrainConfig
+from core.config import TrainConfig
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:

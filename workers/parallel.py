@@ -18,8 +18,8 @@ from torch._dynamo.utils import maybe_enable_compiled_autograd
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from orchestrator.config import JobConfig
-from orchestrator.placement.plan import Plan
+from core.config import JobConfig
+from core.plan import Plan
 from workers.comm.groups import build_island_groups
 from workers.comm.hooks import HookState, make_hook
 from workers.comm.overlap import NextForwardOverlap

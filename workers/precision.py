@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from orchestrator.errors import ConfigError
+from core.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)

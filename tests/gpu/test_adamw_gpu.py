@@ -12,8 +12,8 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed: it comes with CUDA builds of torch, so no CUDA here")
 
+from core.config import JobConfig  # noqa: E402
 from kernels.adamw import AdamWFromBf16  # noqa: E402
-from orchestrator.config import JobConfig  # noqa: E402
 from tests.engine_support import uniform_plan  # noqa: E402
 from tests.gpu.test_train_step_gpu import config, train  # noqa: E402
 from workers import checkpoint  # noqa: E402

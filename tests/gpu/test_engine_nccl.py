@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook as powersgd_module
 
-from orchestrator.config import JobConfig
-from orchestrator.placement.comm_hooks import CommHookCost
+from core.config import JobConfig
+from orchestrator.planning.hook_costs import CommHookCost
 from tests.engine_support import run_ranks, uniform_plan
 from workers.engine import Engine
 

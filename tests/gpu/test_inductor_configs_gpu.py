@@ -14,7 +14,7 @@ pytest.importorskip("triton", reason="triton is not installed: it comes with CUD
 
 from torch._inductor.runtime import triton_heuristics  # noqa: E402
 
-from orchestrator.config import ModelConfig  # noqa: E402
+from core.config import ModelConfig  # noqa: E402
 from workers.models.gpt import GPT  # noqa: E402
 
 pytestmark = pytest.mark.gpu

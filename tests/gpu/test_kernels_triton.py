@@ -9,11 +9,18 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed: it comes with CUDA builds of torch, so no CUDA here")
 
-from kernels import (NonFiniteGradientError, compress, decompress_accumulate, decompress_sum, reference,  # noqa: E402
-                     topk_by_magnitude, triton_kernels)
+from kernels import (  # noqa: E402
+    NonFiniteGradientError,
+    compress,
+    decompress_accumulate,
+    decompress_sum,
+    reference,
+    topk_by_magnitude,
+    triton_kernels,
+)
 from kernels.compression import _backend  # noqa: E402
 from kernels.payload import PayloadLayout, allocate  # noqa: E402
-from kernels.plan import CAPACITY_SLACK_PERCENT, SelectionPlan  # noqa: E402
+from kernels.selection import CAPACITY_SLACK_PERCENT, SelectionPlan  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -7,9 +7,9 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="triton is not installed: it comes with CUDA builds of torch, so no CUDA here")
 
+from core.config import ModelConfig  # noqa: E402
 from kernels import triton_loss  # noqa: E402
 from kernels.loss import cross_entropy_rows_twin, linear_cross_entropy  # noqa: E402
-from orchestrator.config import ModelConfig  # noqa: E402
 from workers.models.gpt import GPT  # noqa: E402
 
 pytestmark = pytest.mark.gpu

@@ -4,16 +4,16 @@
 
 The measured step is the worker's own (workers/engine.py Engine: bf16 autocast, fused AdamW,
 clipping; or, with bf16 weights, a bf16 compute copy stepped by the one-pass Triton AdamW), the
-second one, so AdamW's states exist; the estimate is the fake-tensor step of orchestrator/memory.py,
+second one, so AdamW's states exist; the estimate is the fake-tensor step of orchestrator/planning/memory.py,
 computed on the CPU without looking at the GPU.
 """
 
 import pytest
 import torch
 
-from orchestrator import memory
-from orchestrator.config import JobConfig
-from orchestrator.placement import DataParallel, DeviceKind, Objective, Plan, Prediction, WorkerPlacement
+from core.config import JobConfig
+from core.plan import DataParallel, DeviceKind, Objective, Plan, Prediction, WorkerPlacement
+from orchestrator.planning import memory
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -6,7 +6,7 @@
 import pytest
 import torch
 
-from orchestrator.topology.nvml import Nvml
+from topology.nvml import Nvml
 
 pytestmark = pytest.mark.gpu
 

@@ -9,11 +9,12 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
-from orchestrator.config import JobConfig
+from core.config import JobConfig
+from core.plan import BatchLayout
 from storage.fs import Location
 from storage.loader import BatchLoader
 from storage.readers import KvikioReader, PosixReader, RemoteReader, choose_reader, kvikio_unavailable
-from storage.sampler import BatchLayout, DeterministicSampler
+from storage.sampler import DeterministicSampler
 from storage.shards import TokenDataset
 from tests.checkpoint_support import trained
 from workers import checkpoint

@@ -6,8 +6,9 @@ import math
 import pytest
 import torch
 
-from orchestrator.config import JobConfig
-from storage.sampler import BatchLayout, DeterministicSampler
+from core.config import JobConfig
+from core.plan import BatchLayout
+from storage.sampler import DeterministicSampler
 from storage.shards import TokenDataset
 from tests.engine_support import uniform_plan
 from workers.engine import Engine

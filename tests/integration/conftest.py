@@ -28,8 +28,8 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+from core.config import JobConfig
 from orchestrator import FitResult, Orchestrator
-from orchestrator.config import JobConfig
 from storage.prepare import prepare_dataset
 from storage.shards import TokenDataset
 from tests.conftest import CORPUS_SOURCE, tiny_job

@@ -7,7 +7,7 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
-from orchestrator.errors import CheckpointError, ConfigError, DataError
+from core.errors import CheckpointError, ConfigError, DataError
 from orchestrator.run_dir import RunDirectory
 from storage.checkpoint_io import DCP_METADATA, CheckpointStore, save_checkpoint
 from storage.fs import Location

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.config import JobConfig
+from core.config import JobConfig
 from tests.integration.conftest import SEQ_LEN, job
 from workers.checkpoint import read_info
 

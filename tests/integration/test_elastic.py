@@ -23,9 +23,9 @@ import ray
 import torch
 from ray.cluster_utils import Cluster
 
+from core.errors import FailureBudgetError
 from orchestrator import Orchestrator
-from orchestrator.elastic import COORDINATOR_NAME, WORKER_DEATHS
-from orchestrator.errors import FailureBudgetError
+from orchestrator.coordinator import COORDINATOR_NAME, WORKER_DEATHS
 from storage.ledger import LEDGER_FILE, SampleLedger
 from tests.integration.conftest import epoch_steps, job
 from workers import checkpoint
@@ -57,7 +57,7 @@ def run_with(orchestrator: Orchestrator, act):
         if done:
             continue
         try:
-            coordinator = coordinator or ray.get_actor(COORDINATOR_NAME.format(orchestrator.config.name))
+            coordinator = coordinator or ray.get_actor(COORDINATOR_NAME.format(core.config.name))
             status = ray.get(coordinator.status.remote())
         except (ValueError, ray.exceptions.RayActorError):  # not started yet, or over
             continue

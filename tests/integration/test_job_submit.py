@@ -30,7 +30,7 @@ import requests
 from ray.exceptions import AuthenticationError
 from ray.job_submission import JobStatus, JobSubmissionClient
 
-from orchestrator.config import JobConfig
+from core.config import JobConfig
 
 pytestmark = pytest.mark.integration
 

@@ -10,8 +10,8 @@ import subprocess
 
 import pytest
 
+from orchestrator.accounting.report_html import PLOTS, render_report
 from orchestrator.cli import main
-from orchestrator.report_html import PLOTS, render_report
 from tests.integration.conftest import BILL_TARGETS
 from tests.unit.test_progress import tensorboard_scalars
 

@@ -7,9 +7,9 @@ fake GPUs and the custom resources and labels `archipelago node-resources` would
 import pytest
 import ray
 
-from orchestrator.errors import ClusterError
-from orchestrator.topology import discover_cluster, machines
-from orchestrator.topology.ray_resources import ray_start_arguments
+from core.errors import ClusterError
+from topology import discover_cluster, machines
+from topology.ray_resources import ray_start_arguments
 
 pytestmark = pytest.mark.integration
 

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from orchestrator.alerts import AlertMonitor
-from orchestrator.config import AlertsConfig
+from core.config import AlertsConfig
+from orchestrator.accounting.alerts import AlertMonitor
 
 
 def series(count: int = 400, *, dollars_per_step=lambda step: 0.01, val=None, mfu=0.45, skipped=None,
@@ -88,7 +88,7 @@ def test_recompilations_after_the_first_window():
 @pytest.mark.parametrize("key, value", [("cost_rise_percent", -1.0), ("mfu_floor", 1.5), ("cost_window_steps", 0),
                                         ("val_patience_steps", -5)])
 def test_impossible_thresholds_are_refused(key, value):
-    from orchestrator.errors import ConfigError
+    from core.errors import ConfigError
     with pytest.raises(ConfigError, match=rf"\[bill.alerts\] {key}"):
         AlertsConfig(**{key: value})
 

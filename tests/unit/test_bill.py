@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from orchestrator.bill import BillMeter, Rates, cost_to_reach, mfu, trajectory
-from orchestrator.placement.plan import DeviceKind, Plan, Prediction
+from core.plan import DeviceKind, Plan, Prediction
+from orchestrator.accounting.bill import BillMeter, Rates, cost_to_reach, mfu, trajectory
 
 FLOPS_PER_TOKEN = 744e6  # 6 × 124 M parameters
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from orchestrator.config import JobConfig
-from orchestrator.errors import ConfigError
+from core.config import JobConfig
+from core.errors import ConfigError
 
 
 def load(tmp_path, text: str) -> JobConfig:

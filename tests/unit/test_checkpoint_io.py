@@ -7,11 +7,18 @@ import pickle
 import pytest
 import torch
 
-from orchestrator.config import JobConfig
-from orchestrator.errors import CheckpointError
+from core.config import JobConfig
+from core.errors import CheckpointError
 from orchestrator.run_dir import RunDirectory
-from storage.checkpoint_io import (ALIGN, DCP_METADATA, CheckpointStore, RawExtent, is_committed, load_checkpoint,
-                                   save_checkpoint)
+from storage.checkpoint_io import (
+    ALIGN,
+    DCP_METADATA,
+    CheckpointStore,
+    RawExtent,
+    is_committed,
+    load_checkpoint,
+    save_checkpoint,
+)
 from tests.checkpoint_support import CONFIG, trained
 from workers import checkpoint
 
@@ -139,7 +146,7 @@ def test_run_directory_lists_only_committed_steps(tmp_path):
 
 
 def test_a_new_run_refuses_old_steps_in_checkpoint_storage_on_another_disk(tmp_path):
-    from orchestrator.errors import ConfigError
+    from core.errors import ConfigError
 
     storage = str(tmp_path / "other-disk")
     old = RunDirectory(tmp_path / "runs", "job", checkpoint_storage=storage)

@@ -92,6 +92,6 @@ def test_a_real_process_prints_one_line_and_exits_2(tmp_path):
 
 
 def test_debug_shows_the_traceback(tmp_path):
-    from orchestrator.errors import ConfigError
+    from core.errors import ConfigError
     with pytest.raises(ConfigError):
         main(["--debug", "fit", str(tmp_path / "nope.toml")])

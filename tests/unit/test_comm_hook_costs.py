@@ -5,17 +5,23 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.config import JobConfig
-from orchestrator.errors import ConfigError, PlacementError
-from orchestrator.cost import (NVLINK_DDP_COMPUTE_SLOWDOWN, POWERSGD_HOST_SECONDS_PER_MATRIX,
-                               CollectiveCostModel, LinkCalibration, LinkClass, parse_calibration)
-from orchestrator.placement.comm_hooks import CommHookCost
-from orchestrator.placement.devices import DeviceType
-from orchestrator.placement.plan import Plan
-from orchestrator.placement import planner as planner_module
-from orchestrator.placement.planner import AUTO_BF16_MIN_GAIN, Planner
-from orchestrator.topology import machines
-from orchestrator.topology.model import ClusterTopology
+from core.config import JobConfig
+from core.errors import ConfigError, PlacementError
+from core.plan import Plan
+from orchestrator.planning import planner as planner_module
+from orchestrator.planning.collectives import (
+    NVLINK_DDP_COMPUTE_SLOWDOWN,
+    CollectiveCostModel,
+    LinkCalibration,
+    LinkClass,
+    parse_calibration,
+)
+from orchestrator.planning.compute import POWERSGD_HOST_SECONDS_PER_MATRIX
+from orchestrator.planning.devices import DeviceType
+from orchestrator.planning.hook_costs import CommHookCost
+from orchestrator.planning.planner import AUTO_BF16_MIN_GAIN, Planner
+from topology import machines
+from topology.cluster import ClusterTopology
 
 TOPOLOGIES = Path(__file__).resolve().parents[2] / "examples" / "topologies"
 GPT2_124M = {"n_layer": 12, "n_head": 12, "n_embd": 768, "seq_len": 1024, "vocab_size": 50304}

@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from kernels.plan import CAPACITY_SLACK_PERCENT
-from orchestrator.errors import ConfigError
-from orchestrator.placement.plan import cross_island_groups
+from core.errors import ConfigError
+from core.plan import cross_island_groups
+from kernels.selection import CAPACITY_SLACK_PERCENT
 from tests.engine_support import run_ranks
 from workers.comm.groups import build_island_groups
 from workers.comm.hooks import RAMP_START_RATIO, make_hook, ramped_k_ratio

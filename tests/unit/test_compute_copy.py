@@ -6,8 +6,8 @@ import copy
 import pytest
 import torch
 
-from orchestrator.config import JobConfig
-from orchestrator.errors import ConfigError
+from core.config import JobConfig
+from core.errors import ConfigError
 from tests.engine_support import run_ranks, uniform_plan
 from tests.unit.test_engine import MICRO, batches_for, job, train
 from workers.engine import Engine

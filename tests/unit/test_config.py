@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.config import JobConfig
-from orchestrator.errors import ConfigError
+from core.config import JobConfig
+from core.errors import ConfigError
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 

@@ -5,10 +5,19 @@ import math
 
 import pytest
 
-from orchestrator.cost import (DEFAULT_CALIBRATION, CollectiveCostModel, ComputeModel, Hop, LinkCalibration, LinkClass,
-                               PriceTable, Reduction, bucketing)
-from orchestrator.errors import ConfigError
-from orchestrator.placement.plan import AllReduce
+from core.errors import ConfigError
+from core.plan import AllReduce
+from orchestrator.planning.collectives import (
+    DEFAULT_CALIBRATION,
+    CollectiveCostModel,
+    Hop,
+    LinkCalibration,
+    LinkClass,
+    Reduction,
+    bucketing,
+)
+from orchestrator.planning.compute import ComputeModel
+from orchestrator.planning.prices import PriceTable
 
 GIB = 2**30
 
@@ -134,7 +143,7 @@ def test_the_normalised_unit_compares_devices_across_vendors():
 
 
 def test_the_catalog_has_the_devices_people_rent():
-    from orchestrator.topology import catalog
+    from topology import catalog
     for key in ("H100-SXM5-80GB", "H200-SXM5-141GB", "A100-SXM4-40GB", "A100-SXM4-80GB", "L40S", "A10G", "MI300X"):
         model = catalog.by_key(key)
         assert model.peak_tflops["bf16"] > 0 and model.memory_gib > 20
@@ -148,7 +157,7 @@ def test_the_catalog_has_the_devices_people_rent():
 
 
 def job(tmp_path, prices_file: str = "", pricing: str = "on_demand", prices: dict | None = None):
-    from orchestrator.config import JobConfig
+    from core.config import JobConfig
     return JobConfig.from_dict({"bill": {"prices_file": prices_file},
                                 "placement": {"pricing": pricing, "prices": prices or {}}})
 
@@ -192,8 +201,8 @@ def test_a_missing_price_file_says_where_it_was_looked_for(tmp_path):
 
 
 def test_a_mig_slice_is_priced_and_peaked_as_its_share_of_the_card():
-    from orchestrator.placement.devices import DevicePool
-    from orchestrator.topology import catalog, machines
+    from orchestrator.planning.devices import DevicePool
+    from topology import catalog, machines
     pool = DevicePool.gpus(machines.cluster("1xH100-MIG7:1"), CollectiveCostModel(), dtype="bf16", use_mig=True)
     slices = [device.type for domain in pool.domains for device in domain.devices]
     assert len(slices) == 7 and {s.label for s in slices} == {"H100-SXM5-80GB 1g.10gb"}

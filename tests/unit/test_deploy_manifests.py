@@ -12,9 +12,19 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.config import JobConfig
-from tests.deploy_support import (DEPLOY, MANIFESTS, Manifest, crd_directory, crd_schemas, devices_per_pod,
-                                  job_config_toml, load_manifests, one, schema_errors)
+from core.config import JobConfig
+from tests.deploy_support import (
+    DEPLOY,
+    MANIFESTS,
+    Manifest,
+    crd_directory,
+    crd_schemas,
+    devices_per_pod,
+    job_config_toml,
+    load_manifests,
+    one,
+    schema_errors,
+)
 
 pytestmark = pytest.mark.skipif(not crd_directory().is_dir(),
                                 reason=f"KubeRay CRDs not found at {crd_directory()} (set ARCHIPELAGO_KUBERAY_CRDS)")

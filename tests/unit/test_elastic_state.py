@@ -2,12 +2,13 @@
 
 import pytest
 
-from orchestrator import placement
-from orchestrator.config import JobConfig
-from orchestrator.elastic import ElasticState, WorkerReport, config_for_world, granted_topology, matches, ray_cpu_slots
-from orchestrator.errors import ConfigError, PlacementError
-from orchestrator.memory import profile
-from orchestrator.topology.model import ClusterTopology, NodeTopology, NumaNode
+from core.config import JobConfig
+from core.errors import ConfigError, PlacementError
+from orchestrator import planning
+from orchestrator.coordinator import ElasticState, config_for_world, granted_topology, matches, ray_cpu_slots
+from orchestrator.planning.memory import profile
+from topology.cluster import ClusterTopology, NodeTopology, NumaNode
+from workers.elastic import WorkerReport
 
 JOB = {"model": {"n_layer": 1, "n_head": 2, "n_embd": 32, "seq_len": 32},
        "train": {"global_batch_size": 8, "micro_batch_size": 2},
@@ -67,7 +68,7 @@ def state_and_nodes():
     config = job()
     memory = profile(config, device_type="cpu")
     nodes = [node("a"), node("b"), node("c")]
-    plan_for = lambda topology, cfg: placement.make_plan(topology, cfg, memory=memory)  # noqa: E731
+    plan_for = lambda topology, cfg: planning.make_plan(topology, cfg, memory=memory)  # noqa: E731
     first = plan_for(granted_topology(nodes, reports(*nodes), cpus_per_worker=1, use_gpu=False), config)
     clock = iter(float(t) for t in range(2000, 3000))
     state = ElasticState(config, first, nodes, plan_for=plan_for, discover=lambda: ClusterTopology(nodes=nodes),

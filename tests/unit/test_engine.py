@@ -8,15 +8,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from orchestrator.config import JobConfig
-from storage.sampler import BatchLayout, DeterministicSampler
+from core.config import JobConfig
+from core.errors import CompileError
+from core.plan import BatchLayout
+from storage.sampler import DeterministicSampler
 from storage.shards import TokenDataset
-from tests.engine_support import uniform_plan, run_ranks
-from orchestrator.errors import CompileError
+from tests.engine_support import run_ranks, uniform_plan
 from workers.compile_check import check_compiled_loss, relative_difference
 from workers.engine import Engine, _ddp_timing
+from workers.models.chunked_loss import chunked_cross_entropy
 from workers.models.gpt import GPT
-from workers.models.loss import chunked_cross_entropy
 from workers.precision import LossScaler, Precision
 
 STEPS = 20

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernels import NonFiniteGradientError, compress, decompress_accumulate, decompress_sum, topk_by_magnitude
-from kernels.plan import CAPACITY_SLACK_PERCENT
+from kernels.selection import CAPACITY_SLACK_PERCENT
 
 
 def layered_gradient(n: int, seed: int, dtype=torch.float32) -> torch.Tensor:

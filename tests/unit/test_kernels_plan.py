@@ -7,7 +7,7 @@ import torch
 
 from kernels import reference
 from kernels.payload import SEGMENT, PayloadLayout, allocate
-from kernels.plan import FINE_SHIFT, MAX_SAMPLE_SIZE, SAMPLE_CHUNK, SAMPLE_HITS, SelectionPlan
+from kernels.selection import FINE_SHIFT, MAX_SAMPLE_SIZE, SAMPLE_CHUNK, SAMPLE_HITS, SelectionPlan
 
 
 def test_small_bucket_is_sampled_whole_in_order():

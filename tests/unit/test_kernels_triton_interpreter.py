@@ -26,7 +26,7 @@ import inspect, json, sys, threading, time, types, torch
 
 from kernels import reference, triton_kernels
 from kernels.payload import PayloadLayout, allocate
-from kernels.plan import SelectionPlan
+from kernels.selection import SelectionPlan
 
 # The tuning under test (how the selection pass and decompress_sum are cut into programs).
 tuning = json.loads(sys.argv[1])

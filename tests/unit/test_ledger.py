@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
+from core.plan import BatchLayout
 from storage.ledger import LEDGER_FILE, LedgerError, SampleLedger
-from storage.sampler import BatchLayout, DeterministicSampler
+from storage.sampler import DeterministicSampler
 
 
 def ledger_of(sampler: DeterministicSampler, layout: BatchLayout, steps: int) -> SampleLedger:

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from orchestrator.config import ModelConfig, TrainConfig
+from core.config import ModelConfig, TrainConfig
 from workers.models.gpt import GPT
 from workers.optim import build_optimizer, lr_at
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from orchestrator.topology.nvml import Nvml
+from topology.nvml import Nvml
 
 
 class NVMLError(Exception):

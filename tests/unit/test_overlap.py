@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from orchestrator.config import JobConfig
-from orchestrator.errors import ConfigError
+from core.config import JobConfig
+from core.errors import ConfigError
 from tests.engine_support import run_ranks, uniform_plan
 from workers.comm.overlap import forward_stages
 from workers.engine import Engine

@@ -4,13 +4,19 @@ import types
 
 import pytest
 
-from orchestrator.errors import PlacementError
-from orchestrator.placement import DeviceKind
-from orchestrator.placement.binding import (NODE_ID_LABEL, bind, claim, label_selector, placement_bundles,
-                                            scaling_config_kwargs, worker_resources)
-from orchestrator.topology.ray_resources import NVLINK_DOMAIN_LABEL, label_value
+from core.errors import PlacementError
+from core.plan import DeviceKind
 from tests.unit.test_placement_plan import cpu_plan, gpu_worker
-
+from topology.ray_resources import NVLINK_DOMAIN_LABEL, label_value
+from workers.binding import (
+    NODE_ID_LABEL,
+    bind,
+    claim,
+    label_selector,
+    placement_bundles,
+    scaling_config_kwargs,
+    worker_resources,
+)
 
 NO_CUDA_YET = types.SimpleNamespace(is_initialized=lambda: False)
 

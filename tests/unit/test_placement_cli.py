@@ -4,8 +4,8 @@ import json
 
 import pytest
 
+from core.plan import Plan
 from orchestrator.cli import main
-from orchestrator.placement import Plan
 
 JOB = """
 name = "tiny-gpu"

@@ -2,8 +2,8 @@
 
 import pytest
 
-from orchestrator.config import JobConfig
-from orchestrator.errors import ConfigError
+from core.config import JobConfig
+from core.errors import ConfigError
 
 
 def test_defaults_plan_for_speed_on_every_device():

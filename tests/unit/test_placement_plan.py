@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from orchestrator.errors import PlacementError
-from orchestrator.placement import AllReduce, DataParallel, DeviceKind, Objective, Plan, Prediction, WorkerPlacement
-from storage.sampler import BatchLayout, DeterministicSampler
+from core.errors import PlacementError
+from core.plan import AllReduce, BatchLayout, DataParallel, DeviceKind, Objective, Plan, Prediction, WorkerPlacement
+from storage.sampler import DeterministicSampler
 
 
 def prediction(**overrides) -> Prediction:

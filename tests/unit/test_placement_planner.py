@@ -4,14 +4,14 @@ import dataclasses
 
 import pytest
 
-from orchestrator import memory
-from orchestrator.config import JobConfig
-from orchestrator.cost import ComputeModel
-from orchestrator.errors import ConfigError, PlacementError
-from orchestrator.placement import DataParallel, DeviceKind, Plan
-from orchestrator.placement.planner import Planner
-from orchestrator.topology import machines
-from orchestrator.topology.model import ClusterTopology, Nic, NicKind, NodeTopology, NumaNode
+from core.config import JobConfig
+from core.errors import ConfigError, PlacementError
+from core.plan import DataParallel, DeviceKind, Plan
+from orchestrator.planning import memory
+from orchestrator.planning.compute import ComputeModel
+from orchestrator.planning.planner import Planner
+from topology import machines
+from topology.cluster import ClusterTopology, Nic, NicKind, NodeTopology, NumaNode
 
 TINY_MODEL = {"n_layer": 4, "n_head": 4, "n_embd": 128, "seq_len": 128, "vocab_size": 257}
 NO_OVERHEAD = ComputeModel(micro_step_overhead_s_per_layer=0.0)
@@ -201,7 +201,7 @@ def unpriced(cluster: str) -> ClusterTopology:
 def test_refusals_that_need_no_memory_profile_come_before_it(monkeypatch, cluster, config, where):
     def no_profile(*args, **kwargs):
         raise AssertionError("profiled the model's memory for a job the cluster cannot hold")
-    monkeypatch.setattr("orchestrator.placement.planner.profile", no_profile)
+    monkeypatch.setattr("orchestrator.planning.planner.profile", no_profile)
     with pytest.raises(PlacementError) as refused:
         planner(cluster, config)
     assert refused.value.where == where

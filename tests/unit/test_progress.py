@@ -8,8 +8,8 @@ import pytest
 from rich.console import Console
 from tensorboardX.proto import event_pb2
 
-from orchestrator.config import JobConfig
-from orchestrator.live_bill import LiveBill
+from core.config import JobConfig
+from orchestrator.accounting.live_bill import LiveBill
 from orchestrator.progress import ProgressDisplay
 from tests.unit.test_bill import START, plan, steps
 

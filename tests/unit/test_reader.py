@@ -7,13 +7,22 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
-from orchestrator.errors import CheckpointError, DataError
+from core.errors import CheckpointError, DataError
+from core.plan import BatchLayout
 from storage.fs import Location
 from storage.loader import BatchLoader
-from storage.readers import (MIN_TASK_BYTES, TASK_BYTES, PosixReader, RemoteReader, choose_reader,
-                             kvikio_unavailable, plan_tasks)
-from storage.sampler import BatchLayout, DeterministicSampler
-from storage.shards import Extent, TokenDataset
+from storage.readers import (
+    MIN_TASK_BYTES,
+    TASK_BYTES,
+    Extent,
+    PosixReader,
+    RemoteReader,
+    choose_reader,
+    kvikio_unavailable,
+    plan_tasks,
+)
+from storage.sampler import DeterministicSampler
+from storage.shards import TokenDataset
 
 CPU = torch.device("cpu")
 

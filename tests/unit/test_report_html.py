@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from orchestrator.config import JobConfig
-from orchestrator.report import RunReport
-from orchestrator.report_html import PLOTS, render_report
+from core.config import JobConfig
+from orchestrator.accounting.report import RunReport
+from orchestrator.accounting.report_html import PLOTS, render_report
 from tests.unit.test_bill import START, plan, steps
 
 

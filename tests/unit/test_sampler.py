@@ -5,7 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from storage.sampler import BatchLayout, DeterministicSampler
+from core.plan import BatchLayout
+from storage.sampler import DeterministicSampler
 
 
 def step_samples(sampler, consumed, layout):

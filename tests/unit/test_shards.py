@@ -4,7 +4,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from orchestrator.errors import DataError
+from core.errors import DataError
 from storage.prepare import prepare_dataset, split_of
 from storage.shards import HEADER_BYTES, MANIFEST, TokenDataset, read_manifest
 from storage.tokenizers import ByteTokenizer

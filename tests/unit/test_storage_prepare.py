@@ -9,8 +9,8 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 import pytest
 
+from core.errors import DataError
 from orchestrator.cli import main
-from orchestrator.errors import DataError
 from storage.prepare import prepare_dataset, split_of
 from storage.shards import HEADER_BYTES, TokenDataset, read_manifest
 from storage.tokenizers import load_tokenizer

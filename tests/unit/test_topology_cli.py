@@ -10,8 +10,8 @@ import pytest
 from ray._private.label_utils import parse_node_labels_string, validate_node_labels
 
 from orchestrator.cli import main
-from orchestrator.topology import ClusterTopology, machines
-from orchestrator.topology.ray_resources import NVLINK_DOMAIN_LABEL, label_value, ray_start_arguments
+from topology import ClusterTopology, machines
+from topology.ray_resources import NVLINK_DOMAIN_LABEL, label_value, ray_start_arguments
 
 EXAMPLES = Path(__file__).parents[2] / "examples/topologies"
 

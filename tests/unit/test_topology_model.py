@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from orchestrator.errors import TopologyError
-from orchestrator.topology import ClusterTopology, LinkKind, catalog, machines
+from core.errors import TopologyError
+from topology import ClusterTopology, LinkKind, catalog, machines
 
 
 def test_catalog_knows_every_model_by_the_name_nvml_prints():

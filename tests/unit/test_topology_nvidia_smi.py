@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.errors import TopologyError
-from orchestrator.topology import ClusterTopology, LinkKind, NicKind
-from orchestrator.topology.nvidia_smi import parse_node
+from core.errors import TopologyError
+from topology import ClusterTopology, LinkKind, NicKind
+from topology.nvidia_smi import parse_node
 
 EXAMPLES = Path(__file__).parents[2] / "examples/topologies"
 

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from orchestrator.topology import ClusterTopology, LinkKind, NicKind
-from orchestrator.topology.probe import probe_local_node
-from orchestrator.topology.sysfs import format_cpu_list
+from topology import ClusterTopology, LinkKind, NicKind
+from topology.probe import probe_local_node
+from topology.sysfs import format_cpu_list
 
 NOT_SUPPORTED, GPU_IS_LOST, LIBRARY_NOT_FOUND, NOT_FOUND, INVALID_ARGUMENT = 3, 15, 12, 6, 2
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from orchestrator.errors import PlacementError
+from core.errors import PlacementError
 
 
 @dataclass(frozen=True)

@@ -24,11 +24,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
+from core.config import POWERSGD_ON_GLOO, POWERSGD_ON_GLOO_FIX
+from core.errors import ConfigError, NonFiniteGradientError
 from kernels.compression import compress, decompress_accumulate, decompress_sum
-from kernels.errors import NonFiniteGradientError
 from kernels.wire import decode_wires, encode_wire
-from orchestrator.config import POWERSGD_ON_GLOO, POWERSGD_ON_GLOO_FIX
-from orchestrator.errors import ConfigError
 from workers.comm.groups import IslandGroups
 from workers.comm.stats import CommStats
 

@@ -16,9 +16,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from orchestrator.config import ModelConfig
+from core.config import ModelConfig
 from kernels.loss import linear_cross_entropy
-from workers.models.loss import chunked_cross_entropy
+from workers.models.chunked_loss import chunked_cross_entropy
 
 # Selective activation checkpointing keeps what is expensive to recompute (matmuls, attention)
 # and recomputes the cheap, memory-hungry rest (norms, GELU, residual adds) in backward.
@@ -121,7 +121,7 @@ class GPT(nn.Module):
 
         loss_kernel: "plain" (F.cross_entropy over fp32 logits), "fused" (kernels.loss: the final
         norm and the logits' gradient made in the forward pass, inside one op) or "chunked"
-        (workers.models.loss: the (tokens × vocab) logits never exist whole)."""
+        (workers.models.chunked_loss: the (tokens × vocab) logits never exist whole)."""
         T = idx.shape[1]
         if self.before_stage is not None:
             self.before_stage(0)

@@ -1,0 +1,1 @@
+"""What every layer shares: errors, the job config, the Plan, codecs and atomic files."""

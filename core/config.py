@@ -1,0 +1,679 @@
+"""Job configuration: one small typed dataclass per component, loaded from TOML.
+
+    config = JobConfig.from_toml("examples/cpu-tiny.toml")
+
+Every field has a default that runs. Unknown keys, wrong types and impossible values raise
+`ConfigError` naming the file, the section and key, and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from core.errors import ConfigError
+
+
+def _check(ok: bool, key: str, problem: str, fix: str) -> None:
+    if not ok:
+        raise ConfigError(problem, where=key, fix=fix)
+
+
+def _positive(section: str, **values: int | float) -> None:
+    for name, value in values.items():
+        _check(value > 0, f"[{section}] {name}", f"must be positive, got {value}", f"set {name} to a number above 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    n_layer: int = 4
+    """Transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block; must divide n_embd."""
+    n_embd: int = 128
+    """Width of the residual stream."""
+    seq_len: int = 128
+    """Tokens per training sample (the model's context length)."""
+    vocab_size: int = 257
+    """Embedding rows; at least the dataset tokenizer's vocabulary (257 for bytes + end-of-document).
+    Rounding up to a multiple of 64 is faster on GPUs."""
+    dropout: float = 0.0
+    """Dropout probability in attention and MLP outputs."""
+    bias: bool = False
+    """Bias terms in linear layers and layer norms."""
+
+    def __post_init__(self) -> None:
+        _positive("model", n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd,
+                  seq_len=self.seq_len, vocab_size=self.vocab_size)
+        _check(self.n_embd % self.n_head == 0, "[model] n_head",
+               f"n_embd = {self.n_embd} is not divisible by n_head = {self.n_head}",
+               "pick n_head so that n_embd / n_head is a whole number (e.g. 64 per head)")
+        _check(0.0 <= self.dropout < 1.0, "[model] dropout", f"must be in [0, 1), got {self.dropout}",
+               "set dropout = 0.0 for pretraining")
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    path: str = "data/stdlib-bytes"
+    """Directory of a prepared token dataset (manifest.parquet + shards), relative to the working directory,
+    or a pyarrow.fs URI ("s3://bucket/datasets/web?region=us-east-1") read with byte-range requests."""
+    prepare_from: str = "stdlib"
+    """When `path` holds no dataset yet, prepare it from this source first: "stdlib" (the .py files of
+    the running Python's standard library), a directory of files, or "" to require a prepared one."""
+    source_format: Literal["text", "jsonl", "parquet", "arrow"] = "text"
+    """What `prepare_from` holds: text files (one document each), JSON Lines (one document per line),
+    or a Parquet / Arrow IPC dataset (one document per row)."""
+    pattern: str = ""
+    """Glob (matched recursively) selecting the files of `prepare_from`; empty is *.py for text,
+    *.jsonl, *.parquet or *.arrow for the other formats."""
+    text_column: str = "text"
+    """The JSON field or Parquet/Arrow column holding each document's text."""
+    tokenizer: str = "bytes"
+    """"bytes" (256 byte values + end-of-document, vocab 257) or "hf:PATH" for a tokenizers JSON file
+    (e.g. a BPE tokenizer.json); recorded in the manifest and in every checkpoint."""
+    val_percent: float = 5.0
+    """Share of documents (chosen by a hash of a stable key, so deterministic) held out for validation."""
+    shard_tokens: int = 16 * 2**20
+    """Tokens per shard file."""
+    prepare_workers: int = 0
+    """Processes tokenizing in parallel during prepare; 0 uses every core."""
+    verify_checksums: bool = False
+    """Before training, check every shard's crc32 on the driver (reads the whole dataset once);
+    `archipelago verify DIR` does the same on its own."""
+    reader: Literal["auto", "kvikio", "posix", "remote"] = "auto"
+    """How workers read shards: auto takes kvikio (GPU-direct) on GPU workers where it can run, the
+    POSIX reader for other local datasets, and pyarrow.fs byte ranges for URIs; the choice and the
+    reason are in the run's start event."""
+    reader_threads: int = 8
+    """IO threads per worker for the posix and remote readers (kvikio's thread pool for kvikio)."""
+    prefetch_steps: int = 2
+    """Steps whose input is read ahead while the current step trains (2 = double buffering)."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.path), "[data] path", "is empty", 'set path to a dataset directory, e.g. "data/stdlib-bytes"')
+        _check(0.0 < self.val_percent < 100.0, "[data] val_percent", f"must be in (0, 100), got {self.val_percent}",
+               "set val_percent = 5.0")
+        _check(self.tokenizer == "bytes" or (self.tokenizer.startswith("hf:") and len(self.tokenizer) > 3),
+               "[data] tokenizer", f"{self.tokenizer!r} is not a tokenizer",
+               'use "bytes" or "hf:path/to/tokenizer.json"')
+        _check(bool(self.text_column), "[data] text_column", "is empty", 'name the text field, e.g. "text"')
+        _check(self.prepare_workers >= 0, "[data] prepare_workers", f"must be 0 or more, got {self.prepare_workers}",
+               "set prepare_workers = 0 to use every core")
+        _positive("data", shard_tokens=self.shard_tokens, reader_threads=self.reader_threads,
+                  prefetch_steps=self.prefetch_steps)
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    steps: int = 300
+    """Optimizer steps to train for (the total, counting steps done before a resume)."""
+    global_batch_size: int = 32
+    """Samples per optimizer step across all workers; stays fixed when workers come and go."""
+    micro_batch_size: int = 16
+    """Samples per worker per forward pass; gradient accumulation makes up the rest."""
+    lr: float = 1e-3
+    """Peak learning rate (AdamW)."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 20
+    """Linear warmup steps before the cosine decay."""
+    weight_decay: float = 0.1
+    """AdamW weight decay on matrices (not on norms or biases)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    seed: int = 0
+    """Seeds model init and the data order."""
+    log_every: int = 10
+    """Steps between metric reports from the workers to the driver."""
+    eval_every: int = 100
+    """Steps between validation passes (and one at the end)."""
+    eval_samples: int = 64
+    """Validation samples per pass, split across workers."""
+    precision: Literal["auto", "fp32", "bf16", "fp16", "fp8"] = "auto"
+    """auto is bf16 on GPUs that support it and fp32 on CPU; fp16 adds loss scaling; fp8 trains the
+    linear layers in float8 through torchao (GPUs with compute capability ≥ 8.9)."""
+    float8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    """torchao float8 scaling recipe, used when precision = "fp8"."""
+    bf16_weights: bool = False
+    """With precision bf16: forward and backward run on a bf16 copy of the model (no autocast), and
+    the fp32 weights are kept as masters that AdamW updates, checkpoints save and evaluation uses
+    (workers/compute_copy.py); on GPUs the AdamW step runs from the bf16 gradients in one pass
+    (kernels/adamw.py). On one H200 the engine's step was 3.4 % faster than with autocast on GPT-2
+    124M and 2.5 % on 1.3B, with 1.2 / 3.1 GiB less peak memory, and the one-pass step 2.4 % / 2.5 %
+    faster again (benchmarks/RESULTS.md); gradients accumulate and all-reduce in bf16. Over 200 steps
+    the loss stayed on autocast's curve (within 0.5 % at 1.3B, 2.6 % at 124M, inside the noise
+    between two seeds). DDP with the allreduce or hierarchical hook only."""
+    loss_kernel: Literal["fused", "plain", "chunked"] = "fused"
+    """How the output projection and cross-entropy run. fused: one kernel makes each row's loss and
+    its gradient in the forward pass (kernels.loss; 4.4 -> 2.3 ms for GPT-2 124M's logits on an
+    H200; fp16 takes the plain loss, its gradient would underflow before the loss scale). plain:
+    F.cross_entropy over fp32 logits. chunked: in row chunks, so the full (tokens ×
+    vocab) logits never exist: saves about 1 GiB at GPT-2 124M, B=32, but cost 5 % of the step
+    there (benchmarks/RESULTS.md)."""
+
+    def __post_init__(self) -> None:
+        _positive("train", steps=self.steps, global_batch_size=self.global_batch_size,
+                  micro_batch_size=self.micro_batch_size, lr=self.lr, log_every=self.log_every,
+                  eval_every=self.eval_every, eval_samples=self.eval_samples)
+        _check(0 <= self.min_lr <= self.lr, "[train] min_lr", f"must be in [0, lr = {self.lr}], got {self.min_lr}",
+               "set min_lr to about lr / 10")
+        _check(self.warmup_steps >= 0, "[train] warmup_steps", f"must be 0 or more, got {self.warmup_steps}",
+               "set warmup_steps = 0 to disable warmup")
+        _check(self.weight_decay >= 0, "[train] weight_decay", f"must be 0 or more, got {self.weight_decay}",
+               "set weight_decay = 0.1")
+        _check(self.grad_clip >= 0, "[train] grad_clip", f"must be 0 or more, got {self.grad_clip}",
+               "set grad_clip = 1.0, or 0 to disable clipping")
+
+
+@dataclass(kw_only=True, slots=True)
+class CompileConfig:
+    enable: bool = False
+    """Compile the model with torch.compile (needs a C++ compiler on CPU)."""
+    mode: Literal["default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead"] = "default"
+    """torch.compile mode."""
+    fullgraph: bool = True
+    """Demand one graph where the wrapping allows it (one worker, or FSDP2's per-block compile);
+    DDP's optimizer splits the graph at bucket boundaries by design."""
+    check_tolerance: float = 1e-3
+    """Largest relative difference allowed between the first micro-batch's loss from the compiled
+    model and from the same model run eagerly; a larger one stops the run with a CompileError
+    before any weight changes. Near the initial weights a wrong kernel moves the loss little: torch
+    2.11's Inductor fed the 1.3B model's fused loss a wrong input once 0.4 % off and once 0.025 %
+    off (under this tolerance; the model diverged), hence gradient_tolerance. 0 skips the check (and
+    the gradients'); it is not made with dropout (the masks differ) or float8."""
+    gradient_tolerance: float = 1e-2
+    """Largest relative difference (L2 norm of the difference over the eager gradient's) allowed
+    between any parameter's first-micro-batch gradient from the compiled step and from the same
+    model run eagerly. Compared by a worker alone only: DDP and FSDP reduce gradients inside
+    backward. The eager pass recomputes its activations, so it needs less memory than the step, and
+    keeps its gradients on the host until compared."""
+    ddp_mode: Literal["auto", "ddp_optimizer", "compiled_autograd"] = "auto"
+    """How compile meets DDP: Dynamo's DDPOptimizer (graph split per bucket, comm hooks work) or
+    compiled autograd (one backward graph, comm captured in it; no comm hooks). auto takes
+    DDPOptimizer: compiled autograd failed over two NCCL ranks in torch 2.11 (benchmarks/RESULTS.md)."""
+
+    @property
+    def uses_compiled_autograd(self) -> bool:
+        """Whether compiled DDP runs under compiled autograd: only when asked for. "auto" takes
+        DDPOptimizer: on two H200s it hides 98-99 % of the all-reduce and keeps pace with plain DDP +
+        compile, while compiled autograd over two NCCL ranks failed in torch 2.11 ("Attempt to trace
+        generator" in the compiled backward; benchmarks/RESULTS.md, multi-GPU section). Under
+        compiled autograd DDP runs no comm hook."""
+        return self.enable and self.ddp_mode == "compiled_autograd"
+
+    def __post_init__(self) -> None:
+        _check(self.check_tolerance >= 0, "[compile] check_tolerance", f"must be 0 or more, got {self.check_tolerance}",
+               "set check_tolerance = 0 to skip the check, or e.g. 1e-3")
+        _check(self.gradient_tolerance > 0, "[compile] gradient_tolerance",
+               f"must be more than 0, got {self.gradient_tolerance}",
+               "set gradient_tolerance to e.g. 1e-2; check_tolerance = 0 skips the whole check")
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """ddp replicates the model on every worker; fsdp (FSDP2, one shard group per block) shards
+    parameters, gradients and optimizer state for models that do not fit one device."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Process-group backend: auto is nccl on GPUs, gloo on CPUs."""
+    activation_checkpointing: Literal["off", "selective", "full"] = "off"
+    """Recompute block activations in backward to fit larger micro-batches."""
+    comm_hook: Literal["allreduce", "auto", "bf16", "powersgd", "topk", "hierarchical"] = "allreduce"
+    """How DDP averages gradients (see workers/comm/hooks.py); hierarchical follows NVLink islands.
+    auto lets the plan pick bf16 where it predicts a step at least 5 % shorter than plain
+    all-reduce's (not with bf16_weights or compiled autograd), allreduce otherwise; the plan says
+    which (Plan.comm_hook).
+    The planner costs each hook's bytes on the wire and its own compute (orchestrator/planning/
+    comm_hooks.py), and where plain all-reduce leaves the step waiting, its notes say what each
+    compressing hook would do. Over a 3.4 GB/s link between two H200s, GPT-2 124M's step went from
+    174 ms (allreduce) to 116 (bf16), 85 (powersgd) and 62 (topk), but only bf16 reached allreduce's
+    loss sooner (1.8x, 200 steps); over NVSwitch none beat allreduce (benchmarks/RESULTS.md).
+    powersgd needs nccl: over gloo it hangs, and is refused."""
+    bucket_mb: float = 25.0
+    """DDP gradient bucket size when the plan does not choose one."""
+    comm_warmup_steps: int = 10
+    """Plain all-reduce steps before powersgd or topk start compressing."""
+    powersgd_rank: int = 4
+    """Rank of PowerSGD's low-rank approximation."""
+    topk_ratio: float = 0.01
+    """Share of gradient entries the topk hook sends each step (the rest waits in the residual)."""
+    topk_ramp_steps: int = 0
+    """Compressed steps over which the share the topk hook sends falls exponentially from 25% to
+    topk_ratio (Deep Gradient Compression's sparsity warm-up); 0 sends topk_ratio from the first.
+    On the tiny text model at 3% of entries, 300 steps ended 23% above plain all-reduce's loss
+    without it and 4.8% above with 100 (tests/unit/test_engine.py)."""
+    topk_wire: Literal["elias_fano", "offsets"] = "elias_fano"
+    """How the topk hook sends its entries' places: Elias–Fano coded (kernels.wire: 1.05 bytes an
+    entry at 1 % of the bucket, 0.65 at 10 %, against 2 as offsets; the wire 29 % smaller at 1 %,
+    45 % at 10 %), or "offsets", the payload as compress made it, which saves an encode and a
+    decode of every rank's payload a step. On two H200s with GPT-2 124M that work cost about 0.4 ms of
+    a 64 ms step over NVSwitch at 1 % (one call) (2.0 ms while a ramp sends 25 % down to 5 %), and nothing
+    measurable over a 3.4 GB/s link, where the all-gather hid behind backward either way
+    (benchmarks/RESULTS.md). The planner costs both, and the plan's notes name the other where it
+    is predicted faster: Elias–Fano pays where the all-gather is exposed, on slow links."""
+
+    overlap: Literal["off", "next_forward"] = "off"
+    """next_forward lets the gradient reduction run on into the next step's forward
+    (workers/comm/overlap.py): buckets that backward fills after `overlap_backward_share` of the
+    step's bytes are sent once it ends, the first layers' first, and each bucket's optimizer update
+    is applied just before the next forward first uses its parameters. For links slower than
+    backward; DDP with comm_hook "allreduce" or "bf16", no gradient clipping (grad_clip = 0), not
+    fp16, bf16_weights or compiled autograd. Blocks are compiled one by one, as under FSDP.
+    On two H200s over a 3.4 GB/s link: GPT 1.3B with bf16 807 ms a step against 915, in fp32
+    (share 0.12) 1,850 against 1,973; GPT-2 124M no faster (its tied embedding, a third of the
+    bytes, is the last bucket out of backward and the first the forward needs), nor over NVSwitch,
+    where nothing waits (benchmarks/RESULTS.md)."""
+    overlap_backward_share: float = 0.0
+    """With overlap = "next_forward": the share of a step's gradient bytes sent while backward still
+    runs, in the order its buckets fill. 0 takes it from the plan: its predicted backward time
+    (two thirds of compute) over its predicted communication time, at most 1."""
+
+    def __post_init__(self) -> None:
+        _positive("parallel", bucket_mb=self.bucket_mb, powersgd_rank=self.powersgd_rank)
+        _check(0.0 <= self.overlap_backward_share <= 1.0, "[parallel] overlap_backward_share",
+               f"must be in [0, 1], got {self.overlap_backward_share}", "set it to 0 to take it from the plan")
+        _check(0.0 < self.topk_ratio <= 0.5, "[parallel] topk_ratio", f"must be in (0, 0.5], got {self.topk_ratio}",
+               "set topk_ratio = 0.01 (send 1% of entries per step)")
+        _check(self.comm_warmup_steps >= 0, "[parallel] comm_warmup_steps",
+               f"must be 0 or more, got {self.comm_warmup_steps}", "set comm_warmup_steps = 10")
+        _check(self.topk_ramp_steps >= 0, "[parallel] topk_ramp_steps",
+               f"must be 0 or more, got {self.topk_ramp_steps}", "set topk_ramp_steps = 0 (no ramp) or e.g. 100")
+        _check(self.strategy == "ddp" or self.comm_hook in ("allreduce", "auto"), "[parallel] comm_hook",
+               f"{self.comm_hook!r} is a DDP comm hook; FSDP reduce-scatters its own gradients",
+               'use strategy = "ddp" with this hook, or comm_hook = "allreduce" with fsdp')
+
+
+POWERSGD_ON_GLOO = ("powersgd hangs over gloo (CPU workers, backend = \"gloo\", several MIG slices of one GPU): "
+                    "torch's PowerSGD hook waits for one all-reduce inside the callback of another, on the gloo "
+                    "thread that would have to run it")
+POWERSGD_ON_GLOO_FIX = 'use comm_hook = "bf16" or "topk" over gloo; powersgd needs GPUs reducing over nccl'
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    every_steps: int = 100
+    """Steps between committed checkpoints (and one at the end)."""
+    keep_last: int = 3
+    """Committed checkpoints kept; older ones are deleted once a newer one is committed."""
+    storage: str = ""
+    """Where checkpoints go: empty is the run directory (<runs_dir>/<name>/step_*); otherwise a directory
+    or pyarrow.fs URI ("s3://bucket/ckpt?endpoint_override=host:9000&scheme=http") that gets <name>/step_*."""
+    async_save: bool = False
+    """Copy the state to host memory and write it in the background while training goes on; a step is
+    reported committed only once written."""
+    reader: Literal["auto", "kvikio", "posix", "remote"] = "auto"
+    """How a restore reads checkpoint files: auto reads straight into GPU memory with kvikio where it can."""
+
+    def __post_init__(self) -> None:
+        _positive("checkpoint", every_steps=self.every_steps, keep_last=self.keep_last)
+
+
+@dataclass(kw_only=True, slots=True)
+class ClusterConfig:
+    address: str = ""
+    """Ray cluster to join ("auto", "ray://host:10001", host:port); empty uses RAY_ADDRESS or starts
+    an embedded local cluster."""
+    num_workers: int = 2
+    """Ray Train workers (one per GPU when use_gpu)."""
+    use_gpu: bool = False
+    """Give each worker one GPU."""
+    cpus_per_worker: int = 1
+    """CPU cores reserved per worker (and torch threads on CPU workers)."""
+
+    def __post_init__(self) -> None:
+        _positive("cluster", num_workers=self.num_workers, cpus_per_worker=self.cpus_per_worker)
+
+
+@dataclass(kw_only=True, slots=True)
+class PlacementConfig:
+    objective: Literal["fastest", "cheapest", "cheapest_under_deadline"] = "fastest"
+    """What the planner optimises: the shortest step, the fewest dollars per million tokens, or the
+    fewest dollars per million tokens among plans that finish `[train] steps` within deadline_hours."""
+    deadline_hours: float = 0.0
+    """Wall-clock limit for the whole job; needed by cheapest_under_deadline, ignored otherwise."""
+    min_gpus: int = 1
+    """Fewest GPUs (or MIG slices) the plan may use."""
+    max_gpus: int = 0
+    """Most GPUs (or MIG slices) the plan may use; 0 means every one in the cluster. The planner
+    uses fewer when more would be slower (fastest) or cost more per token (cheapest)."""
+    tensor_parallel_size: int = 1
+    """GPUs that split each layer between them; each group stays inside one NVLink island of whole
+    GPUs (never MIG slices). 1 means data parallelism only."""
+    use_mig: bool = True
+    """Let the planner place workers on MIG slices."""
+    pricing: Literal["on_demand", "spot"] = "on_demand"
+    """Which price column the dollars are computed from."""
+    prices: dict[str, float] = field(default_factory=dict)
+    """Dollars per device-hour in the chosen pricing column, by GPU model as the topology names it
+    (e.g. "H100-SXM5-80GB" = 2.10), or per core-hour for "cpu"; overrides orchestrator/planning/collectives.py's table.
+    A MIG slice costs its parent's price times its share of the SMs."""
+    calibration_file: str = ""
+    """A JSON table of measured collective costs by link class, {"nvswitch": {"alpha_us": 30.1,
+    "bus_gb_per_s": 323.1}}, as benchmarks/multigpu.py writes it (calibration.json) from an all-reduce
+    sweep; rows it gives replace orchestrator/planning/collectives.py's defaults. A row may also give
+    ddp_compute_slowdown (a share; the link class's figure when left out). Relative paths are from
+    the working directory."""
+
+    def __post_init__(self) -> None:
+        _positive("placement", min_gpus=self.min_gpus, tensor_parallel_size=self.tensor_parallel_size)
+        _check(self.max_gpus == 0 or self.max_gpus >= self.min_gpus, "[placement] max_gpus",
+               f"{self.max_gpus} is below min_gpus = {self.min_gpus}", "raise max_gpus, or set it to 0 for no limit")
+        _check(self.deadline_hours >= 0, "[placement] deadline_hours", f"must be 0 or more, got {self.deadline_hours}",
+               "give the job's wall-clock limit in hours, e.g. deadline_hours = 12.0")
+        _check(self.objective != "cheapest_under_deadline" or self.deadline_hours > 0, "[placement] deadline_hours",
+               "cheapest_under_deadline needs a deadline", "set deadline_hours, e.g. deadline_hours = 12.0")
+        for model, price in self.prices.items():
+            _check(price >= 0, f"[placement] prices.{model}", f"must be 0 or more, got {price}",
+                   "give dollars per device-hour, e.g. 2.10")
+
+
+@dataclass(kw_only=True, slots=True)
+class ElasticConfig:
+    """How the job rides out workers coming and going (see orchestrator/coordinator.py).
+
+    On every start of the worker group (the first, and each restart after a failure, a preemption
+    or a resize) the driver plans again for the workers Ray actually granted; the global batch and
+    the learning-rate schedule stay as [train] says, and training resumes at the exact next sample
+    of the newest committed checkpoint."""
+
+    min_workers: int = 0
+    """Fewest workers the job runs on: Ray Train starts or restarts it with anything from min_workers
+    to the planned size ([cluster] num_workers on CPUs, the plan's GPUs on GPUs) and grows it again
+    when capacity returns. 0 keeps the size fixed."""
+    max_failures: int = 3
+    """Worker failures (a process or node that dies) the run recovers from, restarting from the newest
+    committed checkpoint each time; one more stops the run with a FailureBudgetError. -1 = no limit."""
+    max_preemption_failures: int = -1
+    """Preemptions (a node drained with notice, e.g. a spot reclaim) the run recovers from, counted
+    apart from max_failures. -1 = no limit, 0 = none."""
+    preemption_grace_s: float = 0.0
+    """Seconds the surviving workers may run past a preemption deadline (to finish the checkpoint
+    taken on notice) before Ray Train tears them down."""
+    preemption_check_steps: int = 10
+    """Steps between polls of Ray's preemption notice; on notice every worker commits a checkpoint at
+    once. Each poll blocks every worker's loop on a Ray barrier (7.5 ms median with 2 local workers),
+    too much to pay every step; lower it when steps are long next to the cloud's notice (~30 s or more)."""
+    resize_check_s: float = 60.0
+    """Seconds between Ray Train's checks for capacity to grow a running elastic job (Ray's
+    elastic_resize_monitor_interval_s); a grow restarts the workers from the newest checkpoint."""
+    sample_ledger: bool = False
+    """Record, in every checkpoint, the global sample ids of every committed step (8 bytes per sample
+    trained so far), so a test can prove each sample was used exactly once (storage/ledger.py)."""
+
+    def __post_init__(self) -> None:
+        _check(self.min_workers >= 0, "[elastic] min_workers", f"must be 0 or more, got {self.min_workers}",
+               "set min_workers = 0 for a fixed size, or the fewest workers the job may run on")
+        for name in ("max_failures", "max_preemption_failures"):
+            value = getattr(self, name)
+            _check(value >= -1, f"[elastic] {name}", f"must be -1 (no limit) or more, got {value}",
+                   f"set {name} = -1 for no limit, 0 to stop at the first, or a count")
+        _check(self.preemption_grace_s >= 0, "[elastic] preemption_grace_s",
+               f"must be 0 or more, got {self.preemption_grace_s}", "set preemption_grace_s = 0.0")
+        _positive("elastic", preemption_check_steps=self.preemption_check_steps)
+        _check(self.resize_check_s >= 0, "[elastic] resize_check_s", f"must be 0 or more, got {self.resize_check_s}",
+               "set resize_check_s = 60.0")
+
+
+@dataclass(kw_only=True, slots=True)
+class AlertsConfig:
+    """Alerts printed on the driver while training runs and listed in the report (orchestrator/accounting/alerts.py).
+    Each is on by default; 0 (or false) turns one off."""
+
+    cost_rise_percent: float = 25.0
+    """Alert when the dollars per 1,000 steps over the last `cost_window_steps` steps exceed those of
+    the window before by more than this percentage (slower steps, a resize to pricier devices,
+    steps redone after a restart)."""
+    cost_window_steps: int = 100
+    """Steps in each of the two windows the cost alert compares."""
+    val_patience_steps: int = 1000
+    """Alert when the validation loss has not improved on its best for this many steps."""
+    loss_rise_percent: float = 20.0
+    """Alert when the mean training loss over the last `loss_window_steps` steps is more than this
+    percentage above the lowest such mean so far: a diverging run (a learning rate too high, a
+    faulty kernel) keeps its speed, and its bill, while it unlearns."""
+    loss_window_steps: int = 50
+    """Steps the training-loss alert averages over (one step's loss on real text moves by ~15 %)."""
+    mfu_floor: float = 0.2
+    """Alert when a log window's model FLOPs utilisation on GPUs falls below this share of peak
+    (CPU workers' MFU is against a nominal peak and is not held to it)."""
+    skipped_steps: bool = True
+    """Alert when steps are skipped because their gradients held inf/NaN (fp16 loss scaling), or a
+    reported loss is not finite."""
+    recompilations: bool = True
+    """Alert when torch.compile recompiles after the first log window (shapes or guards changing
+    mid-run cost a compile each time)."""
+
+    def __post_init__(self) -> None:
+        for name in ("cost_rise_percent", "mfu_floor", "loss_rise_percent"):
+            _check(getattr(self, name) >= 0, f"[bill.alerts] {name}", f"must be 0 or more, got {getattr(self, name)}",
+                   f"set {name} = 0 to turn this alert off")
+        _check(self.mfu_floor < 1, "[bill.alerts] mfu_floor", f"is a share of peak below 1, got {self.mfu_floor}",
+               "write a share, e.g. mfu_floor = 0.2 for 20%")
+        _positive("bill.alerts", cost_window_steps=self.cost_window_steps, loss_window_steps=self.loss_window_steps)
+        _check(self.val_patience_steps >= 0, "[bill.alerts] val_patience_steps",
+               f"must be 0 or more, got {self.val_patience_steps}", "set val_patience_steps = 0 to turn this alert off")
+
+
+@dataclass(kw_only=True, slots=True)
+class BillConfig:
+    """Cost and convergence accounting: targets, alerts and exports (orchestrator/accounting/bill.py, report.py)."""
+
+    targets: list[float] = field(default_factory=list)
+    """Validation losses to price, e.g. [3.0, 2.5, 2.2]: the report gives the dollars and GPU-hours at
+    which the run first reached each, and projects the cost of the first one not reached yet."""
+    prices_file: str = ""
+    """A TOML or JSON file of device prices per hour that replaces rows of orchestrator/planning/collectives.py's table:
+    "H100-SXM5-80GB" = { on_demand = 2.49, spot = 1.25 } (a column left out keeps the default);
+    `[placement] prices` override it in turn. Relative paths are from the working directory."""
+    tensorboard: bool = True
+    """Write the bill's per-step numbers as TensorBoard events into <run>/tensorboard/."""
+    prometheus: bool = True
+    """Export loss, tokens/s, MFU and dollars as Prometheus metrics through Ray's metrics agent
+    (ray.util.metrics; scraped from each node's metrics export port)."""
+    alerts: AlertsConfig = field(default_factory=AlertsConfig)
+
+    def __post_init__(self) -> None:
+        for i, target in enumerate(self.targets):
+            _check(0 < target < float("inf"), f"[bill] targets[{i}]", f"must be a positive loss, got {target}",
+                   "list validation losses to reach, e.g. targets = [3.0, 2.5]")
+
+
+@dataclass(kw_only=True, slots=True)
+class JobConfig:
+    name: str = "run"
+    """Run name: outputs go to <runs_dir>/<name>/."""
+    runs_dir: str = "runs"
+    """Directory holding one folder per run (metrics, report, checkpoints)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    bill: BillConfig = field(default_factory=BillConfig)
+
+    def __post_init__(self) -> None:
+        _check(self.train.precision != "fp8" or self.compile.enable, "[train] precision",
+               "float8 requires compile (eager float8 is slower than bf16)", "set [compile] enable = true")
+        _check(not (self.compile.uses_compiled_autograd
+                    and self.parallel.comm_hook not in ("allreduce", "auto")), "[compile] ddp_mode",
+               "compiled autograd captures DDP's all-reduce itself, so comm hooks cannot run",
+               'use ddp_mode = "ddp_optimizer" with a comm hook, or comm_hook = "allreduce"')
+        gloo = self.parallel.backend == "gloo" or (self.parallel.backend == "auto" and not self.cluster.use_gpu)
+        _check(not (gloo and self.parallel.comm_hook == "powersgd"), "[parallel] comm_hook", POWERSGD_ON_GLOO,
+               POWERSGD_ON_GLOO_FIX)
+        if self.train.bf16_weights:
+            self._check_bf16_weights()
+        if self.parallel.overlap == "next_forward":
+            self._check_overlap()
+        # DDP's first bucket is 1 MiB; Dynamo's DDPOptimizer, which splits the compiled DDP graph at
+        # bucket boundaries, asserts that no bucket is smaller (torch 2.11, found on two H200s).
+        _check(not (self.compile.enable and self.parallel.strategy == "ddp" and self.parallel.overlap == "off"
+                    and not self.compile.uses_compiled_autograd and self.parallel.bucket_mb < 1.0),
+               "[parallel] bucket_mb", f"{self.parallel.bucket_mb:g} is below the 1 MiB that compiled DDP "
+               "(Dynamo's DDPOptimizer) accepts", "set bucket_mb to 1 or more, or [compile] enable = false")
+        _check(bool(self.name) and "/" not in self.name and self.name not in (".", ".."), "name",
+               f"{self.name!r} is not a usable run name", 'use letters, digits, "-" and "_", e.g. name = "cpu-tiny"')
+        # A fixed number of CPU workers are identical slots that split the batch evenly; GPU jobs and
+        # elastic jobs get their micro-batches from the planner for the workers they are granted.
+        elastic = self.elastic.min_workers > 0
+        _check(not elastic or self.elastic.min_workers <= self.cluster.num_workers, "[elastic] min_workers",
+               f"{self.elastic.min_workers} is above [cluster] num_workers = {self.cluster.num_workers}",
+               "set min_workers to at most num_workers, or 0 for a fixed size")
+        if self.cluster.use_gpu:
+            return
+        if elastic:
+            self._check_batch_splits(range(self.elastic.min_workers, self.cluster.num_workers + 1))
+            return
+        per_pass = self.train.micro_batch_size * self.cluster.num_workers
+        _check(self.train.global_batch_size % per_pass == 0, "[train] global_batch_size",
+               f"{self.train.global_batch_size} is not a multiple of micro_batch_size × num_workers = "
+               f"{self.train.micro_batch_size} × {self.cluster.num_workers} = {per_pass}",
+               f"set global_batch_size to a multiple of {per_pass} (e.g. {per_pass * max(1, round(self.train.global_batch_size / per_pass))})")
+
+    def _check_bf16_weights(self) -> None:
+        _check(self.train.precision in ("auto", "bf16"), "[train] bf16_weights",
+               f'keeps a bf16 copy of the model, which precision = "{self.train.precision}" does not train in',
+               'set precision = "bf16", or bf16_weights = false')
+        # Said here, not by the first worker after Ray has started: "auto" is fp32 on CPU workers.
+        _check(self.cluster.use_gpu or self.train.precision == "bf16", "[train] bf16_weights",
+               'keeps a bf16 copy of the model, and precision = "auto" trains CPU workers in fp32',
+               'set precision = "bf16" to train the CPU workers in bf16 (slow without bf16 units), or bf16_weights = false')
+        _check(self.parallel.strategy == "ddp", "[train] bf16_weights",
+               "FSDP2 already gathers bf16 weights from fp32 shards (its mixed-precision policy)",
+               "set bf16_weights = false with strategy = \"fsdp\"")
+        _check(self.parallel.comm_hook in ("allreduce", "auto", "hierarchical"), "[parallel] comm_hook",
+               f"{self.parallel.comm_hook!r} compresses fp32 gradients; with bf16_weights they are bf16 already",
+               'use comm_hook = "allreduce" or "hierarchical", or bf16_weights = false')
+
+    def _check_overlap(self) -> None:
+        where = '[parallel] overlap'
+        fix = 'or set overlap = "off"'
+        _check(self.parallel.strategy == "ddp", where, "reorders DDP's buckets; FSDP2 reduce-scatters its own",
+               f'use strategy = "ddp", {fix}')
+        _check(self.parallel.comm_hook in ("allreduce", "bf16"), where,
+               f"sends plain or bf16 buckets itself, so comm_hook {self.parallel.comm_hook!r} would not run",
+               f'use comm_hook = "allreduce" or "bf16", {fix}')
+        _check(self.train.grad_clip == 0, where,
+               "applies each bucket's update before the others have arrived, so the global gradient norm "
+               f"that clipping (grad_clip = {self.train.grad_clip:g}) divides by is not known yet",
+               f"set [train] grad_clip = 0, {fix}")
+        _check(self.train.precision != "fp16", where,
+               "applies updates before every bucket has arrived, so a step whose gradients overflow cannot be "
+               "skipped as fp16's loss scaling needs", f'use precision = "bf16", {fix}')
+        _check(not self.train.bf16_weights, where, "steps the fp32 model's optimizer per bucket; bf16_weights "
+               "steps a separate bf16 copy", f"set [train] bf16_weights = false, {fix}")
+        _check(not self.compile.uses_compiled_autograd, where,
+               "needs DDP's comm hook, which compiled autograd replaces", f'set [compile] ddp_mode = "auto", {fix}')
+
+    def _check_batch_splits(self, world_sizes: range) -> None:
+        """Every worker count the elastic range allows can split the global batch: some accumulation
+        count a leaves global_batch / a samples per micro-step, between one and micro_batch_size per worker."""
+        batch, micro = self.train.global_batch_size, self.train.micro_batch_size
+        bad = [w for w in world_sizes
+               if not any(batch % a == 0 and w <= batch // a <= w * micro for a in range(1, batch + 1))]
+        if not bad:
+            return
+        lcm = math.lcm(*world_sizes)
+        _check(False, "[train] global_batch_size",
+               f"{batch} samples cannot be split over {' or '.join(map(str, bad))} workers of at most "
+               f"micro_batch_size = {micro} (the [elastic] range is {world_sizes.start}–{world_sizes.stop - 1} workers)",
+               f"make global_batch_size a multiple of {lcm} (e.g. {lcm * max(1, round(batch / lcm))}), raise "
+               "micro_batch_size, or narrow the range with [elastic] min_workers")
+
+    @property
+    def grad_accum_steps(self) -> int:
+        """Accumulation on num_workers identical CPU workers (for GPU and elastic jobs the plan decides)."""
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.cluster.num_workers)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.train.global_batch_size * self.model.seq_len
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> JobConfig:
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            raise ConfigError("config file not found", where=str(path),
+                              fix="check the path; examples/ holds ready-made configs such as examples/cpu-tiny.toml") from None
+        except OSError as e:
+            raise ConfigError(f"cannot read config file: {e.strerror}", where=str(path)) from None
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"malformed TOML: {e}", where=str(path), fix="fix the TOML syntax at that line") from None
+        try:
+            return cls.from_dict(data)
+        except ConfigError as e:
+            raise ConfigError(e.what, where=f"{path}: {e.where}" if e.where else str(path), fix=e.fix) from None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> JobConfig:
+        return _build(cls, data, section="")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_RENAMED = {"train.chunked_loss": 'it is now loss_kernel: write loss_kernel = "chunked" (or "fused", the default, or "plain")'}
+"""Keys that were renamed: the error for the old name says what to write instead."""
+
+
+def _build(cls: type, data: dict[str, Any], section: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        where = f"[{section}] {key}" if section else key
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            fix = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(names)}"
+            fix = _RENAMED.get(f"{section}.{key}", fix)
+            raise ConfigError("unknown key", where=where, fix=fix)
+        kwargs[key] = _convert(value, hints[key], where, key, f"{section}.{key}" if section else key)
+    return cls(**kwargs)
+
+
+def _convert(value: Any, hint: Any, where: str, key: str, path: str) -> Any:
+    """`value` as type `hint`; `path` is the dotted TOML name a nested section is written under ("bill.alerts")."""
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ConfigError(f"must be a table, got {type(value).__name__}", where=path, fix=f"write it as a [{path}] section")
+        return _build(hint, value, section=path)
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            raise ConfigError(f"{value!r} is not one of {', '.join(map(repr, choices))}", where=where,
+                              fix=f"set it to one of {', '.join(map(repr, choices))}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        return _convert(value, next(a for a in typing.get_args(hint) if a is not type(None)), where, key, path)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"must be a table, got {value!r}", where=where, fix=f"write it as {key} = {{ name = value }}")
+        return {name: _convert(item, typing.get_args(hint)[1], f"{where}.{name}", key, path) for name, item in value.items()}
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"must be a list, got {value!r}", where=where, fix=f"write it as {key} = [ ... ]")
+        return [_convert(item, typing.get_args(hint)[0], f"{where}[{i}]", key, path) for i, item in enumerate(value)]
+    expected = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[hint]
+    ok = isinstance(value, hint) and not (hint is int and isinstance(value, bool))
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        value, ok = float(value), True
+    if not ok:
+        raise ConfigError(f"must be {expected}, got {value!r} ({type(value).__name__})", where=where,
+                          fix=f"write it as {expected}")
+    return value

@@ -1,0 +1,399 @@
+"""The placement plan: where every worker runs, how much work it gets, in which groups, and what a step costs.
+
+    plan = Plan.load("runs/job/plan.json")          # or planning.make_plan(topology, config)
+    worker = plan.worker(rank)                      # node, device UUID, island, micro-batch, CPU cores
+    layout = plan.batch_layout()                    # BatchLayout: the step's samples, per replica
+    plan.predicted.step_seconds, plan.predicted.dollars_per_million_tokens
+
+One plain object from the planner to the workers: it prints, saves as JSON and loads back, and it
+checks itself on construction (ranks, one shared accumulation count, the global batch, the groups),
+so a plan read from a file is as trustworthy as one the planner just made.
+
+Batch layout: every data-parallel replica r trains on `micro_batch_size` samples per micro-step,
+`grad_accum_steps` micro-steps per optimizer step, with ONE accumulation count for the whole job
+(the sampler's `BatchLayout` has one); heterogeneous devices differ in micro-batch, not in
+accumulation. The ranks of one tensor-parallel group are one replica and read the same samples.
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+from collections import Counter
+from dataclasses import asdict, dataclass, field, replace
+from enum import StrEnum
+from pathlib import Path
+
+from core import codec
+from core.atomic import read_text, write_text_atomically
+from core.errors import PlacementError, TopologyError
+
+FORMAT = "archipelago.plan"
+VERSION = 2
+"""2 added comm_hook. A version-1 plan reads as one that names no hook (the config's is run)."""
+_WRITE_COMMAND = "archipelago plan --json FILE"
+
+
+class Objective(StrEnum):
+    FASTEST = "fastest"
+    """Shortest predicted step."""
+    CHEAPEST = "cheapest"
+    """Fewest dollars per million training tokens."""
+    CHEAPEST_UNDER_DEADLINE = "cheapest_under_deadline"
+    """Fewest dollars per million tokens among plans that finish `[train] steps` before the deadline."""
+
+
+class DataParallel(StrEnum):
+    DDP = "ddp"
+    """Every replica holds the whole model, gradients and AdamW states; gradients are all-reduced."""
+    FSDP = "fsdp"
+    """FSDP2 (`fully_shard`): parameters, gradients and optimizer states sharded over the replicas;
+    parameters all-gathered per block, gradients reduce-scattered."""
+
+
+class AllReduce(StrEnum):
+    RING = "ring"
+    TREE = "tree"
+    HIERARCHICAL = "hierarchical"
+    """Reduce-scatter inside each island, all-reduce of the shards across islands, all-gather inside
+    each island: the inter-node links carry 1/island-size of the gradient per rank."""
+    ALL_GATHER = "all_gather"
+    """The topk comm hook: every rank's compressed gradients all-gathered, and summed by each rank."""
+    NONE = "none"
+    """One replica: nothing to reduce."""
+
+
+PLAN_COMM_HOOKS = ("", "allreduce", "bf16", "powersgd", "topk", "hierarchical")
+"""What Plan.comm_hook may name: a hook the workers run ("auto" is resolved by the planner), or ""."""
+
+
+class DeviceKind(StrEnum):
+    GPU = "gpu"
+    MIG = "mig"
+    CPU = "cpu"
+
+
+@dataclass(kw_only=True, slots=True)
+class WorkerPlacement:
+    rank: int
+    """Global rank, 0 … world_size − 1; the Ray Train world rank of the worker that takes this place."""
+    node_id: str
+    """The topology's node id (hostname); `ray_node_id` is Ray's id for the same node when known."""
+    device_uuid: str | None
+    """`GPU-…` or `MIG-…` to bind with CUDA_VISIBLE_DEVICES; None for a CPU worker."""
+    device_kind: DeviceKind
+    device_model: str
+    """Catalog key (H100-SXM5-80GB), with the MIG profile for a slice ("H100-SXM5-80GB 1g.10gb"), or "cpu"."""
+    island_id: str | None
+    """NVLink island of the GPU; None for MIG slices and CPU workers."""
+    micro_batch_size: int
+    """Samples per micro-step (the same for every rank of one tensor-parallel group)."""
+    grad_accum_steps: int
+    """Micro-steps per optimizer step; the same for every worker."""
+    data_parallel_rank: int = 0
+    """Which replica this worker belongs to: its index into `Plan.batch_layout()`."""
+    tensor_parallel_rank: int = 0
+    cpus: int = 1
+    """CPU cores reserved for the worker (Ray's CPU resource; torch threads on CPU workers)."""
+    cpu_affinity: str = ""
+    """NUMA-local cores to pin the worker to, as a kernel CPU list ("0-55,112-167"); "" leaves it unpinned."""
+    numa_node: int | None = None
+    ray_node_id: str = ""
+    predicted_compute_seconds: float = 0.0
+    """This worker's compute per optimizer step, all micro-steps together: its model's kernels alone.
+    The plan's predicted compute adds what is step-wide (the comm hook's own work, and kernels
+    running slower beside DDP's collectives over NVLink), so it can exceed every worker's figure."""
+    predicted_peak_memory_bytes: int = 0
+    memory_capacity_bytes: int = 0
+    """What the device (or, for CPU workers, the node) has; 0 when unknown."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Prediction:
+    step_seconds: float
+    """compute_seconds + exposed_communication_seconds."""
+    compute_seconds: float
+    """The slowest worker's forward, backward and optimizer time per step."""
+    exposed_communication_seconds: float
+    """Collective time not hidden behind the backward pass."""
+    communication_seconds: float
+    """All collective time per step, hidden or not."""
+    tokens_per_second: float
+    dollars_per_hour: float
+    """Price of every device the plan uses, per hour."""
+    dollars_per_step: float
+    dollars_per_million_tokens: float
+    job_hours: float
+    """`[train] steps` × step_seconds."""
+    job_dollars: float
+
+
+@dataclass(kw_only=True, slots=True)
+class Plan:
+    job_name: str
+    objective: Objective
+    workers: list[WorkerPlacement]
+    global_batch_size: int
+    """Samples per optimizer step, exactly as the job asked."""
+    seq_len: int
+    grad_accum_steps: int
+    data_parallel: DataParallel
+    tensor_parallel_size: int = 1
+    allreduce: AllReduce = AllReduce.NONE
+    """How the gradient reduction is predicted to run (and what the process groups are for)."""
+    intra_island_groups: list[list[int]] = field(default_factory=list)
+    """Ranks that share a fast domain: an NVLink island, or the PCIe/host domain of one node for GPUs
+    without NVLink peers, MIG slices and CPU workers. Every rank is in exactly one."""
+    inter_island_groups: list[list[int]] = field(default_factory=list)
+    """The k-th rank of every intra-island group, for each k: the groups that cross islands in a
+    hierarchical all-reduce. Empty when the intra-island groups differ in size."""
+    tensor_parallel_groups: list[list[int]] = field(default_factory=list)
+    """Consecutive ranks inside one NVLink island; one group per rank when tensor_parallel_size is 1."""
+    data_parallel_groups: list[list[int]] = field(default_factory=list)
+    """Ranks with the same tensor-parallel rank: they reduce gradients together."""
+    ddp_bucket_bytes: dict[str, int] = field(default_factory=dict)
+    """Gradient bucket size per link class the reduction crosses (nvswitch, pcie, infiniband, …)."""
+    bottleneck_link_class: str = ""
+    """The slowest link class of the flat all-reduce: the bucket size a single DDP group uses."""
+    comm_hook: str = ""
+    """The DDP comm hook the workers run: [parallel] comm_hook, or what the planner picked for "auto".
+    "" (plans not made by the planner) runs the configured hook, "auto" as allreduce."""
+    backend: str = "nccl"
+    """Process-group backend for the gradient reduction: gloo for CPU workers, and for plans with
+    several MIG slices of one GPU (NCCL runs one rank per GPU); nccl otherwise."""
+    price_basis: str = "on_demand"
+    """"on_demand" or "spot": which column of the price table the dollars come from."""
+    predicted: Prediction
+    notes: list[str] = field(default_factory=list)
+    """Why the planner chose what it did, in words (shown under the table)."""
+
+    def __post_init__(self) -> None:
+        if self.comm_hook not in PLAN_COMM_HOOKS:
+            _invalid(f"comm_hook {self.comm_hook!r} is not one of {', '.join(repr(h) for h in PLAN_COMM_HOOKS)}",
+                     "plan comm_hook")
+        _check_workers(self)
+        _check_batch(self)
+        _check_groups(self)
+
+    @classmethod
+    def uniform(cls, *, job_name: str, world_size: int, micro_batch_size: int, grad_accum_steps: int,
+                seq_len: int, intra_island_groups: list[list[int]] | None = None, data_parallel: str = "ddp",
+                ddp_bucket_bytes: int | None = None) -> Plan:
+        """A plan of identical workers with equal micro-batches and no predictions: what benchmarks and
+        tests hand the worker engine when they run it without the planner. The caller binds the devices,
+        so the entries name none (device_model "unplanned")."""
+        workers = [WorkerPlacement(rank=r, node_id="local", device_uuid=None, device_kind=DeviceKind.CPU,
+                                   device_model="unplanned", island_id=None, micro_batch_size=micro_batch_size,
+                                   grad_accum_steps=grad_accum_steps, data_parallel_rank=r) for r in range(world_size)]
+        unknown = Prediction(step_seconds=0.0, compute_seconds=0.0, exposed_communication_seconds=0.0,
+                             communication_seconds=0.0, tokens_per_second=0.0, dollars_per_hour=0.0,
+                             dollars_per_step=0.0, dollars_per_million_tokens=0.0, job_hours=0.0, job_dollars=0.0)
+        ranks = list(range(world_size))
+        intra = intra_island_groups or [ranks]
+        return cls(job_name=job_name, objective=Objective.FASTEST, workers=workers,
+                   global_batch_size=world_size * micro_batch_size * grad_accum_steps, seq_len=seq_len,
+                   grad_accum_steps=grad_accum_steps, data_parallel=DataParallel(data_parallel),
+                   intra_island_groups=intra, inter_island_groups=cross_island_groups(intra),
+                   tensor_parallel_groups=[[r] for r in ranks], data_parallel_groups=[ranks],
+                   ddp_bucket_bytes={"default": ddp_bucket_bytes} if ddp_bucket_bytes else {},
+                   bottleneck_link_class="default" if ddp_bucket_bytes else "", predicted=unknown)
+
+    # ---- what the workers read --------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return len(self.workers)
+
+    @property
+    def uses_gpus(self) -> bool:
+        return any(worker.device_kind != DeviceKind.CPU for worker in self.workers)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.seq_len
+
+    @property
+    def ddp_bucket_cap_mb(self) -> float | None:
+        """`DistributedDataParallel(bucket_cap_mb=…)` for one flat DDP group over all ranks; None when
+        the plan chose no size (the engine then takes `[parallel] bucket_mb`)."""
+        size = self.ddp_bucket_bytes.get(self.bottleneck_link_class)
+        return None if size is None else size / 2**20
+
+    def worker(self, rank: int) -> WorkerPlacement:
+        if not 0 <= rank < len(self.workers):
+            raise PlacementError(f"rank {rank} is not in this plan of {len(self.workers)} workers",
+                                 where="plan", fix="start as many workers as the plan has (Plan.world_size)")
+        return self.workers[rank]
+
+    def replica_micro_batch_sizes(self) -> tuple[int, ...]:
+        """Micro-batch of each data-parallel replica, in data_parallel_rank order."""
+        sizes: dict[int, int] = {}
+        for worker in self.workers:
+            sizes.setdefault(worker.data_parallel_rank, worker.micro_batch_size)
+        return tuple(sizes[r] for r in range(len(sizes)))
+
+    def batch_layout(self):
+        """The sampler's layout; a worker reads `rank_micro_batches(consumed, layout, worker.data_parallel_rank)`."""
+        return BatchLayout(self.replica_micro_batch_sizes(), self.grad_accum_steps)
+
+    def reordered(self, plan_ranks: list[int]) -> Plan:
+        """The same plan renumbered so that rank i is the worker that had rank plan_ranks[i]: Ray Train
+        numbers its workers itself, and each worker claims its plan entry by node and local rank
+        (binding.claim); gather the claimed ranks in world-rank order and renumber with them."""
+        if sorted(plan_ranks) != list(range(self.world_size)):
+            raise PlacementError(f"claimed plan ranks {sorted(plan_ranks)[:8]}… are not each of 0 … "
+                                 f"{self.world_size - 1} once", where="plan",
+                                 fix="every worker claims a different plan entry; start the plan's workers")
+        new = {old: rank for rank, old in enumerate(plan_ranks)}
+
+        def renumber(groups: list[list[int]]) -> list[list[int]]:
+            return [[new[rank] for rank in group] for group in groups]
+        return replace(self, workers=[replace(self.workers[old], rank=rank) for rank, old in enumerate(plan_ranks)],
+                       intra_island_groups=renumber(self.intra_island_groups),
+                       inter_island_groups=renumber(self.inter_island_groups),
+                       tensor_parallel_groups=renumber(self.tensor_parallel_groups),
+                       data_parallel_groups=renumber(self.data_parallel_groups))
+
+    # ---- JSON -------------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {"format": FORMAT, "version": VERSION, **asdict(self)}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_dict(cls, data: object, *, where: str = "plan") -> Plan:
+        if isinstance(data, dict) and data.get("version") == 1 and "comm_hook" not in data:
+            data = {**data, "version": VERSION}
+        fields = codec.check_header(data, format=FORMAT, version=VERSION, noun="plan", command=_WRITE_COMMAND,
+                                    error=PlacementError, where=where)
+        try:
+            return codec.decode(cls, fields, where)
+        except TopologyError as e:  # the shared strict decoder speaks of topologies; say plan
+            raise PlacementError(e.what, where=e.where, fix=f"plan again with `{_WRITE_COMMAND}`") from None
+
+    @classmethod
+    def from_json(cls, text: str, *, where: str = "plan") -> Plan:
+        data = codec.parse_json(text, error=PlacementError, where=where, fix=f"write it with `{_WRITE_COMMAND}`")
+        return cls.from_dict(data, where=where)
+
+    def save(self, path: str | Path) -> Path:
+        return write_text_atomically(path, self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        text = read_text(path, error=PlacementError, fix=f"write one with `{_WRITE_COMMAND}`")
+        return cls.from_json(text, where=str(path))
+
+
+def cross_island_groups(intra_island_groups: list[list[int]]) -> list[list[int]]:
+    """The k-th rank of every island, for each k; [] when the islands differ in size (no hierarchical
+    all-reduce then)."""
+    if len({len(group) for group in intra_island_groups}) != 1:
+        return []
+    return [[group[k] for group in intra_island_groups] for k in range(len(intra_island_groups[0]))]
+
+
+def _invalid(what: str, where: str, fix: str = "plan again; a plan file is not meant to be edited by hand") -> None:
+    raise PlacementError(what, where=f"plan: {where}", fix=fix)
+
+
+def _check_workers(plan: Plan) -> None:
+    if not plan.workers:
+        _invalid("has no workers", "workers")
+    for i, worker in enumerate(plan.workers):
+        if worker.rank != i:
+            _invalid(f"workers[{i}] has rank {worker.rank}", f"workers[{i}].rank", "ranks run 0, 1, 2, … in order")
+        if (worker.device_uuid is None) != (worker.device_kind == DeviceKind.CPU):
+            _invalid(f"a {worker.device_kind.value} worker with device_uuid {worker.device_uuid!r}",
+                     f"workers[{i}].device_uuid", "GPU and MIG workers name their device; CPU workers name none")
+        if worker.micro_batch_size < 1 or worker.cpus < 1:
+            _invalid(f"micro_batch_size {worker.micro_batch_size}, cpus {worker.cpus}", f"workers[{i}]",
+                     "every worker trains on at least one sample per micro-step, with at least one core")
+    taken = Counter(worker.device_uuid for worker in plan.workers if worker.device_uuid)
+    twice = [uuid for uuid, count in taken.items() if count > 1]
+    if twice:
+        _invalid(f"device {twice[0]} is given to {taken[twice[0]]} workers", "workers",
+                 "NCCL runs one rank per device: give every worker its own GPU or MIG slice")
+
+
+def _check_batch(plan: Plan) -> None:
+    accum = {worker.grad_accum_steps for worker in plan.workers}
+    if accum != {plan.grad_accum_steps}:
+        _invalid(f"grad_accum_steps {sorted(accum)} across workers, plan says {plan.grad_accum_steps}", "workers",
+                 "every worker accumulates the same number of micro-steps")
+    replicas: dict[int, set[int]] = {}
+    for worker in plan.workers:
+        replicas.setdefault(worker.data_parallel_rank, set()).add(worker.micro_batch_size)
+    if sorted(replicas) != list(range(len(replicas))):
+        _invalid(f"data_parallel_rank values {sorted(replicas)}", "workers", "replicas are numbered 0, 1, 2, …")
+    split = [r for r, sizes in replicas.items() if len(sizes) > 1]
+    if split:
+        _invalid(f"replica {split[0]} has micro-batches {sorted(replicas[split[0]])}", "workers",
+                 "the ranks of one tensor-parallel group train on the same micro-batch")
+    total = sum(next(iter(sizes)) for sizes in replicas.values()) * plan.grad_accum_steps
+    if total != plan.global_batch_size:
+        _invalid(f"micro-batches × accumulation = {total}, global_batch_size = {plan.global_batch_size}",
+                 "workers", "the replicas' micro-batches times grad_accum_steps must add up to the global batch")
+
+
+def _check_groups(plan: Plan) -> None:
+    ranks = set(range(plan.world_size))
+    for name in ("intra_island_groups", "tensor_parallel_groups", "data_parallel_groups"):
+        groups = getattr(plan, name)
+        flat = [rank for group in groups for rank in group]
+        if groups and (sorted(flat) != sorted(ranks)):
+            _invalid(f"{name} do not hold every rank exactly once", name)
+    # The workers build their hierarchical process groups from these: anything but the k-th rank of
+    # every island (or none) would name ranks that do not exist or mix ranks of one island.
+    if plan.inter_island_groups and plan.inter_island_groups != cross_island_groups(plan.intra_island_groups):
+        _invalid(f"inter_island_groups {plan.inter_island_groups[:4]} are not the k-th rank of every "
+                 "intra-island group, for each k", "inter_island_groups")
+    if plan.tensor_parallel_size < 1 or plan.world_size % plan.tensor_parallel_size:
+        _invalid(f"tensor_parallel_size {plan.tensor_parallel_size} does not divide {plan.world_size} workers",
+                 "tensor_parallel_size")
+    for group in plan.tensor_parallel_groups:
+        if len(group) != plan.tensor_parallel_size:
+            _invalid(f"tensor-parallel group {group} has {len(group)} ranks, not {plan.tensor_parallel_size}",
+                     "tensor_parallel_groups")
+        if len({plan.workers[rank].data_parallel_rank for rank in group}) != 1:
+            _invalid(f"tensor-parallel group {group} spans several replicas", "tensor_parallel_groups")
+        if plan.tensor_parallel_size > 1 and any(plan.workers[rank].device_kind != DeviceKind.GPU or
+                                                 plan.workers[rank].island_id != plan.workers[group[0]].island_id
+                                                 for rank in group):
+            _invalid(f"tensor-parallel group {group} leaves one NVLink island (or holds a MIG slice or CPU)",
+                     "tensor_parallel_groups", "tensor-parallel groups stay inside one NVLink island of whole GPUs")
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLayout:
+    """How one optimizer step's samples are split: rank r takes accum_steps[r] micro-batches of micro_batch_sizes[r]."""
+
+    micro_batch_sizes: tuple[int, ...]
+    accum_steps: tuple[int, ...] | int
+
+    def __post_init__(self) -> None:
+        sizes = tuple(int(m) for m in self.micro_batch_sizes)
+        accum = self.accum_steps
+        accum = (int(accum),) * len(sizes) if isinstance(accum, numbers.Integral) else tuple(int(a) for a in accum)
+        if not sizes or len(accum) != len(sizes):
+            raise ValueError(f"need one micro-batch size and one accumulation count per rank, got {sizes} and {accum}")
+        if min(sizes) < 1 or min(accum) < 1:
+            raise ValueError(f"micro-batch sizes and accumulation counts must be positive, got {sizes} and {accum}")
+        object.__setattr__(self, "micro_batch_sizes", sizes)
+        object.__setattr__(self, "accum_steps", accum)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.micro_batch_sizes)
+
+    @property
+    def global_batch(self) -> int:
+        return sum(m * a for m, a in zip(self.micro_batch_sizes, self.accum_steps))
+
+    def rank_offset(self, rank: int) -> int:
+        """Where rank `rank`'s block starts inside a step."""
+        return sum(m * a for m, a in zip(self.micro_batch_sizes[:rank], self.accum_steps[:rank]))
+
+    @classmethod
+    def uniform(cls, world_size: int, micro_batch_size: int, accum_steps: int) -> BatchLayout:
+        return cls((micro_batch_size,) * world_size, accum_steps)

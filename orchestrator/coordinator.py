@@ -1,0 +1,348 @@
+"""Elastic runs: plan for the workers Ray actually grants, on every start, and account for each recovery.
+
+Ray Train V2 restarts the whole worker group after a worker failure, a preemption or a resize and
+runs the train function again with the same arguments, so the plan made before `trainer.fit()` can
+name workers that are gone. On every start of a group:
+
+    every worker                                   PlanCoordinator (named actor on the driver's node)
+    WorkerReport.here(ctx) ─ all_gather ─► rank 0 ─► group_started(reports): the plan for exactly these
+                                                     workers (the driver's plan when they match it)
+    plan ◄── broadcast from rank 0
+    restore, first step ─► rank 0 ─► first_step(step, marks): a "restart" event row with the timings
+
+`FailureRecorder`, a Ray Train UserCallback on the controller, tells the coordinator when and how
+workers failed: the start of a recovery, and the list a FailureBudgetError names. Event rows go to
+the driver's MetricsSink like the workers' rows, so they land in metrics.jsonl and the report.
+
+`ElasticState` holds the logic without Ray (unit tests drive it directly); `PlanCoordinator` is the
+thin actor around it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import ray
+from ray.train import FailureConfig, UserCallback
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+import topology
+from core.config import JobConfig
+from core.errors import ArchipelagoError, ClusterError, ConfigError, PlacementError
+from core.plan import Plan
+from orchestrator import planning
+from orchestrator.accounting.bill import Rates
+from orchestrator.planning.memory import measure_steps
+from topology.cluster import ClusterTopology, NodeTopology
+from topology.sysfs import format_cpu_list, parse_cpu_list
+from workers.elastic import WorkerReport
+
+COORDINATOR_NAME = "archipelago-plan-coordinator-{}"
+"""Ray actor name, by run name: one coordinator per run."""
+WORKER_DEATHS = ("ActorDiedError", "WorkerHealthCheckFailedError", "ActorUnavailableError", "NodeDiedError",
+                 "RayActorError", "OutOfMemoryError")
+"""How Ray reports a worker process or node that is gone (FailureRecorder prefixes the type's name)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    attempt: int
+    """The worker group (1 = the first start) that failed."""
+    time: float
+    """Unix time the controller saw it."""
+    ranks: tuple[int, ...]
+    nodes: tuple[str, ...]
+    """Address (and short Ray node id) of each failed rank's node."""
+    error: str
+    """The first failed rank's error, first line."""
+    preempted: bool = False
+    """The group had a preemption notice: Ray charges this to max_preemption_failures."""
+
+    def describe(self) -> str:
+        where = ", ".join(f"rank {r} on {n}" for r, n in zip(self.ranks, self.nodes))
+        return f"group {self.attempt}{' (preempted)' if self.preempted else ''}: {where}: {self.error}"
+
+
+def granted_topology(nodes: list[NodeTopology], reports: list[WorkerReport], *, cpus_per_worker: int,
+                     use_gpu: bool) -> ClusterTopology:
+    """The cluster map cut down to what Ray granted: each node with only the devices its workers hold,
+    so a plan for it with min = max = len(reports) workers puts one plan entry where each worker is.
+
+    CPU nodes keep `workers × cpus_per_worker` cores. When several Ray nodes share one machine
+    (ray.cluster_utils, one node per GPU group) the map cannot tell which cores Ray gives which node,
+    so their workers are left unpinned rather than all pinned to the same first cores."""
+    per_node = Counter(r.ray_node_id for r in reports)
+    shared = Counter(node.hostname for node in nodes if node.ray_node_id in per_node)
+    kept = []
+    for node in nodes:
+        workers = per_node.get(node.ray_node_id, 0)
+        if not workers:
+            continue
+        if use_gpu:
+            uuids = {u for r in reports if r.ray_node_id == node.ray_node_id for u in r.device_uuids}
+            kept.append(dataclasses.replace(
+                node, gpus=[g for g in node.gpus if g.uuid in uuids], mig_slices=[],
+                links=[link for link in node.links if link.gpu_a in uuids and link.gpu_b in uuids]))
+        else:
+            kept.append(_cpu_share(node, workers, cpus_per_worker, unpinned=shared[node.hostname] > 1))
+    return ClusterTopology(nodes=kept)
+
+
+def _cpu_share(node: NodeTopology, workers: int, cores: int, *, unpinned: bool) -> NodeTopology:
+    numa, need = [], workers
+    for domain in [] if unpinned else node.numa_nodes:
+        cpus = parse_cpu_list(domain.cpus)
+        slots = min(need, len(cpus) // cores)
+        if slots:
+            numa.append(dataclasses.replace(domain, cpus=format_cpu_list(cpus[:slots * cores])))
+            need -= slots
+    return dataclasses.replace(node, cpu_count=workers * cores, numa_nodes=numa if not need else [])
+
+
+def ray_cpu_slots(topology: ClusterTopology, cpus_per_worker: int) -> tuple[ClusterTopology, int]:
+    """The map cut down to the CPU worker slots Ray can schedule (each node's Ray "CPU" resource, not
+    the machine's cores: several Ray nodes may share a machine, and an embedded cluster may advertise
+    more CPUs than cores to run the workers asked for), and how many slots that is."""
+    reports = [WorkerReport(world_rank=0, local_rank=0, ray_node_id=node.ray_node_id, address=node.address)
+               for node in topology.nodes
+               for _ in range(int(node.ray_resources.get("CPU", node.cpu_count) // cpus_per_worker))]
+    return granted_topology(topology.nodes, reports, cpus_per_worker=cpus_per_worker, use_gpu=False), len(reports)
+
+
+def config_for_world(config: JobConfig, world_size: int) -> JobConfig:
+    """The job with its device range pinned to `world_size`: what the planner plans for a granted group."""
+    if config.cluster.use_gpu:
+        placement = dataclasses.replace(config.placement, min_gpus=world_size, max_gpus=world_size)
+        return dataclasses.replace(config, placement=placement)
+    return dataclasses.replace(config, cluster=dataclasses.replace(config.cluster, num_workers=world_size))
+
+
+def matches(plan: Plan, reports: list[WorkerReport]) -> bool:
+    """The plan has one entry per granted worker, on the same nodes (and the same GPUs)."""
+    if Counter(w.ray_node_id for w in plan.workers) != Counter(r.ray_node_id for r in reports):
+        return False
+    granted = {u for r in reports for u in r.device_uuids}
+    return not granted or granted == {w.device_uuid for w in plan.workers}
+
+
+class ElasticState:
+    """The coordinator's logic: plans for granted groups, failures, and the timeline of each recovery.
+
+    `plan_for(topology, config)` plans (planning.make_plan with a cached memory profile in the actor);
+    `discover()` maps the live cluster (called only when a granted node is not in the map yet: a node
+    that keeps its Ray id keeps its hardware)."""
+
+    def __init__(self, config: JobConfig, plan: Plan, nodes: list[NodeTopology], *,
+                 plan_for: Callable[[ClusterTopology, JobConfig], Plan],
+                 discover: Callable[[], ClusterTopology], clock: Callable[[], float] = time.time):
+        self.config = config
+        self.plan = plan
+        self.nodes = {node.ray_node_id: node for node in nodes}
+        self._plan_for, self._discover, self._clock = plan_for, discover, clock
+        self.attempt = 0
+        self.reports: list[WorkerReport] = []
+        self.failures: list[Failure] = []
+        self.fatal: ArchipelagoError | None = None
+        """An error a worker raised for the user (bad data, a bad checkpoint): later groups stop at once."""
+        self.last_step, self.last_step_at = 0, clock()
+        self.noticed_in = 0
+        """The group that last had a preemption notice."""
+        self._lost: Failure | None = None
+        """The failure that ended the current group, until the next group starts."""
+        self._recovery: dict | None = None
+
+    # ---- what the workers and the controller tell it ----------------------------------------------
+    def reached(self, step: int, at: float) -> None:
+        self.last_step, self.last_step_at = step, at
+
+    def failed(self, errors: dict[int, str]) -> list[dict]:
+        """The controller saw these ranks fail; [] when this group's failure was recorded already
+        (the controller reports it on every poll until it restarts the group)."""
+        if self._lost is not None or not errors:
+            return []
+        by_rank = {r.world_rank: r for r in self.reports}
+        # A dead worker takes its peers' collectives down with it; name the dead, not the collateral.
+        dead = [rank for rank, error in errors.items() if error.startswith(WORKER_DEATHS)]
+        ranks = tuple(sorted(dead or errors))
+        nodes = tuple(_node_name(by_rank[r]) if r in by_rank else "unknown node" for r in ranks)
+        self._lost = Failure(self.attempt, self._clock(), ranks, nodes, errors[ranks[0]].strip().splitlines()[0][:300],
+                             preempted=self.noticed_in == self.attempt)
+        self.failures.append(self._lost)
+        return [{"event": "worker_lost", "time": self._lost.time, "attempt": self.attempt, "step": self.last_step,
+                 "ranks": list(ranks), "nodes": list(nodes), "error": self._lost.error,
+                 "preempted": self._lost.preempted, "failures": len(self.failures)}]
+
+    def group_started(self, reports: list[WorkerReport]) -> tuple[Plan, list[dict]]:
+        """A new group's workers (every rank's report): the plan they run, and the event rows."""
+        if self.fatal is not None:
+            raise self.fatal
+        reports = sorted(reports, key=lambda r: r.world_rank)
+        previous, lost = self.reports, self._lost
+        self.attempt += 1
+        self.reports, self._lost = reports, None
+        now = self._clock()
+        rows: list[dict] = []
+        if previous and len(previous) != len(reports):
+            rows.append({"event": "resize", "time": now, "attempt": self.attempt, "world_size": len(reports),
+                         "previous_world_size": len(previous), "step": self.last_step,
+                         "reason": "worker lost" if lost else "capacity changed"})
+        replan_s = 0.0
+        if not matches(self.plan, reports):
+            self.plan = self._replan(reports)
+            replan_s = self._clock() - now
+            rows.append({"event": "replan", "time": now, "attempt": self.attempt, "world_size": len(reports),
+                         "micro_batch_sizes": list(self.plan.replica_micro_batch_sizes()),
+                         "grad_accum_steps": self.plan.grad_accum_steps, "comm_hook": self.plan.comm_hook,
+                         "replan_s": replan_s,
+                         "nodes": sorted({_node_name(r) for r in reports}),
+                         "rates": dataclasses.asdict(Rates.from_plan(self.plan))})  # the bill's new prices
+        if previous:
+            self._recovery = {"lost": lost, "world_size": len(reports), "previous_world_size": len(previous),
+                              "last_step": self.last_step, "last_step_at": self.last_step_at,
+                              "started_at": min(r.started_at for r in reports), "replan_s": replan_s}
+        return self.plan, rows
+
+    def first_step(self, restored_step: int, marks: dict[str, float]) -> list[dict]:
+        """Rank 0 finished the group's first step. marks (unix times on rank 0): planned, restore_start,
+        restored, first_step_done. Returns the "restart" row (none for the run's first group)."""
+        recovery, self._recovery = self._recovery, None
+        if recovery is None:
+            return []
+        lost: Failure | None = recovery["lost"]
+        began = lost.time if lost else recovery["started_at"]
+        return [{"event": "restart", "time": marks["first_step_done"], "attempt": self.attempt,
+                 "step": restored_step, "world_size": recovery["world_size"],
+                 "previous_world_size": recovery["previous_world_size"],
+                 "cause": ("preemption" if lost.preempted else "worker lost") if lost else "resize",
+                 "steps_redone": max(0, recovery["last_step"] - restored_step),
+                 "detect_s": lost.time - recovery["last_step_at"] if lost else None,
+                 "startup_s": recovery["started_at"] - began,
+                 "replan_s": recovery["replan_s"],
+                 "setup_s": marks["restore_start"] - marks["planned"],
+                 "restore_s": marks["restored"] - marks["restore_start"],
+                 "recompile_s": marks["first_step_done"] - marks["restored"],
+                 "recovery_s": marks["first_step_done"] - (recovery["last_step_at"] if lost else began)}]
+
+    def failure_summary(self) -> str:
+        return "; ".join(f.describe() for f in self.failures) or "no worker failure was recorded"
+
+    # ---- planning ---------------------------------------------------------------------------------
+    def _replan(self, reports: list[WorkerReport]) -> Plan:
+        granted = {r.ray_node_id for r in reports}
+        if granted - set(self.nodes):
+            self.nodes.update({node.ray_node_id: node for node in self._discover().nodes})
+        unknown = granted - set(self.nodes)
+        if unknown:
+            raise ClusterError(f"workers run on {len(unknown)} node(s) the topology probe did not map",
+                               where=", ".join(sorted(unknown)), fix="check the nodes with `ray status`")
+        cluster = self.config.cluster
+        topology = granted_topology(list(self.nodes.values()), reports, cpus_per_worker=cluster.cpus_per_worker,
+                                    use_gpu=cluster.use_gpu)
+        try:
+            return self._plan_for(topology, config_for_world(self.config, len(reports)))
+        except (ConfigError, PlacementError) as e:  # ConfigError: the batch cannot be split over this many
+            raise PlacementError(f"no plan for the {len(reports)} workers Ray granted: {e.what}", where=e.where,
+                                 fix=e.fix or "narrow the [elastic] worker range") from None
+
+
+def _node_name(report: WorkerReport) -> str:
+    return f"{report.address} ({report.ray_node_id[:8]})"
+
+
+class PlanCoordinator:
+    """The Ray actor around ElasticState: one per fit, on the driver's node (it outlives any worker node),
+    named after the run so tests and benchmarks can watch a run from outside (`status`)."""
+
+    def __init__(self, config: JobConfig, plan: Plan, topology: ClusterTopology, plan_path: str, sink, memory):
+        self.plan_path, self.sink, self.memory = plan_path, sink, memory
+        self.state = ElasticState(config, plan, topology.nodes, plan_for=self._plan_for, discover=_discover)
+        self.events: list[dict] = []
+        # Now, not during a recovery: the exact memory of every micro-batch a re-plan can hand out (the
+        # planner checks its choice with them), and the planner's imports (torch and all).
+        measure_steps(memory.spec, tuple(range(1, config.train.micro_batch_size + 1)))
+
+    def group_started(self, reports: list[WorkerReport]) -> Plan:
+        try:
+            plan, rows = self.state.group_started(reports)
+        except ArchipelagoError as e:  # a group that cannot be planned for: later groups stop at once too
+            self.state.fatal = e
+            raise
+        if any(row["event"] == "replan" for row in rows):
+            plan.save(self.plan_path)
+        self.record(rows)
+        return plan
+
+    def reached(self, step: int, at: float) -> None:
+        self.state.reached(step, at)
+
+    def failed(self, errors: dict[int, str]) -> None:
+        self.record(self.state.failed(errors))
+
+    def first_step(self, restored_step: int, marks: dict[str, float]) -> None:
+        self.record(self.state.first_step(restored_step, marks))
+
+    def give_up(self, error: ArchipelagoError) -> None:
+        """A worker raised an error for the user: Ray Train will retry, and every later group stops at once."""
+        self.state.fatal = error
+
+    def record(self, rows: list[dict]) -> None:
+        if any(row["event"] == "preemption" for row in rows):
+            self.state.noticed_in = self.state.attempt
+        if rows:
+            self.events.extend(rows)
+            self.sink.record.remote(rows)
+
+    def current_plan(self) -> Plan:
+        return self.state.plan
+
+    def failures(self) -> list[Failure]:
+        return list(self.state.failures)
+
+    def status(self) -> dict:
+        """For watching a run from outside: the group, its workers' pids and nodes, progress, events."""
+        return {"attempt": self.state.attempt, "last_step": self.state.last_step,
+                "world_size": len(self.state.reports), "workers": [dataclasses.asdict(r) for r in self.state.reports],
+                "events": list(self.events)}
+
+    def _plan_for(self, topology: ClusterTopology, config: JobConfig) -> Plan:
+        return planning.make_plan(topology, config, memory=self.memory)
+
+
+def _discover() -> ClusterTopology:
+    return topology.discover_cluster()
+
+
+def on_this_node():
+    """A scheduling strategy that keeps an actor on this (the driver's) node: it must outlive any worker node."""
+    return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+
+
+def start_coordinator(config: JobConfig, plan: Plan, topology: ClusterTopology, plan_path: str, sink, memory):
+    """Starts the run's PlanCoordinator on the driver's node; returns its handle. `memory`: the job's
+    MemoryProfile (the slow part of planning, the same for every world size)."""
+    actor = ray.remote(num_cpus=0, max_restarts=0)(PlanCoordinator)
+    return actor.options(name=COORDINATOR_NAME.format(config.name), scheduling_strategy=on_this_node()).remote(
+        config, plan, topology, str(plan_path), sink, memory)
+
+
+def failure_config(config: JobConfig):
+    """Ray Train's FailureConfig from [elastic]: worker failures and preemptions on separate budgets."""
+    elastic = config.elastic
+    return FailureConfig(max_failures=elastic.max_failures, max_preemption_failures=elastic.max_preemption_failures,
+                         preemption_grace_s=elastic.preemption_grace_s)
+
+
+def failure_recorder(coordinator):
+    """A Ray Train UserCallback (it runs on the controller) that tells the coordinator about failed workers."""
+    class FailureRecorder(UserCallback):
+        def __init__(self, coordinator):
+            self.coordinator = coordinator
+
+        def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
+            self.coordinator.failed.remote({rank: f"{type(e).__name__}: {e}" for rank, e in worker_exceptions.items()})
+
+    return FailureRecorder(coordinator)

@@ -1,0 +1,115 @@
+"""What a step's compute costs: model FLOPs utilisation anchors, comm hooks' own kernels, CPU rates."""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+MFU_ANCHORS = ((768, 0.34), (2048, 0.53))
+"""(n_embd, model FLOPs utilisation) measured in eager bf16 on one H200 (shared/bench, DESIGN.md):
+GPT-2 124M at B=32, T=1024 and GPT 1.3B at B=8, T=2048. Wider models keep tensor cores busier."""
+COMPILED_MFU_ANCHORS = ((768, 0.483), (2048, 0.584))
+"""The same for the compiled engine (fused loss, clipping): benchmarks/step.py on one H200,
+benchmarks/RESULTS.md, 2026-11-30 (plain torch.compile: 0.478 / 0.596)."""
+BF16_WEIGHTS_MFU_ANCHORS = ((768, 0.511), (2048, 0.609))
+"""The compiled engine with [train] bf16_weights (a bf16 copy, fp32 masters), same benchmark and day
+(0.499 / 0.594), times what the one-pass AdamW (kernels.adamw) gained over that path in one later run
+(1.024× / 1.025×; that call measured 0.522 / 0.621 with the GPU running faster, plain compile 0.486 / 0.609)."""
+
+
+@dataclass(frozen=True, slots=True)
+class HookComputeRate:
+    """What a compressing comm hook's own kernels cost per gradient element per step."""
+
+    gpu_bytes_per_element: float
+    """Effective bytes of device memory traffic: seconds = elements × this / the GPU's memory bandwidth."""
+    cpu_core_ns_per_element: float
+    """Core-nanoseconds on CPU workers (the torch twins), divided among a worker's cores."""
+
+
+HOOK_COMPUTE = {
+    "bf16": HookComputeRate(gpu_bytes_per_element=35.6, cpu_core_ns_per_element=3.9),
+    "topk": HookComputeRate(gpu_bytes_per_element=60.3, cpu_core_ns_per_element=88.0),
+}
+"""Fitted to one-rank runs of GPT-2 124M's 124.4 M gradient elements (benchmarks/multigpu.py --only
+hooks, 2026-11-30): on an H200 (4.8 TB/s), bf16 0.92 ms and topk at 1 % 1.56 ms a step (earlier calls
+0.77–1.28 and 1.06–1.77 ms: read these to within about 1.5×; those runs summed one payload); on this
+project's 2-core CPU machine, 25 M elements: bf16 49 ms, topk (compress + decompress_sum of 2
+payloads) 1.0–1.1 s."""
+
+ELIAS_FANO_LAUNCH_SECONDS_PER_ELEMENT = 5.9e-12
+"""The topk hook's Elias–Fano wire (kernels.wire) on top of HOOK_COMPUTE["topk"], on a GPU, at DDP's
+25 MB buckets: benchmarks/kernels.py on an H200, 6.25 M elements at k = 1 %, encode 10.3 µs and
+decode of 8 rows 26.8 µs (37.1 µs a bucket). Mostly launches and small kernels, so not scaled by
+memory bandwidth; measured on an H200 only. Per element it falls with the bucket (68 µs at 100 MB,
+491 µs at 1 GB), so larger buckets cost less than this. Two H200s training GPT-2 124M measured
+0.4 ms a step more than the payload sent as it is (one call; single steps read to about 1 ms),
+where this costs 0.74 ms."""
+ELIAS_FANO_DECODE_TRAFFIC = 7
+"""Bytes a GPU's decode moves per byte of each rank's wire at k = 1 %: the unary part read twice
+and the low bits once (about 0.6 of the wire), the payload zeroed and written (2.4), its codes and
+scales copied (1.1), and the entries' places filled and written as int32 (3.3)."""
+ELIAS_FANO_CPU_CORE_NS_PER_ELEMENT = 1.0
+"""The torch twins on CPU workers, per gradient element: to encode once, and to decode each rank's
+wire (on this project's 2-core machine, 6.25 M elements at k = 1 %: encode 3.2 ms, 8 rows 25.5 ms)."""
+
+POWERSGD_HOST_SECONDS_PER_MATRIX = 3.1e-4
+"""torch's PowerSGD hook steps each compressed matrix from Python (orthogonalisation column by
+column), so its cost follows the matrices, not the bytes: 15.4 ms a step for GPT-2 124M's 50 on an
+H200 host (28.6 ms in an earlier call on another host)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ComputeModel:
+    """Per-device step time: FLOPs / (peak × utilisation) + a fixed cost per micro-step.
+
+    Utilisation is interpolated in log(n_embd) between measured anchors and held flat outside
+    them; the same share of peak is assumed for every GPU (its own peak: MIG slices and slower
+    models are slower in proportion). CPU workers use a nominal peak per core."""
+
+    mfu_anchors: tuple[tuple[int, float], ...] = MFU_ANCHORS
+    micro_step_overhead_s_per_layer: float = 1e-4
+    """Launch and Python overhead per transformer block per micro-step (eager: ~20 kernels × 5 µs)."""
+    cpu_gflops_per_core: float = 100.0
+    """fp32 peak of one core (2 AVX2/AVX-512 FMA units at ~3 GHz)."""
+    cpu_utilisation: float = 0.25
+    """Share of that peak a small transformer reaches in torch on CPU (the CPU demo measures ~27 GFLOP/s a core)."""
+    cpu_bf16_utilisation: float = 0.0315
+    """The same in bf16: the CPU demo's model trained at 1,078 tok/s in bf16 against 8,557 predicted at
+    the fp32 share on a 2-core AMD EPYC without bf16 units (no AVX512-BF16 or AMX), so torch emulates
+    it. CPUs with AMX would be faster; the run's measured step time, not this, is what the bill uses."""
+    cpu_overhead_s_per_layer: float = 5e-4
+
+    @classmethod
+    def compiled(cls, *, bf16_weights: bool = False) -> ComputeModel:
+        anchors = BF16_WEIGHTS_MFU_ANCHORS if bf16_weights else COMPILED_MFU_ANCHORS
+        return cls(mfu_anchors=anchors, micro_step_overhead_s_per_layer=2e-5)
+
+    def utilisation(self, n_embd: int) -> float:
+        return _interpolate_log(self.mfu_anchors, n_embd)
+
+    def gpu_samples_per_second(self, peak_tflops: float, flops_per_sample: float, n_embd: int) -> float:
+        return peak_tflops * 1e12 * self.utilisation(n_embd) / flops_per_sample
+
+    def cpu_samples_per_second(self, cores: int, flops_per_sample: float, dtype: str = "fp32") -> float:
+        """dtype: the job's compute dtype, fp32 or bf16."""
+        utilisation = self.cpu_bf16_utilisation if dtype == "bf16" else self.cpu_utilisation
+        return cores * self.cpu_gflops_per_core * 1e9 * utilisation / flops_per_sample
+
+    def overhead_s(self, n_layer: int, *, cpu: bool) -> float:
+        return n_layer * (self.cpu_overhead_s_per_layer if cpu else self.micro_step_overhead_s_per_layer)
+
+
+@functools.lru_cache(maxsize=64)
+def _interpolate_log(anchors: tuple[tuple[int, float], ...], x: int) -> float:
+    """Linear in log(x) between sorted anchors, flat outside them."""
+    anchors = tuple(sorted(anchors))
+    if x <= anchors[0][0]:
+        return anchors[0][1]
+    for (x0, y0), (x1, y1) in zip(anchors, anchors[1:]):
+        if x <= x1:
+            return y0 + (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0)) * (y1 - y0)
+    return anchors[-1][1]
+
+

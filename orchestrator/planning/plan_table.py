@@ -1,0 +1,95 @@
+"""Print a plan for people: its workers (grouped when there are many), and its predictions beside a naive plan's.
+
+    print_plan(plan, naive, console)
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from core.plan import AllReduce, Plan
+
+WORKER_ROWS_MAX = 32
+"""Plans with more workers print one row per (node kind, device, micro-batch) group instead."""
+
+
+def print_plan(plan: Plan, naive: Plan | None, console: Console, *, naive_reason: str = "") -> None:
+    console.print(_headline(plan), highlight=False)
+    console.print(_workers(plan))
+    console.print(_comparison(plan, naive))
+    if naive is None:
+        console.print(f"  [dim]naive plan: {escape(naive_reason or 'none')}[/]", highlight=False)
+    for note in plan.notes:
+        console.print(f"  [yellow]note:[/] {escape(note)}", highlight=False)
+    if naive is not None:
+        for note in naive.notes:
+            console.print(f"  [dim]naive: {escape(note)}[/]", highlight=False)
+
+
+def _headline(plan: Plan) -> str:
+    tp = f", tensor parallel {plan.tensor_parallel_size}" if plan.tensor_parallel_size > 1 else ""
+    buckets = ", ".join(f"{kind} {size / 2**20:.0f} MiB" for kind, size in plan.ddp_bucket_bytes.items())
+    workers = f"{plan.world_size} worker{'s' * (plan.world_size != 1)}"
+    reduction = {AllReduce.NONE: "no gradient reduction",
+                 AllReduce.ALL_GATHER: f"all-gather of compressed gradients over {plan.backend}"}.get(
+        plan.allreduce, f"{plan.allreduce.value} all-reduce over {plan.backend}")
+    if plan.comm_hook and plan.allreduce != AllReduce.NONE and plan.data_parallel.value == "ddp":
+        reduction += f" (comm hook {plan.comm_hook})"
+    return (f"[bold]plan '{escape(plan.job_name)}'[/] ({plan.objective.value}): {workers}, "
+            f"{plan.data_parallel.value}{tp}, {reduction}, global batch {plan.global_batch_size} = "
+            f"micro-batches × {plan.grad_accum_steps} accumulation" + (f"; buckets {buckets}" if buckets else ""))
+
+
+def _workers(plan: Plan) -> Table:
+    table = Table(box=None, pad_edge=False, padding=(0, 1, 0, 1))
+    if plan.world_size <= WORKER_ROWS_MAX:
+        for column in ("rank", "island or node", "device", "micro-batch", "peak GiB", "device UUID"):
+            table.add_column(column, no_wrap=True,
+                             justify="right" if column in ("rank", "micro-batch", "peak GiB") else "left")
+        for w in plan.workers:
+            uuid = w.device_uuid[:13] + "…" if w.device_uuid and len(w.device_uuid) > 14 else (w.device_uuid or "-")
+            table.add_row(str(w.rank), w.island_id or w.node_id, w.device_model, str(w.micro_batch_size),
+                          f"{w.predicted_peak_memory_bytes / 2**30:.2f}", uuid)
+        return table
+    for column in ("workers", "nodes", "device", "micro-batch", "peak GiB", "compute s"):
+        table.add_column(column, justify="left" if column == "device" else "right")
+    groups = Counter((w.device_model, w.micro_batch_size) for w in plan.workers)
+    for (model, micro_batch), count in sorted(groups.items(), key=lambda item: (-item[0][1], item[0][0])):
+        members = [w for w in plan.workers if w.device_model == model and w.micro_batch_size == micro_batch]
+        table.add_row(f"{count:,}", f"{len({w.node_id for w in members}):,}", model, str(micro_batch),
+                      f"{max(w.predicted_peak_memory_bytes for w in members) / 2**30:.2f}",
+                      f"{max(w.predicted_compute_seconds for w in members):.4f}")
+    return table
+
+
+_ROWS = (("step s", "step_seconds", "{:.4f}"), ("compute s", "compute_seconds", "{:.4f}"),
+         ("exposed comm s", "exposed_communication_seconds", "{:.4f}"),
+         ("all comm s", "communication_seconds", "{:.4f}"), ("tokens/s", "tokens_per_second", "{:,.0f}"),
+         ("$/hour", "dollars_per_hour", "{:,.2f}"), ("$/step", "dollars_per_step", "{:.5f}"),
+         ("$/M tokens", "dollars_per_million_tokens", "{:.4f}"), ("job hours", "job_hours", "{:,.2f}"),
+         ("job $", "job_dollars", "{:,.2f}"))
+
+
+def _comparison(plan: Plan, naive: Plan | None) -> Table:
+    table = Table(box=None, pad_edge=False, padding=(0, 2, 0, 2), title="predicted per step", title_justify="left")
+    table.add_column("")
+    table.add_column("planned", justify="right")
+    table.add_column("naive (Ray PACK, uniform)", justify="right")
+    table.add_column("naive / planned", justify="right")
+    table.add_row("workers", str(plan.world_size), str(naive.world_size) if naive else "-", "")
+    for label, name, form in _ROWS:
+        mine = getattr(plan.predicted, name)
+        theirs = getattr(naive.predicted, name) if naive else None
+        table.add_row(label, form.format(mine), form.format(theirs) if theirs is not None else "-",
+                      _ratio(mine, theirs))
+    return table
+
+
+def _ratio(mine: float, theirs: float | None) -> str:
+    if theirs is None or mine <= 0:
+        return "-"
+    return f"{theirs / mine:.2f}×"

@@ -1,0 +1,601 @@
+"""The planner: choose the devices, groups and per-worker work that best serve the job's objective.
+
+    plan = Planner(topology, config).plan()          # the plan to run
+    naive = Planner(topology, config).naive(plan.world_size)   # Ray's default PACK placement, same count
+
+Search. Domains (an NVLink island, a node's PCIe GPUs, its MIG slices, its CPU slots) fall into
+classes of interchangeable domains; a candidate is how many devices to take from each class,
+taken domain by domain in the class's order (best network first), so that ranks pack into as few
+islands and nodes as possible. From each starting class, the planner grows the candidate greedily
+— each step adds the chunk (a domain, then geometrically more) of whichever class scores best
+under the objective — keeps the best candidate seen, then climbs from it by adding or removing
+single domains or devices, leaving a class out, or (small pools) trading a device of one class
+for one of another, until nothing improves. Every candidate is scored by model.Costing, the same
+model the exhaustive check enumerates.
+
+Then the chosen candidate becomes a Plan: ranks in topology order (island by island), micro-batches
+from the split, process groups, bucket sizes, and exact fake-tensor memory peaks per worker.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import defaultdict
+from itertools import product
+
+import numpy as np
+
+from core.config import JobConfig
+from core.errors import ConfigError, PlacementError
+from core.plan import (
+    AllReduce,
+    DataParallel,
+    DeviceKind,
+    Objective,
+    Plan,
+    Prediction,
+    WorkerPlacement,
+    cross_island_groups,
+)
+from orchestrator.planning.collectives import CollectiveCostModel
+from orchestrator.planning.compute import ComputeModel
+from orchestrator.planning.costing import (
+    DDP_DEFAULT_BUCKET_BYTES,
+    Costing,
+    Footprint,
+    Outcome,
+    PlanningJob,
+    Refusal,
+    Selection,
+)
+from orchestrator.planning.devices import Device, DevicePool, DeviceType, Domain
+from orchestrator.planning.hook_costs import COMPRESSING_HOOKS, CommHookCost
+from orchestrator.planning.memory import MemoryProfile, measure_steps, profile, usable_bytes
+from orchestrator.planning.prices import PriceTable
+from topology.cluster import ClusterTopology
+from topology.sysfs import format_cpu_list, parse_cpu_list
+
+REFINE_ROUNDS = 64
+"""Hill-climbing rounds after the greedy paths; each tries every class one domain or device up or
+down, or left out altogether."""
+FINE_MOVES_UP_TO = 128
+"""Pools of at most this many devices also grow by single devices, not only whole domains."""
+EXACT_MEMORY_RETRIES = 3
+"""Searches again, with an exactly measured micro-batch cap, when the exact memory check of a plan
+finds a micro-batch the interpolated profile let through too large."""
+AUTO_BF16_MIN_GAIN = 0.05
+"""comm_hook = "auto" takes the bf16 hook only for a step at least this much shorter than plain
+all-reduce's: it rounds the averaged gradients to bf16 (over a 3.4 GB/s link between two H200s it
+reached plain all-reduce's loss 1.81x sooner and ended 0.02 % above it after 200 steps)."""
+HOOK_ADVICE_EXPOSED_SHARE = 0.10
+"""From this share of the step spent waiting on plain all-reduce, a plan's notes say what each
+compressing comm hook is predicted to do."""
+
+
+class _Overrun(Exception):
+    def __init__(self, device: DeviceType, micro_batch: int):
+        super().__init__(device, micro_batch)
+        self.device, self.micro_batch = device, micro_batch
+
+
+class Planner:
+    def __init__(self, topology: ClusterTopology, config: JobConfig, *, memory: MemoryProfile | None = None,
+                 collectives: CollectiveCostModel | None = None, compute: ComputeModel | None = None,
+                 prices: PriceTable | None = None, exact_memory: bool = True):
+        """memory: the job's MemoryProfile (computed from the config when not given; it is the slow
+        part, a few fake training steps); exact_memory re-measures the chosen micro-batches exactly.
+
+        Refuses at once (PlacementError), before the memory profile, a job the cluster cannot hold
+        whatever the memory: no devices, no NVLink island for a tensor-parallel group, too few
+        devices for min_gpus or for the batch, no price for a device under a dollar objective."""
+        self.topology = topology
+        self.config = config
+        self.job = PlanningJob.from_config(config)
+        self.collectives = collectives or CollectiveCostModel.for_job(config)  # defaults and a measured table
+        self.compute = compute or (ComputeModel.compiled(bf16_weights=config.train.bf16_weights)
+                                   if config.compile.enable else ComputeModel())
+        prices = prices or PriceTable.for_job(config)  # defaults and [bill] prices_file
+        self.prices = prices.with_overrides(config.placement.prices, spot=self.job.spot)
+        self.exact_memory = exact_memory
+        if self.job.use_gpu:
+            self.pool = DevicePool.gpus(topology, self.collectives, dtype=self.job.compute_dtype,
+                                        use_mig=self.job.use_mig)
+        else:
+            self.pool = DevicePool.cpus(topology, self.collectives, cores_per_worker=self.job.cpus_per_worker,
+                                        cpu_gflops_per_core=self.compute.cpu_gflops_per_core)
+        self._check_feasible()
+        self.memory = memory or profile(config, device_type="cuda" if self.job.use_gpu else "cpu")
+        self.costing = Costing(self.job, self.pool, self.collectives, self.compute, self.prices, self.memory)
+        self._auto_note = ""
+        self.classes = self._classes()
+        self._class_domains = [np.array(members, dtype=np.int64) for members in self.classes]
+        self._unit_of_class = [self._usable(self.pool.domains[members[0]]) for members in self.classes]
+        self._capacity = [len(members) * unit for members, unit in zip(self.classes, self._unit_of_class)]
+        self._fine = (False, True) if self.pool.device_count <= FINE_MOVES_UP_TO else (False,)
+
+    # ---- public ----------------------------------------------------------------------------------
+    def plan(self) -> Plan:
+        for _ in range(EXACT_MEMORY_RETRIES):
+            best = self._search_for_hook()
+            try:
+                return self.build(best, notes=self._notes(best))
+            except _Overrun as overrun:  # the interpolation was optimistic: cap that device exactly, search again
+                self.costing.limit_micro_batch(overrun.device, self._exact_fit(overrun, best))
+                failed = overrun
+        raise PlacementError(f"the exact memory estimate of micro-batch {failed.micro_batch} does not fit "
+                             f"{failed.device.label}", where="[train] micro_batch_size",
+                             fix=f"set micro_batch_size below {failed.micro_batch}")
+
+    def _exact_fit(self, overrun: _Overrun, outcome: Outcome) -> int:
+        """The largest micro-batch below the one that overran whose exact peak fits the device."""
+        return self.memory.max_micro_batch(
+            self.costing.capacity_for_step(overrun.device, outcome.data_parallel, outcome.devices),
+            data_parallel=outcome.data_parallel.value, world_size=outcome.devices,
+            tensor_parallel_size=self.job.tensor_parallel_size, accumulating=outcome.split.grad_accum_steps > 1,
+            limit=overrun.micro_batch - 1, exact=True)
+
+    def _search_for_hook(self) -> Outcome:
+        """search() under the configured comm hook. Under "auto": under plain all-reduce and, where the
+        config allows it, the bf16 hook, which is kept only for a step AUTO_BF16_MIN_GAIN shorter; self.costing
+        is left on the winner's hook, which build() names in the plan."""
+        self._auto_note = ""
+        if self.config.parallel.comm_hook != "auto":
+            return self.search()
+        plain_costing = self.costing.with_comm_hook(CommHookCost.plain(self.job.gradient_bytes))
+        self.costing = plain_costing
+        plain = self.search()
+        bf16_config = self._config_with_hook("bf16")
+        if bf16_config is None:
+            return plain
+        self.costing = plain_costing.with_comm_hook(CommHookCost.for_job(bf16_config))
+        bf16 = self.search()
+        if bf16.step_seconds <= (1 - AUTO_BF16_MIN_GAIN) * plain.step_seconds and bf16.score <= plain.score:
+            self._auto_note = (f"comm_hook = auto took bf16: a predicted {bf16.step_seconds * 1e3:.1f} ms step "
+                               f"against {plain.step_seconds * 1e3:.1f} ms with plain all-reduce")
+            return bf16
+        self.costing = plain_costing
+        return plain
+
+    def _hook_to_run(self) -> str:
+        """What the workers run (Plan.comm_hook): the configured hook, or auto's pick (self.costing's)."""
+        if self.config.parallel.comm_hook != "auto":
+            return self.config.parallel.comm_hook
+        return self.costing.comm_hook.name
+
+    def _config_with_hook(self, name: str) -> JobConfig | None:
+        """The job's config with [parallel] comm_hook = name, or None where the config's own checks
+        refuse that hook for this job (powersgd over gloo; compression with bf16 weights, compiled
+        autograd or FSDP)."""
+        return self._config_with(comm_hook=name)
+
+    def _config_with(self, **parallel) -> JobConfig | None:
+        """The job's config with these [parallel] settings, or None where its own checks refuse them."""
+        data = self.config.to_dict()
+        data["parallel"].update(parallel)
+        try:
+            return JobConfig.from_dict(data)
+        except ConfigError:
+            return None
+
+    def search(self) -> Outcome:
+        """The best candidate the greedy paths and hill climbing find (raises PlacementError if none)."""
+        evaluated: dict[tuple[int, ...], Outcome | Refusal] = {}
+        best: Outcome | None = None
+
+        def visit(counts: tuple[int, ...]) -> Outcome | Refusal:
+            nonlocal best
+            if counts not in evaluated:
+                evaluated[counts] = self.costing.evaluate(self._footprint(counts))
+                outcome = evaluated[counts]
+                if self._acceptable(outcome) and (best is None or outcome.score < best.score):
+                    best = outcome
+            return evaluated[counts]
+
+        for start in [None, *range(len(self.classes))]:
+            counts = tuple(0 for _ in self.classes)
+            if start is not None:
+                counts = self._grow(counts, start, fine=False) or counts
+            while True:
+                moves = [m for c in range(len(self.classes)) for fine in self._fine
+                         if (m := self._grow(counts, c, fine=fine)) is not None]
+                if not moves:
+                    break
+                counts = min(moves, key=lambda m: _guide(visit(m)))
+        if best is None:
+            raise self._why_nothing_fits(evaluated)
+        counts = self._counts_of(best.selection)
+        for _ in range(REFINE_ROUNDS):
+            neighbours = [m for c in range(len(self.classes)) for fine in self._fine for grow in (True, False)
+                          if (m := (self._grow if grow else self._shrink)(counts, c, fine=fine)) is not None]
+            # Leaving a whole class out is one move, not one per device: slow links cost as a class.
+            neighbours += [counts[:c] + (0,) + counts[c + 1:] for c in range(len(self.classes)) if counts[c]]
+            if len(self._fine) > 1:  # small pools: also trade one device of a class for one of another
+                neighbours += [m for a in range(len(self.classes)) for b in range(len(self.classes)) if a != b
+                               and (grown := self._grow(counts, a, fine=True)) is not None
+                               and (m := self._shrink(grown, b, fine=True)) is not None]
+            for m in neighbours:
+                visit(m)
+            better = self._counts_of(best.selection)
+            if better == counts:
+                break
+            counts = better
+        return best
+
+    def exhaustive(self) -> Outcome:
+        """The optimum of the same cost model over every number of devices from every domain, and
+        every feasible accumulation count. Devices of one domain are interchangeable in the model,
+        so this covers every subset of devices. Exponential: for clusters of a few domains."""
+        unit = self.job.tensor_parallel_size
+        ranges = [range(0, d.size // unit * unit + 1, unit) for d in self.pool.domains]
+        best: Outcome | None = None
+        for counts in product(*ranges):
+            if not self._in_range(sum(counts)) or sum(counts) == 0:
+                continue
+            selection = tuple((i, k) for i, k in enumerate(counts) if k)
+            outcome = self.costing.evaluate(selection, all_accumulations=True)
+            if self._acceptable(outcome) and (best is None or outcome.score < best.score):
+                best = outcome
+        if best is None:
+            raise PlacementError("no subset of devices can run the job", where="[placement]",
+                                 fix="see `archipelago plan` for the constraint that fails")
+        return best
+
+    def naive(self, world_size: int | None = None) -> Plan | None:
+        """What `ScalingConfig(num_workers=N, use_gpu=…)` does without a plan: Ray packs N workers
+        onto the nodes in order (PACK), each takes the next whole GPU by index, every worker gets
+        the config's micro-batch (lowered until it fits the smallest device and divides the batch),
+        DDP all-reduces flat with its default 25 MiB buckets. N defaults to every whole GPU (CPU
+        slot). None when N devices are not there or no uniform micro-batch fits."""
+        order = [(i, d) for i, d in enumerate(self.pool.domains) if d.type.kind != DeviceKind.MIG]
+        wanted = world_size or sum(d.size for _, d in order)
+        selection, left = [], wanted
+        for index, domain in order:
+            take = min(left, domain.size)
+            if take:
+                selection.append((index, take))
+                left -= take
+        if left:
+            return None
+        types = {self.pool.domains[i].type for i, _ in selection}
+        planned_costing = self.costing
+        if self.config.parallel.comm_hook == "auto":  # unplanned: DDP's own all-reduce
+            self.costing = planned_costing.with_comm_hook(CommHookCost.plain(self.job.gradient_bytes))
+        try:
+            for micro_batch in range(self.job.micro_batch_limit, 0, -1):
+                outcome = self.costing.evaluate(tuple(selection), uniform_micro_batch=micro_batch, planned_comm=False)
+                if isinstance(outcome, Outcome):
+                    what = "whole GPUs" if self.job.use_gpu else "CPU slots"
+                    note = (f"Ray's PACK order: {wanted} {what} in node and index order, micro-batch "
+                            f"{micro_batch} for every worker ({', '.join(sorted(t.label for t in types))})")
+                    try:
+                        return self.build(outcome, notes=[note], bucket_bytes={"default": DDP_DEFAULT_BUCKET_BYTES})
+                    except _Overrun:  # the exact estimate is larger than the profile's: a smaller one
+                        continue
+            return None
+        finally:
+            self.costing = planned_costing
+
+    # ---- candidates ------------------------------------------------------------------------------
+    def _classes(self) -> list[list[int]]:
+        """Domain indices grouped into classes of interchangeable domains, best first within a class
+        (fastest network), classes in the objective's order of preference."""
+        usable = [i for i, d in enumerate(self.pool.domains) if self._usable(d)]
+        classes: dict[tuple, list[int]] = defaultdict(list)
+        for i in sorted(usable, key=lambda i: -self.pool.domains[i].network_hop.bytes_per_s):
+            classes[self.pool.domains[i].class_key()].append(i)
+        cheap = self.job.objective != Objective.FASTEST
+
+        def preference(members: list[int]) -> tuple:
+            device = self.pool.domains[members[0]].type
+            speed = device.peak_tflops
+            price = self.costing.price(device)
+            return (-(speed / price) if cheap and price > 0 else 0.0, -speed)
+        return sorted(classes.values(), key=preference)
+
+    def _usable(self, domain: Domain) -> int:
+        """Devices of `domain` the job can use: whole tensor-parallel groups, which need NVLink."""
+        unit = self.job.tensor_parallel_size
+        if unit > 1 and not domain.nvlink:
+            return 0
+        return domain.size // unit * unit
+
+    def _grow(self, counts: tuple[int, ...], c: int, *, fine: bool) -> tuple[int, ...] | None:
+        """counts with more devices of class c: one device (fine) or a chunk of domains growing
+        with the class's size, cut down to the device limit. None when nothing can be added."""
+        room = self._capacity[c] - counts[c]
+        limit = self.job.max_devices - sum(counts) if self.job.max_devices else room
+        domain = self._unit_of_class[c]
+        step = self.job.tensor_parallel_size if fine else domain * max(1, counts[c] // domain // 4)
+        if not fine and counts[c] % domain:
+            step = domain - counts[c] % domain  # complete the partly used domain first
+        step = min(step, room, limit)
+        if step <= 0:
+            return None
+        return counts[:c] + (counts[c] + step,) + counts[c + 1:]
+
+    def _shrink(self, counts: tuple[int, ...], c: int, *, fine: bool) -> tuple[int, ...] | None:
+        domain = self._unit_of_class[c]
+        step = self.job.tensor_parallel_size if fine else (counts[c] % domain or domain)
+        if counts[c] - step < 0 or step <= 0:
+            return None
+        return counts[:c] + (counts[c] - step,) + counts[c + 1:]
+
+    def _footprint(self, counts: tuple[int, ...]) -> Footprint:
+        """The candidate `counts` (devices per class), packed: whole domains first, in class order."""
+        domains, taken = [], []
+        for c, count in enumerate(counts):
+            unit = self._unit_of_class[c]
+            full, partial = divmod(count, unit)
+            used = self._class_domains[c][:full + (partial > 0)]
+            domains.append(used)
+            taken.append(np.full(len(used), unit, dtype=np.int64))
+            if partial:
+                taken[-1][-1] = partial
+        return self.costing.footprint(np.concatenate(domains), np.concatenate(taken))
+
+    def _counts_of(self, selection: Selection) -> tuple[int, ...]:
+        class_of = {i: c for c, members in enumerate(self.classes) for i in members}
+        counts = [0] * len(self.classes)
+        for i, k in selection:
+            counts[class_of[i]] += k
+        return tuple(counts)
+
+    def _acceptable(self, outcome: Outcome | Refusal) -> bool:
+        """Runs, within the device range, and (cheapest_under_deadline) before the deadline."""
+        return isinstance(outcome, Outcome) and self._in_range(outcome.devices) and math.isfinite(outcome.score[0])
+
+    def _in_range(self, devices: int) -> bool:
+        return devices >= self.job.min_devices and (not self.job.max_devices or devices <= self.job.max_devices)
+
+    # ---- refusals --------------------------------------------------------------------------------
+    def _check_feasible(self) -> None:
+        """The refusals that need only the device pool, the job and the prices (not the memory profile)."""
+        job, pool = self.job, self.pool
+        what = "GPUs and MIG slices" if job.use_gpu else f"CPU worker slots of {job.cpus_per_worker} cores"
+        if pool.device_count == 0:
+            raise PlacementError(f"the cluster has no {what}", where="topology",
+                                 fix="set [cluster] use_gpu = false to train on CPUs" if job.use_gpu else
+                                 "lower [cluster] cpus_per_worker to what a node has")
+        unit = job.tensor_parallel_size
+        if unit > 1:
+            largest = max((d for d in pool.domains if d.nvlink), key=lambda d: d.size, default=None)
+            if largest is None or largest.size < unit:
+                have = f"the largest has {largest.size} GPUs ({largest.domain_id})" if largest else "there are none"
+                raise PlacementError(f"tensor_parallel_size {unit} needs an NVLink island of {unit} whole GPUs; "
+                                     f"{have}", where="[placement] tensor_parallel_size",
+                                     fix=f"set tensor_parallel_size to at most {largest.size if largest else 1}"
+                                         ", or use fully sharded data parallelism ([parallel] strategy = \"fsdp\")")
+        usable = sum(self._usable(domain) for domain in pool.domains)
+        if usable < job.min_devices:
+            key = "[placement] min_gpus" if job.use_gpu else "[cluster] num_workers"
+            raise PlacementError(f"asks for {job.min_devices} workers; the cluster has {usable} usable {what}",
+                                 where=key, fix=f"set {key.split()[-1]} to at most {usable}, or add nodes")
+        if job.min_devices > job.global_batch_size * unit:
+            raise PlacementError(f"{job.min_devices} workers but a global batch of {job.global_batch_size}: some "
+                                 "would train on nothing", where="[train] global_batch_size",
+                                 fix=f"raise global_batch_size to at least {job.min_devices // unit}")
+        missing = sorted({d.type.model for d in pool.domains
+                          if self.prices.dollars_per_hour(d.type.model, spot=job.spot) is None})
+        if missing and job.objective != Objective.FASTEST:
+            raise PlacementError(f"no price for {', '.join(missing)}", where="[placement] prices",
+                                 fix=f"add them, e.g. prices = {{ \"{missing[0]}\" = 2.0 }} (dollars per hour)")
+
+    def _why_nothing_fits(self, evaluated: dict) -> PlacementError:
+        """Names the constraint that failed for the candidate that came closest, and what would fit."""
+        job = self.job
+        outcomes = [o for o in evaluated.values() if isinstance(o, Outcome)]
+        if job.objective == Objective.CHEAPEST_UNDER_DEADLINE and outcomes:
+            fastest = min(outcomes, key=lambda o: o.step_seconds)
+            return PlacementError(
+                f"no plan finishes {job.steps} steps within {job.deadline_hours:g} h: the fastest takes "
+                f"{fastest.job_hours(job):.2f} h on {fastest.devices} devices", where="[placement] deadline_hours",
+                fix=f"raise deadline_hours to {math.ceil(fastest.job_hours(job) * 100) / 100:g}, lower [train] steps, "
+                    "or raise max_gpus")
+        refusal = max((o for o in evaluated.values() if isinstance(o, Refusal)), key=lambda r: r.devices,
+                      default=Refusal("no candidate", "", 0))
+        if outcomes:
+            most = max(o.devices for o in outcomes)
+            larger = f" (on {refusal.devices}: {refusal.constraint})" if refusal.devices > most else ""
+            return PlacementError(f"every plan that runs uses fewer than min_gpus = {job.min_devices} devices{larger}",
+                                  where="[placement] min_gpus",
+                                  fix=f"lower min_gpus to {most}" + (f", or {refusal.fix}" if larger and refusal.fix else ""))
+        return PlacementError(refusal.constraint, where="[placement]", fix=refusal.fix or self._memory_fix())
+
+    def _memory_fix(self) -> str:
+        """What would make the model fit: a smaller micro-batch, FSDP over enough workers, checkpointing."""
+        job = self.job
+        largest = max(self.pool.domains, key=lambda d: d.type.memory_bytes).type
+        usable = usable_bytes(largest.memory_bytes, self.memory.spec.device_type)
+        need = self.memory.peak_bytes(1, data_parallel="ddp", world_size=2)
+        fixes = [f"at micro-batch 1 a DDP worker needs {need / 2**30:.1f} GiB and the largest device "
+                 f"({largest.label}) can give {usable / 2**30:.1f} GiB"]
+        shards = next((n for n in (2 ** k for k in range(1, 17)) if n <= self.pool.device_count and
+                       self.memory.peak_bytes(1, data_parallel="fsdp", world_size=n) <= usable), None)
+        if shards and DataParallel.FSDP not in job.strategies:
+            fixes.append(f"set [parallel] strategy = \"fsdp\" (fits from {shards} workers)")
+        elif shards:
+            fixes.append(f"use at least {shards} workers (min_gpus) so FSDP shards enough")
+        if self.memory.spec.activation_checkpointing == "off":
+            fixes.append("set [parallel] activation_checkpointing = \"full\"")
+        fixes.append("lower [train] micro_batch_size or [model] seq_len, or use GPUs with more memory")
+        return "; ".join(fixes)
+
+    def _notes(self, best: Outcome) -> list[str]:
+        notes = list(self.pool.notes)
+        nodes = {device.node.node_id for i, k in best.selection for device in self.pool.domains[i].devices[:k]}
+        guessed = sorted(nodes & self.pool.guessed_networks)
+        if len(nodes) > 1 and guessed:
+            notes.append(f"NIC speed unknown on {', '.join(guessed[:4])}: planned as 10 Gbit/s Ethernet")
+        used = {self.pool.domains[i].type.label for i, _ in best.selection}
+        unused = sorted({d.type.label for d in self.pool.domains} - used)
+        if unused:
+            reason = "slower" if self.job.objective == Objective.FASTEST else "dearer per token"
+            notes.append(f"left out {', '.join(unused)}: adding them made the plan {reason}")
+        if best.split.grad_accum_steps > 1:
+            notes.append(f"{best.split.grad_accum_steps} accumulation steps: larger micro-batches do not fit "
+                         f"(or exceed [train] micro_batch_size = {self.job.micro_batch_limit})")
+        if self._auto_note:
+            notes.append(self._auto_note)
+        hook = self.costing.comm_hook
+        if hook.compresses and best.bucketing is not None:
+            share = f"{hook.wire_bytes / 1e6:.1f} MB a step ({hook.wire_bytes / hook.buffer_bytes:.1%} of its " \
+                    f"{hook.buffer_bytes / 1e6:.1f} MB of gradient buckets)"
+            sends = (f"each rank sends {share} and receives as much from every other by all-gather"
+                     if hook.all_gather else f"each rank all-reduces {share}")
+            notes.append(f"comm hook {hook.name}: {sends}; its own work adds {best.hook_compute_seconds * 1e3:.1f} ms "
+                         "a step (costed as after its plain all-reduce warm-up)")
+        notes.extend(self._hook_advice(best))
+        notes.extend(self._topk_wire_advice(best))
+        notes.extend(self._overlap_notes(best))
+        if best.backend == "gloo" and self.job.use_gpu:
+            notes.append("several MIG slices of one GPU: NCCL runs one rank per GPU, so gradients are reduced "
+                         "with gloo through host memory")
+        return notes
+
+    def _hook_advice(self, best: Outcome) -> list[str]:
+        """Where plain all-reduce leaves the step waiting on the wire, what each compressing hook the
+        config allows would do on the same devices, if it shortens the step. A hint, not a choice:
+        compression changes the loss."""
+        exposed = best.exposed_communication_seconds / best.step_seconds if best.step_seconds else 0.0
+        if self.costing.comm_hook.compresses or exposed < HOOK_ADVICE_EXPOSED_SHARE:
+            return []
+        steps = []
+        for name in COMPRESSING_HOOKS:
+            config = self._config_with_hook(name)
+            if config is None:
+                continue
+            outcome = self.costing.with_comm_hook(CommHookCost.for_job(config)).evaluate(best.footprint)
+            if isinstance(outcome, Outcome) and outcome.step_seconds < best.step_seconds:
+                steps.append(f"{name} {outcome.step_seconds * 1e3:.1f} ms")
+        return [f"the step waits {exposed:.0%} of its {best.step_seconds * 1e3:.1f} ms on gradient communication; "
+                f"predicted with [parallel] comm_hook = {', '.join(steps)} (per step: compression can cost "
+                "loss, benchmarks/RESULTS.md)"] if steps else []
+
+    def _overlap_notes(self, best: Outcome) -> list[str]:
+        """What becomes of [parallel] overlap = "next_forward" on this plan: nothing to overlap with
+        one data-parallel worker, and otherwise a step the prediction does not cost."""
+        if self.config.parallel.overlap != "next_forward":
+            return []
+        if best.devices // self.job.tensor_parallel_size <= 1:
+            return ['[parallel] overlap = "next_forward" is ignored: one data-parallel worker exchanges no gradients']
+        return ['[parallel] overlap = "next_forward" is not costed: the prediction is plain DDP\'s step (on two '
+                "H200s the overlap measured 0.88x to 1.03x of it, by model, link and wire; benchmarks/RESULTS.md)"]
+
+    def _topk_wire_advice(self, best: Outcome) -> list[str]:
+        """For topk, the step with its places sent the other way on the same devices, where that is
+        shorter: Elias–Fano's smaller wire against the encode and per-rank decode it costs."""
+        if self.costing.comm_hook.name != "topk":
+            return []
+        other = "offsets" if self.config.parallel.topk_wire == "elias_fano" else "elias_fano"
+        hook = CommHookCost.for_job(self._config_with(topk_wire=other), "topk")
+        outcome = self.costing.with_comm_hook(hook).evaluate(best.footprint)
+        if not (isinstance(outcome, Outcome) and outcome.step_seconds < best.step_seconds):
+            return []
+        return [f'[parallel] topk_wire = "{other}" is predicted at {outcome.step_seconds * 1e3:.1f} ms a step '
+                f"against {best.step_seconds * 1e3:.1f} ms (each rank sends {hook.wire_bytes / 1e6:.1f} MB a step "
+                f"instead of {self.costing.comm_hook.wire_bytes / 1e6:.1f})"]
+
+    # ---- the plan --------------------------------------------------------------------------------
+    def build(self, outcome: Outcome, *, notes: list[str], bucket_bytes: dict[str, int] | None = None) -> Plan:
+        job, t = self.job, self.job.tensor_parallel_size
+        devices: list[tuple[Device, Domain]] = [(device, self.pool.domains[i]) for i, k in outcome.selection
+                                                for device in self.pool.domains[i].devices[:k]]
+        sizes = {d: iter(outcome.split.per_replica(g)) for g, d in enumerate(outcome.types)}
+        micro_batches = []
+        for replica in range(len(devices) // t):
+            micro_batches += [next(sizes[devices[replica * t][0].type])] * t
+        peaks = self._peaks(outcome, devices, micro_batches)
+        affinity = _numa_shares(devices)
+        accum = outcome.split.grad_accum_steps
+        workers = [WorkerPlacement(
+            rank=rank, node_id=device.node.node_id, device_uuid=device.uuid, device_kind=device.type.kind,
+            device_model=device.type.label, island_id=device.island_id, micro_batch_size=micro_batches[rank],
+            grad_accum_steps=accum, data_parallel_rank=rank // t, tensor_parallel_rank=rank % t,
+            cpus=self.job.cpus_per_worker, cpu_affinity=affinity[rank], numa_node=device.numa_node,
+            ray_node_id=device.node.ray_node_id,
+            predicted_compute_seconds=accum * self.costing.replica_group(
+                device.type, 1, 1, domain.intra_hop).micro_step_seconds(micro_batches[rank]),
+            predicted_peak_memory_bytes=peaks[rank], memory_capacity_bytes=device.type.memory_bytes)
+            for rank, (device, domain) in enumerate(devices)]
+        islands: dict[int, list[int]] = defaultdict(list)
+        for rank, (_, domain) in enumerate(devices):
+            islands[id(domain)].append(rank)
+        intra = list(islands.values())
+        return Plan(
+            job_name=job.name, objective=job.objective, workers=workers, global_batch_size=job.global_batch_size,
+            seq_len=job.seq_len, grad_accum_steps=accum, data_parallel=outcome.data_parallel,
+            tensor_parallel_size=t, allreduce=outcome.allreduce, comm_hook=self._hook_to_run(),
+            intra_island_groups=intra,
+            inter_island_groups=cross_island_groups(intra),
+            tensor_parallel_groups=[list(range(r, r + t)) for r in range(0, len(workers), t)],
+            data_parallel_groups=[list(range(j, len(workers), t)) for j in range(t)],
+            ddp_bucket_bytes=bucket_bytes if bucket_bytes is not None else self.costing.bucket_sizes(outcome),
+            bottleneck_link_class="default" if bucket_bytes is not None else
+            (outcome.hops["world"].link_class.value if "world" in outcome.hops else ""),
+            backend=outcome.backend, price_basis="spot" if job.spot else "on_demand",
+            predicted=self._prediction(outcome), notes=notes)
+
+    def _peaks(self, outcome: Outcome, devices: list, micro_batches: list[int]) -> list[int]:
+        accumulating = outcome.split.grad_accum_steps > 1
+        strategy = outcome.data_parallel.value
+        if self.exact_memory:  # one fake model for every micro-batch the plan hands out
+            measure_steps(self.memory.spec, tuple(sorted(set(micro_batches))))
+        peaks = {}
+        hook_state = int(self.costing.hook_state_bytes(outcome.data_parallel, len(devices)))
+        for m in set(micro_batches):
+            peaks[m] = hook_state + self.memory.peak_bytes(m, data_parallel=strategy, world_size=len(devices),
+                                                           tensor_parallel_size=self.job.tensor_parallel_size,
+                                                           accumulating=accumulating, exact=self.exact_memory)
+        for (device, _), m in zip(devices, micro_batches):
+            if peaks[m] > usable_bytes(device.type.memory_bytes, self.memory.spec.device_type):
+                raise _Overrun(device.type, m)
+        return [peaks[m] for m in micro_batches]
+
+    def _prediction(self, outcome: Outcome) -> Prediction:
+        job = self.job
+        step = outcome.step_seconds
+        return Prediction(step_seconds=step, compute_seconds=outcome.compute_seconds,
+                          exposed_communication_seconds=outcome.exposed_communication_seconds,
+                          communication_seconds=outcome.communication_seconds,
+                          tokens_per_second=job.tokens_per_step / step if step > 0 else 0.0,
+                          dollars_per_hour=outcome.dollars_per_hour, dollars_per_step=outcome.dollars_per_step(),
+                          dollars_per_million_tokens=outcome.dollars_per_million_tokens(job),
+                          job_hours=outcome.job_hours(job), job_dollars=outcome.dollars_per_step() * job.steps)
+
+
+def make_plan(topology: ClusterTopology, config: JobConfig, **kwargs) -> Plan:
+    """Plans `config` on `topology` (see Planner for the keyword arguments)."""
+    return Planner(topology, config, **kwargs).plan()
+
+
+def _guide(outcome: Outcome | Refusal) -> tuple:
+    """How the greedy path ranks its next step: by score; a candidate that cannot run ranks last,
+    the larger first (more devices is what lifts memory and batch refusals)."""
+    if isinstance(outcome, Outcome):
+        return (0, *outcome.score)
+    return (1, -outcome.devices)
+
+
+def _numa_shares(devices: list[tuple[Device, Domain]]) -> list[str]:
+    """Each worker's CPUs: its device's NUMA-local cores, split evenly and without overlap among the
+    plan's workers that share that NUMA node (CPU workers keep their slot's cores)."""
+    sharing: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for rank, (device, _) in enumerate(devices):
+        if device.type.kind != DeviceKind.CPU and device.cpu_affinity:
+            sharing[device.node.node_id, device.cpu_affinity].append(rank)
+    shares = [device.cpu_affinity for device, _ in devices]
+    for (_, cpus), ranks in sharing.items():
+        for rank, share in zip(ranks, _split_cpus(cpus, len(ranks))):
+            shares[rank] = share
+    return shares
+
+
+@functools.lru_cache(maxsize=1024)
+def _split_cpus(cpus: str, parts: int) -> tuple[str, ...]:
+    """`cpus` cut into `parts` equal, disjoint lists (the whole list for each when there are too few)."""
+    cores = parse_cpu_list(cpus)
+    per = len(cores) // parts
+    if per == 0:
+        return (cpus,) * parts
+    return tuple(format_cpu_list(cores[k * per:(k + 1) * per]) for k in range(parts))
