@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import step  # noqa: E402
 from core.config import CompileConfig  # noqa: E402
-from core.plan import Plan  # noqa: E402
 from kernels.loss import linear_cross_entropy  # noqa: E402
+from orchestrator.planning.resolve import uniform_spec  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 from workers.models.gpt import GPT  # noqa: E402
 
@@ -87,12 +87,12 @@ class HeldBlockSize:
 
 def first_step(name: str, precision: str, way: str, data: step.TextBatches) -> dict:
     step.reset_compiler()
-    B, seq_len = data.tokens.shape[1], data.tokens.shape[2] - 1
+    B = data.tokens.shape[1]
     # Tolerances no difference reaches, so both comparisons are always made and recorded; the row
     # then says which of the default tolerances would have stopped the run.
     config = step.engine_config(name, B, {**PRECISIONS[precision], "compile": RECORD_ONLY}, steps=100)
-    plan = Plan.uniform(job_name=name, world_size=1, micro_batch_size=B, grad_accum_steps=1, seq_len=seq_len)
-    engine = Engine(config, plan, 0, torch.device(step.DEVICE, 0))
+    spec = uniform_spec(config, world_size=1, micro_batch_size=B, grad_accum_steps=1, use_gpu=step.DEVICE == "cuda")
+    engine = Engine(spec, 0, torch.device(step.DEVICE, 0))
     row = {"model": name, "precision": precision, "way": way}
     holder = None
     with contextlib.ExitStack() as old_head:

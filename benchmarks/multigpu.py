@@ -50,8 +50,9 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core.config import JobConfig  # noqa: E402
-from core.plan import Plan  # noqa: E402
+from core.spec import WorkerSpec  # noqa: E402
 from orchestrator import planning  # noqa: E402
+from orchestrator.planning.resolve import uniform_spec  # noqa: E402
 from topology import catalog  # noqa: E402
 from topology.cluster import ClusterTopology  # noqa: E402
 from topology.probe import probe_local_node  # noqa: E402
@@ -203,12 +204,10 @@ def _batches(config: JobConfig, rank: int, cpu: bool, count: int) -> list[torch.
 def engine_run(rank: int, world: int, cpu: bool, model: dict, micro: int, sections: dict, warmup: int, steps: int,
                out_path: str) -> None:
     config = _job(model, micro, world, cpu, **sections)
-    strategy = config.parallel.strategy
     # One DDP timing sample, inside the timed steps: every sampled step waits on the last one's events.
     config.train.log_every = warmup + steps - 1
-    plan = Plan.uniform(job_name="multigpu", world_size=world, micro_batch_size=micro, grad_accum_steps=1,
-                        seq_len=config.model.seq_len, data_parallel=strategy)
-    engine = Engine(config, plan, rank, _device(rank, cpu))
+    spec = uniform_spec(config, world_size=world, micro_batch_size=micro, grad_accum_steps=1)
+    engine = Engine(spec, rank, _device(rank, cpu))
     batch = _batches(config, rank, cpu, 1)
     seconds, warm = _median_step(lambda: engine(batch, 3e-4), warmup, steps, cpu)
     metrics = engine.window_metrics()
@@ -342,9 +341,8 @@ def hook_run(rank: int, world: int, cpu: bool, model: dict, micro: int, hook: st
     config = _job(model, micro, world, cpu, parallel=parallel, compile={"ddp_mode": "ddp_optimizer"},
                   train={"grad_clip": 0.0} if no_clip else {})
     config.train.lr, config.train.min_lr = 6e-4, 6e-4
-    plan = Plan.uniform(job_name="hooks", world_size=world, micro_batch_size=micro, grad_accum_steps=1,
-                        seq_len=config.model.seq_len)
-    engine = _hooked_engine(config, plan, rank, world, cpu)
+    spec = uniform_spec(config, world_size=world, micro_batch_size=micro, grad_accum_steps=1)
+    engine = _hooked_engine(spec, rank, world, cpu, overlap=config.parallel.overlap)
     tokens = torch.from_numpy(_text_tokens().astype(np.int64))
     span = config.model.seq_len + 1
     g = torch.Generator().manual_seed(7)
@@ -392,16 +390,18 @@ def _seconds_between(start, end) -> float:
     return end - start if isinstance(start, float) else start.elapsed_time(end) / 1e3
 
 
-def _hooked_engine(config: JobConfig, plan: Plan, rank: int, world: int, cpu: bool) -> Engine:
+def _hooked_engine(spec: WorkerSpec, rank: int, world: int, cpu: bool, overlap: str = "off") -> Engine:
     """An engine whose DDP and hook run even on one rank (the engine skips DDP when alone), so one GPU
-    measures a hook's own compute: the all-reduce of one rank moves nothing."""
+    measures a hook's own compute: the all-reduce of one rank moves nothing. `overlap`: the job's
+    [parallel] overlap, which a one-replica plan resolves to off and this keeps on."""
     if world > 1:
-        return Engine(config, plan, rank, _device(rank, cpu))
+        return Engine(spec, rank, _device(rank, cpu))
     import workers.parallel as parallel
+    spec = spec.with_plan(dataclasses.replace(spec.plan, overlap=overlap))
     original = dist.get_world_size
     try:  # wrap() asks the world size to decide whether to wrap at all
         parallel.dist.get_world_size = lambda *a, **k: 2
-        engine = Engine(config, plan, rank, _device(rank, cpu))
+        engine = Engine(spec, rank, _device(rank, cpu))
     finally:
         parallel.dist.get_world_size = original
     engine.wrapped.hook_state.world_size = 1

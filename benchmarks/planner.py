@@ -74,8 +74,8 @@ def large(repeats: int) -> dict:
     runs = []
     for _ in range(repeats):
         planner, setup_wall, setup_cpu = timed(lambda: Planner(topology, config, memory=profile, exact_memory=False))
-        best, search_wall, search_cpu = timed(planner.search)
-        plan, build_wall, build_cpu = timed(lambda: planner.build(best, notes=[]))
+        best, search_wall, search_cpu = timed(lambda: planner.search(planner.costing))
+        plan, build_wall, build_cpu = timed(lambda: planner.build(best, planner.costing, notes=[]))
         runs.append({"setup_wall": setup_wall, "search_wall": search_wall, "build_wall": build_wall,
                      "setup_cpu": setup_cpu, "search_cpu": search_cpu, "build_cpu": build_cpu})
     median = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
@@ -122,9 +122,9 @@ def small() -> list[dict]:
             if objective == "cheapest_under_deadline":
                 placement["deadline_hours"] = round(1.5 * fastest_hours, 3)  # room for a cheaper, slower plan
             planner = Planner(topology, job(GPT2_124M, 256, 32, **placement), memory=profile, exact_memory=False)
-            found, search_wall, _ = timed(planner.search)
+            found, search_wall, _ = timed(lambda: planner.search(planner.costing))
             best, exhaustive_wall, _ = timed(planner.exhaustive)
-            plan = planner.build(found, notes=[])
+            plan = planner.build(found, planner.costing, notes=[])
             naive = planner.naive(plan.world_size)
             if objective == "fastest":
                 fastest_hours = found.job_hours(planner.job)

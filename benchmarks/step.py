@@ -48,7 +48,7 @@ import torch._dynamo.utils as dynamo_utils
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core.config import JobConfig, ModelConfig  # noqa: E402
-from core.plan import Plan  # noqa: E402
+from orchestrator.planning.resolve import uniform_spec  # noqa: E402
 from topology import catalog  # noqa: E402
 from topology.nvml import Nvml  # noqa: E402
 from workers.comm.stats import CommStats  # noqa: E402
@@ -246,13 +246,13 @@ def engine(name: str, label: str, data: TextBatches, args, steps: int) -> tuple[
 
 
 def _engine(name: str, label: str, data: TextBatches, args, steps: int, extra: dict) -> tuple[dict, object]:
-    B, seq_len = data.tokens.shape[1], data.tokens.shape[2] - 1
+    B = data.tokens.shape[1]
     overrides, backend = variant_settings(label) if label else ({}, None)
     for section, values in extra.items():
         overrides[section] = {**overrides.get(section, {}), **values}
     config = engine_config(name, B, overrides, args.warmup + steps)
-    plan = Plan.uniform(job_name=name, world_size=1, micro_batch_size=B, grad_accum_steps=1, seq_len=seq_len)
-    eng = Engine(config, plan, 0, torch.device(DEVICE, 0))
+    spec = uniform_spec(config, world_size=1, micro_batch_size=B, grad_accum_steps=1, use_gpu=DEVICE == "cuda")
+    eng = Engine(spec, 0, torch.device(DEVICE, 0))
     if "unfused step" in label.split("+"):
         if eng.compute_copy is None:
             raise ValueError('"unfused step" is a variant of "bf16 weights": write "bf16 weights+unfused step"')
@@ -278,12 +278,12 @@ def _with(context, fn, *args):
 def ddp_engine(name: str, mode: str, data: TextBatches, args) -> tuple[dict, object]:
     """The engine's DDP wrapping on a 1-rank NCCL group (one GPU): what each compile mode costs alone."""
     from workers.parallel import _wrap_ddp
-    B, seq_len = data.tokens.shape[1], data.tokens.shape[2] - 1
+    B = data.tokens.shape[1]
     config = engine_config(name, B, {"compile": {"ddp_mode": mode}}, args.warmup + args.steps)
-    plan = Plan.uniform(job_name=name, world_size=1, micro_batch_size=B, grad_accum_steps=1, seq_len=seq_len)
+    spec = uniform_spec(config, world_size=1, micro_batch_size=B, grad_accum_steps=1, use_gpu=DEVICE == "cuda")
     torch.manual_seed(0)
     model = GPT(config.model).to(DEVICE)
-    wrapped = _wrap_ddp(model, config, plan, torch.device(DEVICE, 0), 1, CommStats())
+    wrapped = _wrap_ddp(model, spec, torch.device(DEVICE, 0), 1, CommStats())
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=DEVICE == "cuda")
 
     def step(tokens, _):

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core.config import JobConfig  # noqa: E402
 from storage.prepare import prepare_dataset  # noqa: E402
-from tests.engine_support import run_ranks, uniform_plan  # noqa: E402
+from tests.engine_support import engine_spec, run_ranks  # noqa: E402
 from tests.unit.test_engine import TEXT_STEPS, text_losses  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 
@@ -38,7 +38,7 @@ TEXT_JOB = {"model": {"n_layer": 2, "n_head": 2, "n_embd": 64, "seq_len": 32},
 def _ranks(rank: int, world: int, data_dir: str, parallel: dict, seed: int) -> dict:
     config = JobConfig.from_dict({**TEXT_JOB, "train": {**TEXT_JOB["train"], "seed": seed},
                                   "parallel": parallel, "cluster": {"num_workers": world}})
-    engine = Engine(config, uniform_plan(world, 8, 1), rank, torch.device("cpu"))
+    engine = Engine(engine_spec(config, world, 8, 1), rank, torch.device("cpu"))
     losses = text_losses(engine, data_dir, rank, world, TEXT_STEPS)
     return {"losses": losses, "bytes": engine.window_metrics()["comm_bytes"]}
 

@@ -14,10 +14,12 @@ import math
 import tomllib
 import types
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from core import rules
 from core.errors import ConfigError
 
 
@@ -285,15 +287,6 @@ class ParallelConfig:
                f"must be 0 or more, got {self.comm_warmup_steps}", "set comm_warmup_steps = 10")
         _check(self.topk_ramp_steps >= 0, "[parallel] topk_ramp_steps",
                f"must be 0 or more, got {self.topk_ramp_steps}", "set topk_ramp_steps = 0 (no ramp) or e.g. 100")
-        _check(self.strategy == "ddp" or self.comm_hook in ("allreduce", "auto"), "[parallel] comm_hook",
-               f"{self.comm_hook!r} is a DDP comm hook; FSDP reduce-scatters its own gradients",
-               'use strategy = "ddp" with this hook, or comm_hook = "allreduce" with fsdp')
-
-
-POWERSGD_ON_GLOO = ("powersgd hangs over gloo (CPU workers, backend = \"gloo\", several MIG slices of one GPU): "
-                    "torch's PowerSGD hook waits for one all-reduce inside the callback of another, on the gloo "
-                    "thread that would have to run it")
-POWERSGD_ON_GLOO_FIX = 'use comm_hook = "bf16" or "topk" over gloo; powersgd needs GPUs reducing over nccl'
 
 
 @dataclass(kw_only=True, slots=True)
@@ -352,7 +345,7 @@ class PlacementConfig:
     """Which price column the dollars are computed from."""
     prices: dict[str, float] = field(default_factory=dict)
     """Dollars per device-hour in the chosen pricing column, by GPU model as the topology names it
-    (e.g. "H100-SXM5-80GB" = 2.10), or per core-hour for "cpu"; overrides orchestrator/planning/collectives.py's table.
+    (e.g. "H100-SXM5-80GB" = 2.10), or per core-hour for "cpu"; overrides orchestrator/planning/prices.py's table.
     A MIG slice costs its parent's price times its share of the SMs."""
     calibration_file: str = ""
     """A JSON table of measured collective costs by link class, {"nvswitch": {"alpha_us": 30.1,
@@ -469,7 +462,7 @@ class BillConfig:
     """Validation losses to price, e.g. [3.0, 2.5, 2.2]: the report gives the dollars and GPU-hours at
     which the run first reached each, and projects the cost of the first one not reached yet."""
     prices_file: str = ""
-    """A TOML or JSON file of device prices per hour that replaces rows of orchestrator/planning/collectives.py's table:
+    """A TOML or JSON file of device prices per hour that replaces rows of orchestrator/planning/prices.py's table:
     "H100-SXM5-80GB" = { on_demand = 2.49, spot = 1.25 } (a column left out keeps the default);
     `[placement] prices` override it in turn. Relative paths are from the working directory."""
     tensorboard: bool = True
@@ -503,19 +496,9 @@ class JobConfig:
     bill: BillConfig = field(default_factory=BillConfig)
 
     def __post_init__(self) -> None:
-        _check(self.train.precision != "fp8" or self.compile.enable, "[train] precision",
-               "float8 requires compile (eager float8 is slower than bf16)", "set [compile] enable = true")
-        _check(not (self.compile.uses_compiled_autograd
-                    and self.parallel.comm_hook not in ("allreduce", "auto")), "[compile] ddp_mode",
-               "compiled autograd captures DDP's all-reduce itself, so comm hooks cannot run",
-               'use ddp_mode = "ddp_optimizer" with a comm hook, or comm_hook = "allreduce"')
-        gloo = self.parallel.backend == "gloo" or (self.parallel.backend == "auto" and not self.cluster.use_gpu)
-        _check(not (gloo and self.parallel.comm_hook == "powersgd"), "[parallel] comm_hook", POWERSGD_ON_GLOO,
-               POWERSGD_ON_GLOO_FIX)
-        if self.train.bf16_weights:
-            self._check_bf16_weights()
-        if self.parallel.overlap == "next_forward":
-            self._check_overlap()
+        for refusal in self._refusals():
+            if refusal is not None:
+                raise refusal.error()
         # DDP's first bucket is 1 MiB; Dynamo's DDPOptimizer, which splits the compiled DDP graph at
         # bucket boundaries, asserts that no bucket is smaller (torch 2.11, found on two H200s).
         _check(not (self.compile.enable and self.parallel.strategy == "ddp" and self.parallel.overlap == "off"
@@ -541,40 +524,27 @@ class JobConfig:
                f"{self.train.micro_batch_size} × {self.cluster.num_workers} = {per_pass}",
                f"set global_batch_size to a multiple of {per_pass} (e.g. {per_pass * max(1, round(self.train.global_batch_size / per_pass))})")
 
-    def _check_bf16_weights(self) -> None:
-        _check(self.train.precision in ("auto", "bf16"), "[train] bf16_weights",
-               f'keeps a bf16 copy of the model, which precision = "{self.train.precision}" does not train in',
-               'set precision = "bf16", or bf16_weights = false')
-        # Said here, not by the first worker after Ray has started: "auto" is fp32 on CPU workers.
-        _check(self.cluster.use_gpu or self.train.precision == "bf16", "[train] bf16_weights",
-               'keeps a bf16 copy of the model, and precision = "auto" trains CPU workers in fp32',
-               'set precision = "bf16" to train the CPU workers in bf16 (slow without bf16 units), or bf16_weights = false')
-        _check(self.parallel.strategy == "ddp", "[train] bf16_weights",
-               "FSDP2 already gathers bf16 weights from fp32 shards (its mixed-precision policy)",
-               "set bf16_weights = false with strategy = \"fsdp\"")
-        _check(self.parallel.comm_hook in ("allreduce", "auto", "hierarchical"), "[parallel] comm_hook",
-               f"{self.parallel.comm_hook!r} compresses fp32 gradients; with bf16_weights they are bf16 already",
-               'use comm_hook = "allreduce" or "hierarchical", or bf16_weights = false')
+    def _refusals(self) -> Iterator[rules.Refusal | None]:
+        """The rules (core/rules.py) that judge several sections together, in the order they are told."""
+        train, parallel = self.train, self.parallel
+        compiled_autograd = self.compile.uses_compiled_autograd
+        if train.bf16_weights:
+            yield rules.bf16_weights_refusal(train.precision, use_gpu=self.cluster.use_gpu, strategy=parallel.strategy)
+        yield rules.precision_refusal(train.precision, use_gpu=self.cluster.use_gpu, compile=self.compile.enable)
+        yield rules.comm_hook_refusal(parallel.comm_hook, backend=self.gradient_backend, strategy=parallel.strategy,
+                                      compiled_autograd=compiled_autograd, bf16_weights=train.bf16_weights)
+        if parallel.overlap == "next_forward":
+            yield rules.overlap_refusal(strategy=parallel.strategy, hook=parallel.comm_hook, grad_clip=train.grad_clip,
+                                        precision=train.precision, bf16_weights=train.bf16_weights,
+                                        compiled_autograd=compiled_autograd)
 
-    def _check_overlap(self) -> None:
-        where = '[parallel] overlap'
-        fix = 'or set overlap = "off"'
-        _check(self.parallel.strategy == "ddp", where, "reorders DDP's buckets; FSDP2 reduce-scatters its own",
-               f'use strategy = "ddp", {fix}')
-        _check(self.parallel.comm_hook in ("allreduce", "bf16"), where,
-               f"sends plain or bf16 buckets itself, so comm_hook {self.parallel.comm_hook!r} would not run",
-               f'use comm_hook = "allreduce" or "bf16", {fix}')
-        _check(self.train.grad_clip == 0, where,
-               "applies each bucket's update before the others have arrived, so the global gradient norm "
-               f"that clipping (grad_clip = {self.train.grad_clip:g}) divides by is not known yet",
-               f"set [train] grad_clip = 0, {fix}")
-        _check(self.train.precision != "fp16", where,
-               "applies updates before every bucket has arrived, so a step whose gradients overflow cannot be "
-               "skipped as fp16's loss scaling needs", f'use precision = "bf16", {fix}')
-        _check(not self.train.bf16_weights, where, "steps the fp32 model's optimizer per bucket; bf16_weights "
-               "steps a separate bf16 copy", f"set [train] bf16_weights = false, {fix}")
-        _check(not self.compile.uses_compiled_autograd, where,
-               "needs DDP's comm hook, which compiled autograd replaces", f'set [compile] ddp_mode = "auto", {fix}')
+    @property
+    def gradient_backend(self) -> str:
+        """The process-group backend this config asks for: [parallel] backend, or for "auto" gloo on CPU
+        workers and nccl on GPUs (the planner may still take gloo for several MIG slices of one GPU)."""
+        if self.parallel.backend != "auto":
+            return self.parallel.backend
+        return "nccl" if self.cluster.use_gpu else "gloo"
 
     def _check_batch_splits(self, world_sizes: range) -> None:
         """Every worker count the elastic range allows can split the global batch: some accumulation

@@ -24,13 +24,14 @@ from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 
-from core import codec
+from core import codec, rules
 from core.atomic import read_text, write_text_atomically
 from core.errors import PlacementError, TopologyError
 
 FORMAT = "archipelago.plan"
-VERSION = 2
-"""2 added comm_hook. A version-1 plan reads as one that names no hook (the config's is run)."""
+VERSION = 3
+"""2 added comm_hook; 3 made the plan the workers' one instruction: precision, hook settings, bucket
+size, overlap and activation checkpointing resolved. Older plans read with allreduce and defaults."""
 _WRITE_COMMAND = "archipelago plan --json FILE"
 
 
@@ -63,8 +64,6 @@ class AllReduce(StrEnum):
     """One replica: nothing to reduce."""
 
 
-PLAN_COMM_HOOKS = ("", "allreduce", "bf16", "powersgd", "topk", "hierarchical")
-"""What Plan.comm_hook may name: a hook the workers run ("auto" is resolved by the planner), or ""."""
 
 
 class DeviceKind(StrEnum):
@@ -128,6 +127,18 @@ class Prediction:
     job_dollars: float
 
 
+@dataclass(kw_only=True, slots=True, frozen=True)
+class HookSettings:
+    """The comm hook's own settings, as [parallel] gives them (workers/comm/hooks.py)."""
+
+    warmup_steps: int = 10
+    """Plain all-reduce steps before powersgd or topk start compressing."""
+    powersgd_rank: int = 4
+    topk_ratio: float = 0.01
+    topk_ramp_steps: int = 0
+    topk_wire: str = "elias_fano"
+
+
 @dataclass(kw_only=True, slots=True)
 class Plan:
     job_name: str
@@ -155,12 +166,26 @@ class Plan:
     """Gradient bucket size per link class the reduction crosses (nvswitch, pcie, infiniband, …)."""
     bottleneck_link_class: str = ""
     """The slowest link class of the flat all-reduce: the bucket size a single DDP group uses."""
-    comm_hook: str = ""
-    """The DDP comm hook the workers run: [parallel] comm_hook, or what the planner picked for "auto".
-    "" (plans not made by the planner) runs the configured hook, "auto" as allreduce."""
+    comm_hook: str = "allreduce"
+    """The DDP comm hook the workers run (core.rules.COMM_HOOKS): [parallel] comm_hook, or what the
+    planner picked for "auto"."""
+    hook_settings: HookSettings = field(default_factory=HookSettings)
+    bucket_cap_mb: float = 25.0
+    """DDP's gradient bucket size: the planner's for the bottleneck link, else [parallel] bucket_mb."""
     backend: str = "nccl"
-    """Process-group backend for the gradient reduction: gloo for CPU workers, and for plans with
-    several MIG slices of one GPU (NCCL runs one rank per GPU); nccl otherwise."""
+    """Process-group backend for the gradient reduction: [parallel] backend, or for "auto" gloo for CPU
+    workers and for plans with several MIG slices of one GPU (NCCL runs one rank per GPU), nccl otherwise."""
+    precision: str = "fp32"
+    """What the workers train in (core.rules.PRECISIONS): [train] precision, "auto" resolved for the devices."""
+    activation_checkpointing: str = "off"
+    """off, selective or full: block activations recomputed in backward ([parallel] activation_checkpointing)."""
+    overlap: str = "off"
+    """"next_forward" when the reduction runs on into the next forward ([parallel] overlap, with
+    several replicas); "off" otherwise."""
+    overlap_backward_share: float = 1.0
+    """Under the next-forward overlap, the share of a step's gradient bytes sent while backward runs:
+    [parallel] overlap_backward_share, or for 0 the predicted backward time over the predicted
+    communication time, at most 1."""
     price_basis: str = "on_demand"
     """"on_demand" or "spot": which column of the price table the dollars come from."""
     predicted: Prediction
@@ -168,9 +193,7 @@ class Plan:
     """Why the planner chose what it did, in words (shown under the table)."""
 
     def __post_init__(self) -> None:
-        if self.comm_hook not in PLAN_COMM_HOOKS:
-            _invalid(f"comm_hook {self.comm_hook!r} is not one of {', '.join(repr(h) for h in PLAN_COMM_HOOKS)}",
-                     "plan comm_hook")
+        _check_choices(self)
         _check_workers(self)
         _check_batch(self)
         _check_groups(self)
@@ -178,10 +201,11 @@ class Plan:
     @classmethod
     def uniform(cls, *, job_name: str, world_size: int, micro_batch_size: int, grad_accum_steps: int,
                 seq_len: int, intra_island_groups: list[list[int]] | None = None, data_parallel: str = "ddp",
-                ddp_bucket_bytes: int | None = None) -> Plan:
+                **choices) -> Plan:
         """A plan of identical workers with equal micro-batches and no predictions: what benchmarks and
-        tests hand the worker engine when they run it without the planner. The caller binds the devices,
-        so the entries name none (device_model "unplanned")."""
+        tests hand the worker engine when they run it without the planner (orchestrator.planning.
+        uniform_spec resolves `choices` from a config the planner's way). The caller binds the
+        devices, so the entries name none (device_model "unplanned")."""
         workers = [WorkerPlacement(rank=r, node_id="local", device_uuid=None, device_kind=DeviceKind.CPU,
                                    device_model="unplanned", island_id=None, micro_batch_size=micro_batch_size,
                                    grad_accum_steps=grad_accum_steps, data_parallel_rank=r) for r in range(world_size)]
@@ -194,9 +218,8 @@ class Plan:
                    global_batch_size=world_size * micro_batch_size * grad_accum_steps, seq_len=seq_len,
                    grad_accum_steps=grad_accum_steps, data_parallel=DataParallel(data_parallel),
                    intra_island_groups=intra, inter_island_groups=cross_island_groups(intra),
-                   tensor_parallel_groups=[[r] for r in ranks], data_parallel_groups=[ranks],
-                   ddp_bucket_bytes={"default": ddp_bucket_bytes} if ddp_bucket_bytes else {},
-                   bottleneck_link_class="default" if ddp_bucket_bytes else "", predicted=unknown)
+                   tensor_parallel_groups=[[r] for r in ranks], data_parallel_groups=[ranks], predicted=unknown,
+                   **choices)
 
     # ---- what the workers read --------------------------------------------------------------------
     @property
@@ -210,13 +233,6 @@ class Plan:
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch_size * self.seq_len
-
-    @property
-    def ddp_bucket_cap_mb(self) -> float | None:
-        """`DistributedDataParallel(bucket_cap_mb=…)` for one flat DDP group over all ranks; None when
-        the plan chose no size (the engine then takes `[parallel] bucket_mb`)."""
-        size = self.ddp_bucket_bytes.get(self.bottleneck_link_class)
-        return None if size is None else size / 2**20
 
     def worker(self, rank: int) -> WorkerPlacement:
         if not 0 <= rank < len(self.workers):
@@ -262,8 +278,8 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: object, *, where: str = "plan") -> Plan:
-        if isinstance(data, dict) and data.get("version") == 1 and "comm_hook" not in data:
-            data = {**data, "version": VERSION}
+        if isinstance(data, dict) and data.get("version") in (1, 2):  # the fields 3 added take their defaults
+            data = {**data, "version": VERSION, "comm_hook": data.get("comm_hook") or "allreduce"}
         fields = codec.check_header(data, format=FORMAT, version=VERSION, noun="plan", command=_WRITE_COMMAND,
                                     error=PlacementError, where=where)
         try:
@@ -295,6 +311,24 @@ def cross_island_groups(intra_island_groups: list[list[int]]) -> list[list[int]]
 
 def _invalid(what: str, where: str, fix: str = "plan again; a plan file is not meant to be edited by hand") -> None:
     raise PlacementError(what, where=f"plan: {where}", fix=fix)
+
+
+def _check_choices(plan: Plan) -> None:
+    """The resolved choices name things the workers know, and go together (core/rules.py)."""
+    for name, allowed in (("comm_hook", rules.COMM_HOOKS), ("precision", rules.PRECISIONS),
+                          ("backend", ("gloo", "nccl")), ("activation_checkpointing", ("off", "selective", "full")),
+                          ("overlap", ("off", "next_forward"))):
+        if getattr(plan, name) not in allowed:
+            _invalid(f"{name} {getattr(plan, name)!r} is not one of {', '.join(map(repr, allowed))}", name)
+    if plan.bucket_cap_mb <= 0 or not 0 < plan.overlap_backward_share <= 1:
+        _invalid(f"bucket_cap_mb {plan.bucket_cap_mb}, overlap_backward_share {plan.overlap_backward_share}",
+                 "bucket_cap_mb", "buckets hold some bytes, and the share sent during backward is in (0, 1]")
+    refusal = rules.comm_hook_refusal(plan.comm_hook, backend=plan.backend, strategy=plan.data_parallel.value)
+    if refusal is None and plan.overlap == "next_forward":
+        refusal = rules.overlap_refusal(strategy=plan.data_parallel.value, hook=plan.comm_hook,
+                                        precision=plan.precision)
+    if refusal is not None:
+        raise PlacementError(refusal.what, where=f"plan: {refusal.where}", fix=refusal.fix)
 
 
 def _check_workers(plan: Plan) -> None:

@@ -23,13 +23,27 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
+from core.config import JobConfig
 from core.errors import ArchipelagoError
-from topology import ClusterTopology, discover_cluster, load_files, machines
+from orchestrator.accounting.report_html import render_report
+from orchestrator.fit import Orchestrator
+from orchestrator.planning.plan_table import print_plan
+from orchestrator.planning.planner import Planner
+from orchestrator.planning.prices import PriceTable
+from storage.prepare import prepare_dataset
+from storage.verify import verify_dataset
+from topology import ClusterTopology, catalog, discover_cluster, load_files, machines
 from topology.discover import TIMEOUT_S
+from topology.probe import probe_local_node
+from topology.ray_resources import ray_start_arguments
+from topology.table import print_topology
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,11 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _fit(args: argparse.Namespace, console: Console) -> int:
-    from core.config import JobConfig
-
-    config = JobConfig.from_toml(args.config)  # before importing Ray: config errors answer at once
-    from orchestrator.fit import Orchestrator
-
+    config = JobConfig.from_toml(args.config)  # before Ray starts: config errors answer at once
     result = Orchestrator(config, address=args.address or "", resume=args.resume, overwrite=args.overwrite,
                           console=console, verbose=args.debug).fit()
     result.report.print_summary(console)
@@ -61,10 +71,6 @@ def _fit(args: argparse.Namespace, console: Console) -> int:
 
 
 def _prepare(args: argparse.Namespace, console: Console) -> int:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from storage.prepare import prepare_dataset
-
     columns = (TextColumn("tokenizing"), BarColumn(), MofNCompleteColumn(), TextColumn("units"),
                TextColumn("{task.fields[tokens]:,} tokens"), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as bar:
@@ -82,10 +88,6 @@ def _prepare(args: argparse.Namespace, console: Console) -> int:
 
 
 def _verify(args: argparse.Namespace, console: Console) -> int:
-    from rich.progress import Progress
-
-    from storage.verify import verify_dataset
-
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("checking shards")
         report = verify_dataset(args.directory, threads=args.threads,
@@ -103,10 +105,6 @@ def _verify(args: argparse.Namespace, console: Console) -> int:
 
 
 def _report(args: argparse.Namespace, console: Console) -> int:
-    from pathlib import Path
-
-    from orchestrator.accounting.report_html import render_report
-
     runs = [Path(d) for d in args.runs]
     if len(runs) > 2:
         raise ArchipelagoError(f"{len(runs)} run directories given", where="archipelago report",
@@ -124,12 +122,6 @@ def _report(args: argparse.Namespace, console: Console) -> int:
 
 
 def _prices(args: argparse.Namespace, console: Console) -> int:
-    from rich.table import Table
-
-    from core.config import JobConfig
-    from orchestrator.planning.prices import PriceTable
-    from topology import catalog
-
     prices = PriceTable.for_job(JobConfig.from_toml(args.config)) if args.config else PriceTable()
     table = Table(title="devices and prices (dense peaks, bf16 as fp16 on V100; $ per device-hour)")
     for column in ("device", "vendor", "memory GiB", "bf16 TFLOP/s", "fp8 TFLOP/s", "$/h on demand", "$/h spot",
@@ -235,8 +227,6 @@ def add_timeout_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def _topology(args: argparse.Namespace, console: Console) -> int:
-    from topology.table import print_topology
-
     cluster = _load(args)
     print_topology(cluster, console)
     if args.json:
@@ -248,8 +238,8 @@ def _topology(args: argparse.Namespace, console: Console) -> int:
 
 
 def _load(args: argparse.Namespace) -> ClusterTopology:
-    if args.local:
-        from topology.probe import probe_local_node
+    """The map `topology` and `plan` were pointed at: this machine, files, a made-up cluster, or the live one."""
+    if getattr(args, "local", False):
         return ClusterTopology(nodes=[probe_local_node()])
     if args.from_files:
         return load_files(args.from_files)
@@ -259,9 +249,6 @@ def _load(args: argparse.Namespace) -> ClusterTopology:
 
 
 def _node_resources(args: argparse.Namespace, console: Console) -> int:
-    from topology.probe import probe_local_node
-    from topology.ray_resources import ray_start_arguments
-
     arguments = ray_start_arguments(probe_local_node())
     # Plain print: the output is spliced into a command line, so no wrapping or markup.
     print(arguments.as_json() if args.format == "json" else arguments.as_arguments())
@@ -273,7 +260,7 @@ def _add_plan_command(commands: argparse._SubParsersAction) -> None:
     plan = commands.add_parser("plan", help="place a job's workers on the cluster and predict step time and dollars")
     plan.add_argument("--config", required=True, help="job config (TOML)")
     source = plan.add_mutually_exclusive_group()
-    source.add_argument("--topology", action="append", metavar="FILE",
+    source.add_argument("--topology", dest="from_files", action="append", metavar="FILE",
                         help="a topology JSON or `nvidia-smi -L; nvidia-smi topo -m` text (repeat for more nodes); "
                              "default: map the live Ray cluster")
     source.add_argument("--generate", metavar="SPEC", help=f"a made-up cluster, MACHINE:COUNT,…; machines: "
@@ -287,13 +274,8 @@ def _add_plan_command(commands: argparse._SubParsersAction) -> None:
 
 
 def _plan(args: argparse.Namespace, console: Console) -> int:
-    from core.config import JobConfig
-
     config = JobConfig.from_toml(args.config)
-    topology = _plan_topology(args)
-    from orchestrator.planning.plan_table import print_plan
-    from orchestrator.planning.planner import Planner
-
+    topology = _load(args)
     planner = Planner(topology, config)
     plan = planner.plan()
     naive = planner.naive(plan.world_size)
@@ -307,13 +289,6 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
         console.print(f"drew {draw_plan_png(plan, topology, args.png, naive=naive)}")
     return 0
 
-
-def _plan_topology(args: argparse.Namespace) -> ClusterTopology:
-    if args.topology:
-        return load_files(args.topology)
-    if args.generate:
-        return machines.cluster(args.generate)
-    return discover_cluster(address=args.address or "", timeout_s=args.timeout)
 
 
 if __name__ == "__main__":

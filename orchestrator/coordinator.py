@@ -34,6 +34,7 @@ import topology
 from core.config import JobConfig
 from core.errors import ArchipelagoError, ClusterError, ConfigError, PlacementError
 from core.plan import Plan
+from core.spec import WorkerSpec
 from orchestrator import planning
 from orchestrator.accounting.bill import Rates
 from orchestrator.planning.memory import measure_steps
@@ -130,17 +131,19 @@ def matches(plan: Plan, reports: list[WorkerReport]) -> bool:
 
 
 class ElasticState:
-    """The coordinator's logic: plans for granted groups, failures, and the timeline of each recovery.
+    """The coordinator's logic: specs for granted groups, failures, and the timeline of each recovery.
 
-    `plan_for(topology, config)` plans (planning.make_plan with a cached memory profile in the actor);
-    `discover()` maps the live cluster (called only when a granted node is not in the map yet: a node
-    that keeps its Ray id keeps its hardware)."""
+    `spec` is what the first group runs (the driver's first plan); `plan_for(topology, config)` plans
+    (planning.make_plan with a cached memory profile in the actor); `discover()` maps the live cluster
+    (called only when a granted node is not in the map yet: a node that keeps its Ray id keeps its
+    hardware)."""
 
-    def __init__(self, config: JobConfig, plan: Plan, nodes: list[NodeTopology], *,
+    def __init__(self, config: JobConfig, spec: WorkerSpec, nodes: list[NodeTopology], *,
                  plan_for: Callable[[ClusterTopology, JobConfig], Plan],
                  discover: Callable[[], ClusterTopology], clock: Callable[[], float] = time.time):
         self.config = config
-        self.plan = plan
+        self.spec = spec
+        """What the current group runs: rebuilt from each re-plan, never merged with the config on a worker."""
         self.nodes = {node.ray_node_id: node for node in nodes}
         self._plan_for, self._discover, self._clock = plan_for, discover, clock
         self.attempt = 0
@@ -154,6 +157,10 @@ class ElasticState:
         self._lost: Failure | None = None
         """The failure that ended the current group, until the next group starts."""
         self._recovery: dict | None = None
+
+    @property
+    def plan(self) -> Plan:
+        return self.spec.plan
 
     # ---- what the workers and the controller tell it ----------------------------------------------
     def reached(self, step: int, at: float) -> None:
@@ -176,8 +183,8 @@ class ElasticState:
                  "ranks": list(ranks), "nodes": list(nodes), "error": self._lost.error,
                  "preempted": self._lost.preempted, "failures": len(self.failures)}]
 
-    def group_started(self, reports: list[WorkerReport]) -> tuple[Plan, list[dict]]:
-        """A new group's workers (every rank's report): the plan they run, and the event rows."""
+    def group_started(self, reports: list[WorkerReport]) -> tuple[WorkerSpec, list[dict]]:
+        """A new group's workers (every rank's report): the spec they run, and the event rows."""
         if self.fatal is not None:
             raise self.fatal
         reports = sorted(reports, key=lambda r: r.world_rank)
@@ -192,7 +199,7 @@ class ElasticState:
                          "reason": "worker lost" if lost else "capacity changed"})
         replan_s = 0.0
         if not matches(self.plan, reports):
-            self.plan = self._replan(reports)
+            self.spec = self.spec.with_plan(self._replan(reports))
             replan_s = self._clock() - now
             rows.append({"event": "replan", "time": now, "attempt": self.attempt, "world_size": len(reports),
                          "micro_batch_sizes": list(self.plan.replica_micro_batch_sizes()),
@@ -204,7 +211,7 @@ class ElasticState:
             self._recovery = {"lost": lost, "world_size": len(reports), "previous_world_size": len(previous),
                               "last_step": self.last_step, "last_step_at": self.last_step_at,
                               "started_at": min(r.started_at for r in reports), "replan_s": replan_s}
-        return self.plan, rows
+        return self.spec, rows
 
     def first_step(self, restored_step: int, marks: dict[str, float]) -> list[dict]:
         """Rank 0 finished the group's first step. marks (unix times on rank 0): planned, restore_start,
@@ -257,24 +264,24 @@ class PlanCoordinator:
     """The Ray actor around ElasticState: one per fit, on the driver's node (it outlives any worker node),
     named after the run so tests and benchmarks can watch a run from outside (`status`)."""
 
-    def __init__(self, config: JobConfig, plan: Plan, topology: ClusterTopology, plan_path: str, sink, memory):
+    def __init__(self, config: JobConfig, spec: WorkerSpec, topology: ClusterTopology, plan_path: str, sink, memory):
         self.plan_path, self.sink, self.memory = plan_path, sink, memory
-        self.state = ElasticState(config, plan, topology.nodes, plan_for=self._plan_for, discover=_discover)
+        self.state = ElasticState(config, spec, topology.nodes, plan_for=self._plan_for, discover=_discover)
         self.events: list[dict] = []
         # Now, not during a recovery: the exact memory of every micro-batch a re-plan can hand out (the
         # planner checks its choice with them), and the planner's imports (torch and all).
         measure_steps(memory.spec, tuple(range(1, config.train.micro_batch_size + 1)))
 
-    def group_started(self, reports: list[WorkerReport]) -> Plan:
+    def group_started(self, reports: list[WorkerReport]) -> WorkerSpec:
         try:
-            plan, rows = self.state.group_started(reports)
+            spec, rows = self.state.group_started(reports)
         except ArchipelagoError as e:  # a group that cannot be planned for: later groups stop at once too
             self.state.fatal = e
             raise
         if any(row["event"] == "replan" for row in rows):
-            plan.save(self.plan_path)
+            spec.plan.save(self.plan_path)
         self.record(rows)
-        return plan
+        return spec
 
     def reached(self, step: int, at: float) -> None:
         self.state.reached(step, at)
@@ -321,12 +328,12 @@ def on_this_node():
     return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
 
 
-def start_coordinator(config: JobConfig, plan: Plan, topology: ClusterTopology, plan_path: str, sink, memory):
+def start_coordinator(config: JobConfig, spec: WorkerSpec, topology: ClusterTopology, plan_path: str, sink, memory):
     """Starts the run's PlanCoordinator on the driver's node; returns its handle. `memory`: the job's
     MemoryProfile (the slow part of planning, the same for every world size)."""
     actor = ray.remote(num_cpus=0, max_restarts=0)(PlanCoordinator)
     return actor.options(name=COORDINATOR_NAME.format(config.name), scheduling_strategy=on_this_node()).remote(
-        config, plan, topology, str(plan_path), sink, memory)
+        config, spec, topology, str(plan_path), sink, memory)
 
 
 def failure_config(config: JobConfig):

@@ -27,8 +27,9 @@ from rich.console import Console
 
 import topology
 from core.config import JobConfig
-from core.errors import ArchipelagoError, ClusterError, ConfigError, DataError, FailureBudgetError
+from core.errors import ArchipelagoError, ClusterError, ConfigError, DataError, FailureBudgetError, PlacementError
 from core.plan import Plan
+from core.spec import WorkerSpec
 from orchestrator import coordinator, planning
 from orchestrator.accounting.report import RunReport
 from orchestrator.planning.memory import MemoryProfile, profile
@@ -70,19 +71,21 @@ class Orchestrator:
     def fit(self) -> FitResult:
         started = time.monotonic()
         started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+        _refuse_before_start(self.config)
         data_dir, tokenizer = self._dataset()
         resume_from, first_step = self._open_run(tokenizer)
         with self._ray():
             cluster = topology.discover_cluster()
             memory = profile(self.config, device_type="cuda" if self.config.cluster.use_gpu else "cpu")
             plan = self._plan(cluster, memory)
+            spec = WorkerSpec.for_plan(self.config, plan, data_location=str(data_dir), tokenizer=tokenizer)
             sink = MetricsSink.options(scheduling_strategy=coordinator.on_this_node()).remote()  # outlives worker nodes
-            plan_coordinator = coordinator.start_coordinator(self.config, plan, cluster, str(self.run.plan_path), sink, memory)
+            plan_coordinator = coordinator.start_coordinator(self.config, spec, cluster, str(self.run.plan_path),
+                                                             sink, memory)
             try:
-                job = WorkerJob(config=self.config, data_dir=str(data_dir), tokenizer=tokenizer, plan=plan,
-                                metrics_sink=sink, coordinator=plan_coordinator,
+                job = WorkerJob(uses_gpus=plan.uses_gpus, metrics_sink=sink, coordinator=plan_coordinator,
                                 resume_from=str(resume_from) if resume_from else None)
-                rows = self._train(job, sink, first_step)
+                rows = self._train(job, plan, sink, first_step)
                 plan = ray.get(plan_coordinator.current_plan.remote())  # the last group's: it may have been re-planned
             finally:
                 ray.kill(plan_coordinator)
@@ -128,7 +131,8 @@ class Orchestrator:
             return None, 0
         latest = self.run.checkpoint_to_resume()
         info = checkpoint.read_info(latest)
-        checkpoint.check_compatible(info, self.config, tokenizer, latest)
+        checkpoint.check_compatible(info, model=self.config.model, seed=self.config.train.seed, tokenizer=tokenizer,
+                                    directory=latest)
         self.run.rewind_metrics(info.step)
         self.console.print(f"resuming from {latest}", markup=False)
         return latest, info.step
@@ -197,16 +201,16 @@ class Orchestrator:
         finally:
             ray.shutdown()
 
-    def _train(self, job: WorkerJob, sink, first_step: int) -> list[dict]:
+    def _train(self, job: WorkerJob, plan: Plan, sink, first_step: int) -> list[dict]:
+        """Runs the workers under Ray Train, scheduled and joined as the first `plan` says."""
         cfg = self.config
-        backend = job.plan.backend if cfg.parallel.backend == "auto" else cfg.parallel.backend
-        scaling = binding.scaling_config_kwargs(job.plan, elastic_min_workers=cfg.elastic.min_workers or None)
+        scaling = binding.scaling_config_kwargs(plan, elastic_min_workers=cfg.elastic.min_workers or None)
         if cfg.elastic.min_workers and not cfg.cluster.use_gpu:  # CPU jobs may grow to num_workers
             scaling["num_workers"] = (cfg.elastic.min_workers, cfg.cluster.num_workers)
         trainer = TorchTrainer(
             train_loop,
             train_loop_config={"job": job},
-            torch_config=TorchConfig(backend=backend),
+            torch_config=TorchConfig(backend=plan.backend),
             scaling_config=ScalingConfig(**scaling, elastic_resize_monitor_interval_s=cfg.elastic.resize_check_s),
             run_config=RunConfig(name=cfg.name, storage_path=self.run.storage_path,
                                  failure_config=coordinator.failure_config(cfg),
@@ -215,7 +219,7 @@ class Orchestrator:
         outcome: dict = {}
         thread = threading.Thread(target=_fit_into, args=(trainer, outcome), daemon=True)
         rows: list[dict] = []
-        with ProgressDisplay.for_job(self.console, job, self.run.path, first_step) as display:
+        with ProgressDisplay.for_run(self.console, plan, cfg, self.run.path, first_step) as display:
             thread.start()
             while thread.is_alive():
                 thread.join(timeout=0.5)
@@ -250,6 +254,14 @@ class Orchestrator:
             self.run.append_metrics(new)
             display.update(new)
             rows.extend(new)
+
+
+def _refuse_before_start(config: JobConfig) -> None:
+    """What the config alone shows the workers cannot run, said before anything starts."""
+    if config.cluster.use_gpu and config.placement.tensor_parallel_size > 1:
+        raise PlacementError(f"[placement] tensor_parallel_size = {config.placement.tensor_parallel_size}: the worker "
+                             "engine runs DDP and FSDP2 only", where="[placement] tensor_parallel_size",
+                             fix="set tensor_parallel_size = 1 to train (`archipelago plan` still plans it)")
 
 
 def _fit_into(trainer: TorchTrainer, outcome: dict) -> None:

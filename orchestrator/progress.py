@@ -17,6 +17,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from core.config import JobConfig
+from core.plan import Plan
 from orchestrator.accounting.live_bill import LiveBill
 
 
@@ -48,10 +50,10 @@ class ProgressDisplay:
                                         mfu="-", dollars="$-")
 
     @classmethod
-    def for_job(cls, console: Console, job, run_dir: Path, first_step: int) -> ProgressDisplay:
-        """The display with the live bill of `job` (a workers.loop.WorkerJob: its config and plan)."""
-        bill = LiveBill.open(job.plan, job.config, run_dir, resumed=first_step > 0)
-        return cls(console, job.config.train.steps, first_step, bill)
+    def for_run(cls, console: Console, plan: Plan, config: JobConfig, run_dir: Path, first_step: int) -> ProgressDisplay:
+        """The display with the live bill of the job `config`, priced as `plan` says."""
+        bill = LiveBill.open(plan, config, run_dir, resumed=first_step > 0)
+        return cls(console, config.train.steps, first_step, bill)
 
     def __enter__(self) -> ProgressDisplay:
         if self.live:

@@ -18,7 +18,6 @@ O(1) time per position, for any N — a billion-sample split needs no 8 GB index
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import numpy as np
 

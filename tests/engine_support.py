@@ -1,4 +1,4 @@
-"""Hand-built plans and a process-group launcher for the worker-engine tests (no Ray, gloo on CPU)."""
+"""Hand-built worker specs and a process-group launcher for the worker-engine tests (no Ray, gloo on CPU)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,23 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from core.plan import Plan
+from core.config import JobConfig
+from core.spec import WorkerSpec
+from orchestrator.planning.resolve import uniform_spec
 
 
-def uniform_plan(world: int, micro_batch_size: int, accum: int, *, islands: list[list[int]] | None = None,
-                 seq_len: int = 32, strategy: str = "ddp") -> Plan:
-    """A plan of `world` identical workers with equal micro-batches, as the planner makes for identical devices."""
-    return Plan.uniform(job_name="test", world_size=world, micro_batch_size=micro_batch_size, grad_accum_steps=accum,
-                        seq_len=seq_len, intra_island_groups=islands, data_parallel=strategy)
+def engine_spec(config: JobConfig, world: int, micro_batch_size: int, accum: int, *,
+                islands: list[list[int]] | None = None) -> WorkerSpec:
+    """A spec of `world` identical workers with equal micro-batches, resolved from `config` as the
+    planner resolves it: what the planner makes for identical devices."""
+    return uniform_spec(config, world_size=world, micro_batch_size=micro_batch_size, grad_accum_steps=accum,
+                        intra_island_groups=islands)
+
+
+def job_spec(config: JobConfig) -> WorkerSpec:
+    """The spec of `config` as [cluster] num_workers identical workers split its global batch."""
+    world, micro = config.cluster.num_workers, config.train.micro_batch_size
+    return engine_spec(config, world, micro, max(1, config.train.global_batch_size // (micro * world)))
 
 
 def free_port() -> int:

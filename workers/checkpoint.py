@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from core.config import JobConfig
+from core.config import ModelConfig
 from core.errors import CheckpointError
+from core.spec import WorkerSpec
 from storage.checkpoint_io import (
     DCP_METADATA,
     CheckpointStore,
@@ -66,10 +67,9 @@ class CheckpointInfo:
     """Workers that saved it (for the log; any world size can load it)."""
 
     @classmethod
-    def for_job(cls, config: JobConfig, step: int, consumed_samples: int, tokenizer: str,
-                world_size: int = 0) -> CheckpointInfo:
-        return cls(step, consumed_samples, dataclasses.asdict(config.model), tokenizer, config.train.seed,
-                   config.train.global_batch_size, SAMPLER_NAME, world_size)
+    def for_spec(cls, spec: WorkerSpec, step: int, consumed_samples: int, world_size: int = 0) -> CheckpointInfo:
+        return cls(step, consumed_samples, dataclasses.asdict(spec.model), spec.data.tokenizer, spec.train.seed,
+                   spec.plan.global_batch_size, SAMPLER_NAME, world_size)
 
 
 def read_info(directory: str | Path | Location) -> CheckpointInfo:
@@ -84,9 +84,11 @@ def read_info(directory: str | Path | Location) -> CheckpointInfo:
                               fix="resume from an earlier checkpoint or start over") from None
 
 
-def check_compatible(info: CheckpointInfo, config: JobConfig, tokenizer: str, directory: str | Path | Location) -> None:
-    """Refuses a checkpoint whose weights or data stream do not belong to this job."""
-    current = dataclasses.asdict(config.model)
+def check_compatible(info: CheckpointInfo, *, model: ModelConfig, seed: int, tokenizer: str,
+                     directory: str | Path | Location) -> None:
+    """Refuses a checkpoint whose weights or data stream do not belong to this job (its [model], its
+    [train] seed and the dataset's tokenizer)."""
+    current = dataclasses.asdict(model)
     differ = [f"{k}: checkpoint {info.model.get(k)!r}, config {v!r}" for k, v in current.items()
               if k != "dropout" and info.model.get(k) != v]
     if differ:
@@ -95,11 +97,11 @@ def check_compatible(info: CheckpointInfo, config: JobConfig, tokenizer: str, di
     if info.tokenizer != tokenizer:
         raise CheckpointError(f"checkpoint was trained on {info.tokenizer!r} tokens, the dataset has {tokenizer!r}",
                               where=str(directory), fix="resume with the dataset it was trained on")
-    if info.seed != config.train.seed:
+    if info.seed != seed:
         # The sample order is a function of the seed: another seed would repeat some samples of the
         # current epoch and skip others.
         raise CheckpointError(f"checkpoint's data order came from [train] seed = {info.seed}, the config has "
-                              f"{config.train.seed}; resuming would repeat and skip samples", where=str(directory),
+                              f"{seed}; resuming would repeat and skip samples", where=str(directory),
                               fix=f"set [train] seed = {info.seed} to resume, or start a new run (--overwrite or another name)")
     if info.sampler != SAMPLER_NAME:
         raise CheckpointError(f"checkpoint's data order came from sampler {info.sampler!r}, this archipelago uses "
@@ -148,16 +150,17 @@ class RunCheckpoints:
     is in flight; a step is reported committed only once its `.metadata` is written.
     """
 
-    def __init__(self, root: str | Path | Location, config: JobConfig, rank: int):
+    def __init__(self, root: str | Path | Location, spec: WorkerSpec, rank: int):
         self.store = CheckpointStore(root)
-        self.config = config
+        self.spec = spec
+        self.settings = spec.checkpoint
         self.rank = rank
         self.group = checkpoint_group()
         self._pending: tuple[int, PendingSave] | None = None
         self.restored_from: Location | None = None
         """The committed step directory the last `restore` loaded (None: a fresh start)."""
 
-    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokenizer: str,
+    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 resume_from: str | None = None) -> tuple[CheckpointInfo, set[str]] | None:
         """Loads the newest committed step (after removing half-written ones); None for a fresh run."""
         self._on_rank0(self.store.remove_uncommitted)
@@ -168,9 +171,10 @@ class RunCheckpoints:
                                       fix="run without --resume to start over")
             return None
         info = read_info(latest)
-        check_compatible(info, self.config, tokenizer, latest)
+        check_compatible(info, model=self.spec.model, seed=self.spec.train.seed, tokenizer=self.spec.data.tokenizer,
+                         directory=latest)
         self.restored_from = latest
-        return load(latest, model, optimizer, info=info, reader=self.config.checkpoint.reader,
+        return load(latest, model, optimizer, info=info, reader=self.settings.reader,
                     process_group=self.group)
 
     def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, info: CheckpointInfo, *,
@@ -179,10 +183,10 @@ class RunCheckpoints:
         async_save, `info.step` among them)."""
         committed = self.wait()
         pending = save(self.store.step(info.step), model, optimizer, info,
-                       async_save=self.config.checkpoint.async_save and not wait, process_group=self.group,
+                       async_save=self.settings.async_save and not wait, process_group=self.group,
                        extra=extra)
         self._pending = (info.step, pending)
-        return committed + ([] if self.config.checkpoint.async_save and not wait else self.wait())
+        return committed + ([] if self.settings.async_save and not wait else self.wait())
 
     def wait(self) -> list[int]:
         """Blocks until the save in flight (if any) is committed, then applies retention."""
@@ -191,7 +195,7 @@ class RunCheckpoints:
         step, pending = self._pending
         self._pending = None
         pending.result()
-        self._on_rank0(lambda: self.store.prune(self.config.checkpoint.keep_last))
+        self._on_rank0(lambda: self.store.prune(self.settings.keep_last))
         return [step]
 
     def _on_rank0(self, fn) -> None:

@@ -1,6 +1,6 @@
 """The worker's side of an elastic run: get this group's plan, heed preemption notices, keep the sample ledger.
 
-    plan = join_group(job.coordinator, ctx, use_gpu=…)       # every rank, first thing (collective)
+    spec, node_rank = join_group(job.coordinator, ctx, use_gpu=…)   # every rank, first thing (collective)
     notice = PreemptionWatch(every_steps).check(step)           # every rank, same steps (collective)
     ledger = LedgerKeeper(enabled, restored_bytes, rank, replica, group)
     steps = loader.stream(ledger.tap(sampler.steps(...)));  ledger.trained(step);  extra = ledger.extra()
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from core.errors import ArchipelagoError
-from core.plan import Plan
+from core.spec import WorkerSpec
 from storage.ledger import LEDGER_FILE, SampleLedger
 
 
@@ -45,9 +45,10 @@ class WorkerReport:
     """Unix time the train function began on this worker."""
 
 
-def join_group(coordinator, ctx, *, use_gpu: bool, started_at: float) -> tuple[Plan, int]:
-    """Tells the coordinator who this group is (gathered to rank 0); returns the plan it made for it and
-    this worker's index among the group's workers on its Ray node (what it claims its plan entry by).
+def join_group(coordinator, ctx, *, use_gpu: bool, started_at: float) -> tuple[WorkerSpec, int]:
+    """Tells the coordinator who this group is (gathered to rank 0); returns the spec it made for it
+    (the group's plan and the job's settings) and this worker's index among the group's workers on its
+    Ray node (what it claims its plan entry by).
     Ray Train's own local rank counts workers per IP address, which several Ray nodes of one machine
     share. An error from the coordinator (no plan fits, a fatal error earlier) is raised on every rank."""
     report = WorkerReport(world_rank=ctx.get_world_rank(), local_rank=ctx.get_local_rank(),
@@ -69,13 +70,13 @@ def join_group(coordinator, ctx, *, use_gpu: bool, started_at: float) -> tuple[P
         dist.broadcast_object_list(answer, src=0)
     if isinstance(answer[0], BaseException):
         raise answer[0]
-    plan: Plan = answer[0]
-    entries = [w for w in plan.workers if w.ray_node_id == report.ray_node_id]
+    spec: WorkerSpec = answer[0]
+    entries = [w for w in spec.plan.workers if w.ray_node_id == report.ray_node_id]
     mine = [i for i, w in enumerate(entries) if w.device_uuid and w.device_uuid in report.device_uuids]
     if len(mine) == 1:  # a GPU worker takes the entry of the GPU Ray gave it (Ray reserves GPUs by count)
-        return plan, mine[0]
+        return spec, mine[0]
     on_node = sorted(r.world_rank for r in reports if r.ray_node_id == report.ray_node_id)
-    return plan, on_node.index(report.world_rank)
+    return spec, on_node.index(report.world_rank)
 
 
 def _visible_gpus() -> tuple[str, ...]:

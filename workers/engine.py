@@ -1,12 +1,13 @@
 """The worker engine: one worker's model, wrapping, precision and compiled training step.
 
-    engine = Engine(config, plan, rank, device)        # after torch.distributed is up (or alone)
+    engine = Engine(spec, rank, device)                # after torch.distributed is up (or alone)
     loss, grad_norm = engine(micro_batches, lr)        # one optimizer step
     engine.window_metrics()                            # comm bytes, exposed comm, overlap, skips, compile
     engine.settle()                                    # every update applied (next-forward overlap)
 
-It needs no Ray: benchmarks and GPU tests build one directly; the Ray Train loop builds one per
-worker. Everything it decides comes from the JobConfig and this worker's entry in the Plan.
+It needs no Ray: benchmarks and GPU tests build one directly (orchestrator.planning.uniform_spec
+makes them a spec); the Ray Train loop builds one per worker. It decides nothing itself: the spec's
+plan says how the model is spread and in which precision, its train and compile settings the rest.
 """
 
 from __future__ import annotations
@@ -17,9 +18,7 @@ import functools
 import torch
 from torch.distributed.tensor import DTensor
 
-from core.config import JobConfig
-from core.errors import ConfigError, PlacementError
-from core.plan import Plan
+from core.spec import WorkerSpec
 from kernels.backend import use_triton
 from workers.comm.stats import CommStats
 from workers.compile_check import CompileCheck
@@ -28,35 +27,31 @@ from workers.compute_copy import Bf16ComputeCopy
 from workers.models.gpt import GPT
 from workers.optim import build_optimizer, set_lr
 from workers.parallel import attach_overlap, wrap
-from workers.precision import LossScaler, convert_to_float8, resolve_precision
+from workers.precision import LossScaler, convert_to_float8, precision_on
 
 
 class Engine:
-    def __init__(self, config: JobConfig, plan: Plan, rank: int, device: torch.device):
-        self.config = config
+    def __init__(self, spec: WorkerSpec, rank: int, device: torch.device):
+        self.spec = spec
+        plan, train = spec.plan, spec.train
         self.device = device
         self.worker = plan.worker(rank)
-        self.precision = resolve_precision(config.train.precision, device)
-        torch.manual_seed(config.train.seed)  # every rank builds identical weights
+        self.precision = precision_on(plan.precision, device)
+        torch.manual_seed(train.seed)  # every rank builds identical weights
         # The model the optimizer updates, checkpoints save and evaluation runs.
-        self.model = GPT(config.model).to(device)
-        self.float8_layers = (convert_to_float8(self.model, config.train.float8_recipe)
+        self.model = GPT(spec.model).to(device)
+        self.float8_layers = (convert_to_float8(self.model, train.float8_recipe)
                               if self.precision.name == "fp8" else 0)
-        self.compute_copy = self._compute_copy(config)
+        self.compute_copy = self._compute_copy()
         self.comm_stats = CommStats()
         trained = self.compute_copy.model if self.compute_copy is not None else self.model
-        self.wrapped = wrap(trained, config, plan, self.precision, device, self.comm_stats)
+        self.wrapped = wrap(trained, spec, self.precision, device, self.comm_stats)
         # After wrapping: FSDP2 replaces parameters with sharded DTensors the optimizer must see.
-        self.optimizer = build_optimizer(self.model, config.train, device)
+        self.optimizer = build_optimizer(self.model, train, device)
         self.scaler = LossScaler(self.precision, device)
         # With the next-forward overlap, each bucket's update is applied in the next step's forward.
-        self.overlap = attach_overlap(self.wrapped, self.model, self.optimizer, config, plan, self.comm_stats)
-        if self.overlap is not None and self.scaler.enabled:
-            raise ConfigError(f"precision resolved to {self.precision.name} on this {self.device.type} worker, whose "
-                              "loss scaling must see every bucket before an update; the next-forward overlap applies "
-                              "them bucket by bucket", where="[parallel] overlap",
-                              fix='set precision = "bf16" on GPUs that have it, or overlap = "off"')
-        self.max_grad_norm = config.train.grad_clip if config.train.grad_clip > 0 else float("inf")
+        self.overlap = attach_overlap(self.wrapped, self.model, self.optimizer, plan, self.comm_stats)
+        self.max_grad_norm = train.grad_clip if train.grad_clip > 0 else float("inf")
         # Fused AdamW divides each gradient by `grad_scale` as it reads it (the hook GradScaler uses),
         # so clipping can ride on the optimizer's own pass: the gradients are read once for the norm
         # instead of read for it and then read and written again to scale them (1.3B: ~10 GB a step).
@@ -74,20 +69,17 @@ class Engine:
         # Each micro-batch's mean loss is weighted by its share of the global batch, times the number
         # of replicas DDP/FSDP divide by: the reduced gradient is then the global batch's mean whatever
         # micro-batch each (possibly heterogeneous) worker got. Uniform plans give 1 / accumulation.
-        if plan.tensor_parallel_size > 1:
-            raise PlacementError(f"the plan asks for tensor parallelism of {plan.tensor_parallel_size}; the "
-                                 "worker engine runs DDP and FSDP2 only", where="[placement] tensor_parallel_size",
-                                 fix="set tensor_parallel_size = 1 to train (`archipelago plan` still plans it)")
         replicas = len(plan.replica_micro_batch_sizes())
         self.micro_batch_weight = replicas * self.worker.micro_batch_size / plan.global_batch_size
         # Evaluation passes are collective under FSDP: every rank cuts the same number of chunks.
         self.eval_batch_size = min(plan.replica_micro_batch_sizes())
         # The first micro-batch's compiled step is checked against eager PyTorch's (workers/compile_check.py).
-        self.compile_checker = (CompileCheck(trained, loss_tolerance=config.compile.check_tolerance,
-                                             gradient_tolerance=config.compile.gradient_tolerance,
+        compile_config = spec.compile
+        self.compile_checker = (CompileCheck(trained, loss_tolerance=compile_config.check_tolerance,
+                                             gradient_tolerance=compile_config.gradient_tolerance,
                                              compare_gradients=self.wrapped.ddp is None and not self.wrapped.fsdp)
-                                if config.compile.enable and config.compile.check_tolerance > 0
-                                and config.model.dropout == 0 and self.precision.name != "fp8" else None)
+                                if compile_config.enable and compile_config.check_tolerance > 0
+                                and spec.model.dropout == 0 and self.precision.name != "fp8" else None)
 
     def __call__(self, micro_batches: list[torch.Tensor], lr: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Trains on `micro_batches` (each (B, seq_len + 1) tokens); returns (this rank's weighted loss,
@@ -122,7 +114,7 @@ class Engine:
     def _forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One micro-batch's mean loss (collective under DDP and FSDP: every rank makes it)."""
         with self._training_autocast():
-            return self.wrapped.forward(inputs, targets, loss_kernel=self.config.train.loss_kernel)
+            return self.wrapped.forward(inputs, targets, loss_kernel=self.spec.train.loss_kernel)
 
     def _backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's mean loss, weighted by its share of the global batch (and scaled with fp16)."""
@@ -134,14 +126,11 @@ class Engine:
         """The first step's compiled-against-eager figures (workers/compile_check.py), once made."""
         return self.compile_checker.result if self.compile_checker is not None else None
 
-    def _compute_copy(self, config: JobConfig) -> Bf16ComputeCopy | None:
-        if not config.train.bf16_weights:
+    def _compute_copy(self) -> Bf16ComputeCopy | None:
+        """The bf16 copy that trains under [train] bf16_weights (the rules let it run only in bf16)."""
+        if not self.spec.train.bf16_weights:
             return None
-        if self.precision.name != "bf16":
-            raise ConfigError(f"bf16_weights needs bf16 training; precision resolved to {self.precision.name} "
-                              f"on this {self.device.type} worker", where="[train] bf16_weights",
-                              fix='set precision = "bf16" (on a GPU that has it), or bf16_weights = false')
-        return Bf16ComputeCopy(self.model, GPT(config.model).to(self.device, torch.bfloat16))
+        return Bf16ComputeCopy(self.model, GPT(self.spec.model).to(self.device, torch.bfloat16))
 
     def _training_autocast(self):
         """Autocast for the training forward; none on a bf16 compute copy: its weights are bf16
@@ -192,7 +181,7 @@ class Engine:
         for batch in batches:
             inputs, targets = batch[:, :-1], batch[:, 1:]
             with self.precision.autocast(self.device):
-                loss = forward(inputs, targets, loss_kernel=self.config.train.loss_kernel)
+                loss = forward(inputs, targets, loss_kernel=self.spec.train.loss_kernel)
             loss_sum += float(loss) * targets.numel()
             tokens += targets.numel()
         self.model.train()
@@ -213,7 +202,7 @@ class Engine:
         if self.scaler.enabled:
             metrics["skipped_steps"] = self.scaler.skipped_steps
             metrics["loss_scale"] = self.scaler.scaler.get_scale()
-        if self.config.compile.enable:
+        if self.spec.compile.enable:
             metrics["compile"] = compile_stats().as_metrics()
             if self.compile_check is not None:
                 metrics["compile"]["eager_check"] = self.compile_check

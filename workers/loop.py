@@ -11,8 +11,9 @@ is needed.
 
 Elastic runs (workers/elastic.py): every start of the worker group — the first, and each restart
 Ray Train makes after a failure, a preemption or a resize — asks the driver's PlanCoordinator for the
-plan of exactly the workers granted, so micro-batches and accumulation fit the group while the
-global batch stays fixed and the sampler continues at the checkpoint's exact sample. A preemption
+spec of exactly the workers granted (core/spec.py: the plan made for them and the settings the
+worker needs), so micro-batches and accumulation fit the group while the global batch stays fixed
+and the sampler continues at the checkpoint's exact sample. A preemption
 notice commits a checkpoint at once; with `[elastic] sample_ledger` every checkpoint carries the
 sample ids of every committed step.
 """
@@ -31,9 +32,8 @@ import ray.train
 import torch
 import torch.distributed as dist
 
-from core.config import JobConfig
 from core.errors import ArchipelagoError, CheckpointError
-from core.plan import Plan
+from core.spec import WorkerSpec
 from storage.fs import Location
 from storage.ledger import LEDGER_FILE
 from storage.loader import BatchLoader
@@ -48,15 +48,11 @@ from workers.optim import lr_at
 
 @dataclass(kw_only=True)
 class WorkerJob:
-    """Everything a worker needs, sent once by the driver."""
+    """How a worker reaches the driver, sent once. What it trains and how comes from the coordinator,
+    as the WorkerSpec of its group (`join_group`)."""
 
-    config: JobConfig
-    data_dir: str
-    """The prepared dataset: a local path or a pyarrow.fs URI, readable from every node."""
-    tokenizer: str
-    plan: Plan
-    """The driver's first plan (Ray's scaling and the backend come from it); each group of workers runs
-    the plan the coordinator made for it (`join_group`), the same one when the workers match it."""
+    uses_gpus: bool
+    """The workers run on GPUs (they report the GPUs Ray made visible before they are planned)."""
     metrics_sink: Any
     """Actor handle of the driver's MetricsSink."""
     coordinator: Any
@@ -129,27 +125,27 @@ def train_loop(loop_config: dict) -> dict:
 
 
 def train(job: WorkerJob, ctx, started_at: float) -> dict:
-    cfg = job.config
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     marks = {}  # when this group reached each stage of its start (unix s): the recovery's timeline
-    plan, node_rank = join_group(job.coordinator, ctx, use_gpu=cfg.cluster.use_gpu, started_at=started_at)
+    spec, node_rank = join_group(job.coordinator, ctx, use_gpu=job.uses_gpus, started_at=started_at)
     marks["planned"] = time.time()
-    plan, device = claim_plan_entry(plan, ctx, node_rank)
+    spec, device = claim_plan_entry(spec, ctx, node_rank)
+    plan, train_cfg = spec.plan, spec.train
 
-    engine = Engine(cfg, plan, rank, device)
-    checkpoints = checkpoint.RunCheckpoints(run_storage(), cfg, rank)
+    engine = Engine(spec, rank, device)
+    checkpoints = checkpoint.RunCheckpoints(run_storage(), spec, rank)
     marks["restore_start"] = time.time()
     progress, checkpoint_readers = restore(job, checkpoints, engine.model, engine.optimizer)
     marks["restored"] = time.time()
     restored_step = progress.step
     replica = plan.worker(rank).data_parallel_rank
-    ledger = open_ledger(cfg, checkpoints, rank, replica, restored_step)
+    ledger = open_ledger(spec, checkpoints, rank, replica, restored_step)
 
-    train_loader, val_loader = open_loaders(job, device)
-    sampler = DeterministicSampler(train_loader.dataset.num_samples, cfg.train.seed)
+    train_loader, val_loader = open_loaders(spec, device)
+    sampler = DeterministicSampler(train_loader.dataset.num_samples, train_cfg.seed)
     layout = plan.batch_layout()
     steps = train_loader.stream(ledger.tap(sampler.steps(progress.consumed_samples, layout, replica)))
-    preemption = PreemptionWatch(cfg.elastic.preemption_check_steps)
+    preemption = PreemptionWatch(spec.preemption_check_steps)
     window = MetricsWindow()
     send(job, rank, [{"event": "start", "step": progress.step, "world_size": world, "device": str(device),
                       "device_model": plan.worker(rank).device_model, "precision": engine.precision.name,
@@ -158,11 +154,11 @@ def train(job: WorkerJob, ctx, started_at: float) -> dict:
                       "reader": train_loader.reader_choice, "checkpoint_readers": sorted(checkpoint_readers)}])
 
     last_val_loss = None
-    while progress.step < cfg.train.steps:
+    while progress.step < train_cfg.steps:
         waiting = time.perf_counter()
         batches = next(steps)
         data_wait_s = time.perf_counter() - waiting
-        lr = lr_at(progress.step, cfg.train)
+        lr = lr_at(progress.step, train_cfg)
         loss, grad_norm = engine(batches, lr)
         progress.step += 1
         progress.consumed_samples += layout.global_batch
@@ -175,19 +171,20 @@ def train(job: WorkerJob, ctx, started_at: float) -> dict:
                 marks["first_step_done"] = time.time()
                 job.coordinator.first_step.remote(restored_step, marks)
 
-        final = progress.step == cfg.train.steps
-        if progress.step % cfg.train.log_every == 0 or final:
+        final = progress.step == train_cfg.steps
+        if progress.step % train_cfg.log_every == 0 or final:
             engine.settle()
-            rows = window.flush(cfg.tokens_per_step, progress.consumed_samples)
+            rows = window.flush(plan.tokens_per_step, progress.consumed_samples)
             rows[-1].update(engine.window_metrics())
-            if progress.step % cfg.train.eval_every == 0 or final:
+            if progress.step % train_cfg.eval_every == 0 or final:
                 with window.paused():
-                    last_val_loss = rows[-1]["val_loss"] = validate(engine, val_loader, cfg, rank, world)
+                    last_val_loss = rows[-1]["val_loss"] = validate(engine, val_loader, train_cfg.eval_samples,
+                                                                    rank, world)
             send(job, rank, rows)
         notice = preemption.check(progress.step)
-        if progress.step % cfg.checkpoint.every_steps == 0 or final or notice:
+        if progress.step % spec.checkpoint.every_steps == 0 or final or notice:
             engine.settle()
-            info = checkpoint.CheckpointInfo.for_job(cfg, progress.step, progress.consumed_samples, job.tokenizer, world)
+            info = checkpoint.CheckpointInfo.for_spec(spec, progress.step, progress.consumed_samples, world)
             saving = time.perf_counter()
             with window.paused():
                 # On a preemption notice, wait for the commit: the node may go any moment.
@@ -202,10 +199,10 @@ def train(job: WorkerJob, ctx, started_at: float) -> dict:
     return {"step": progress.step, "consumed_samples": progress.consumed_samples, "val_loss": last_val_loss}
 
 
-def open_ledger(cfg: JobConfig, checkpoints: checkpoint.RunCheckpoints, rank: int, replica: int,
+def open_ledger(spec: WorkerSpec, checkpoints: checkpoint.RunCheckpoints, rank: int, replica: int,
                 restored_step: int) -> LedgerKeeper:
     """The sample ledger, continued from the restored checkpoint's (rank 0 keeps it; the others send ids)."""
-    enabled = cfg.elastic.sample_ledger
+    enabled = spec.sample_ledger
     restored = None
     if enabled and rank == 0 and checkpoints.restored_from is not None:
         restored = checkpoint.read_extra(checkpoints.restored_from, LEDGER_FILE)
@@ -217,12 +214,12 @@ def open_ledger(cfg: JobConfig, checkpoints: checkpoint.RunCheckpoints, rank: in
     return keeper
 
 
-def claim_plan_entry(plan: Plan, ctx, node_rank: int) -> tuple[Plan, torch.device]:
+def claim_plan_entry(spec: WorkerSpec, ctx, node_rank: int) -> tuple[WorkerSpec, torch.device]:
     """Binds this worker to its plan entry's device and cores, and renumbers the plan to Ray's ranks.
 
     Ray Train numbers workers itself; each claims the entry of its node and its index there
     (`node_rank`), and the claims, gathered in world-rank order, renumber the plan so plan rank == world rank."""
-    entry = binding.claim(plan, ray_node_id=ray.get_runtime_context().get_node_id(), node_id=socket.gethostname(),
+    entry = binding.claim(spec.plan, ray_node_id=ray.get_runtime_context().get_node_id(), node_id=socket.gethostname(),
                           local_rank=node_rank)
     device = torch.device(binding.bind(entry))
     if device.type == "cpu":
@@ -231,7 +228,7 @@ def claim_plan_entry(plan: Plan, ctx, node_rank: int) -> tuple[Plan, torch.devic
         torch.cuda.set_device(device)
     claimed: list[int | None] = [None] * ctx.get_world_size()
     dist.all_gather_object(claimed, entry.rank)
-    return plan.reordered(claimed), device
+    return spec.with_plan(spec.plan.reordered(claimed)), device
 
 
 def run_storage() -> Location:
@@ -243,29 +240,29 @@ def run_storage() -> Location:
 def restore(job: WorkerJob, checkpoints: checkpoint.RunCheckpoints, model: torch.nn.Module,
             optimizer: torch.optim.Optimizer) -> tuple[Progress, set[str]]:
     """The newest committed checkpoint of the run (after a failure, a resize or --resume), or a fresh start."""
-    restored = checkpoints.restore(model, optimizer, job.tokenizer, job.resume_from)
+    restored = checkpoints.restore(model, optimizer, job.resume_from)
     if restored is None:
         return Progress(), set()
     info, readers = restored
     return Progress(info.step, info.consumed_samples), readers
 
 
-def open_loaders(job: WorkerJob, device: torch.device) -> tuple[BatchLoader, BatchLoader]:
+def open_loaders(spec: WorkerSpec, device: torch.device) -> tuple[BatchLoader, BatchLoader]:
     """Train and validation loaders; the reader is chosen once (and reported in the start event)."""
-    data = job.config.data
-    train = TokenDataset(job.data_dir, "train", job.config.model.seq_len)  # reads the manifest, once
-    val = TokenDataset(job.data_dir, "val", job.config.model.seq_len, manifest=train.manifest)
+    data = spec.data
+    train = TokenDataset(data.location, "train", spec.model.seq_len)  # reads the manifest, once
+    val = TokenDataset(data.location, "val", spec.model.seq_len, manifest=train.manifest)
     choice = choose_reader(data.reader, train.location, device, threads=data.reader_threads, small_reads=True)
     train_loader = BatchLoader(train, choice, device, depth=data.prefetch_steps)
     val_reader = choose_reader(choice.reader.kind, val.location, device, threads=data.reader_threads)
     return train_loader, BatchLoader(val, val_reader, device, depth=1)
 
 
-def validate(engine: Engine, val_loader: BatchLoader, cfg: JobConfig, rank: int, world: int) -> float:
+def validate(engine: Engine, val_loader: BatchLoader, eval_samples: int, rank: int, world: int) -> float:
     """Mean loss over a fixed, evenly spread set of validation samples, split evenly across ranks
     (every rank runs the same number of forward passes: FSDP's are collective)."""
     num_samples = val_loader.dataset.num_samples
-    count = max(world, min(cfg.train.eval_samples, num_samples) // world * world)
+    count = max(world, min(eval_samples, num_samples) // world * world)
     ids = np.linspace(0, num_samples - 1, count).astype(np.int64)[rank::world]
     size = engine.eval_batch_size
     chunks = [ids[i:i + size] for i in range(0, len(ids), size)]

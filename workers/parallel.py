@@ -18,8 +18,9 @@ from torch._dynamo.utils import maybe_enable_compiled_autograd
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from core.config import JobConfig
-from core.plan import Plan
+from core.config import CompileConfig
+from core.plan import DataParallel, Plan
+from core.spec import WorkerSpec
 from workers.comm.groups import build_island_groups
 from workers.comm.hooks import HookState, make_hook
 from workers.comm.overlap import NextForwardOverlap
@@ -57,56 +58,39 @@ class WrappedModel:
         return contextlib.nullcontext()
 
 
-def wrap(model: GPT, config: JobConfig, plan: Plan, precision: Precision, device: torch.device,
+def wrap(model: GPT, spec: WorkerSpec, precision: Precision, device: torch.device,
          comm_stats: CommStats) -> WrappedModel:
-    model.set_activation_checkpointing(config.parallel.activation_checkpointing)
+    plan = spec.plan
+    model.set_activation_checkpointing(plan.activation_checkpointing)
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1:
-        return WrappedModel(maybe_compile(model, config.compile, fullgraph=config.compile.fullgraph), None, False, None)
-    if config.parallel.strategy == "fsdp":
-        return _wrap_fsdp(model, config, precision)
-    return _wrap_ddp(model, config, plan, device, world, comm_stats)
+        return WrappedModel(maybe_compile(model, spec.compile, fullgraph=spec.compile.fullgraph), None, False, None)
+    if plan.data_parallel == DataParallel.FSDP:
+        return _wrap_fsdp(model, spec.compile, precision)
+    return _wrap_ddp(model, spec, device, world, comm_stats)
 
 
-def comm_hook_to_run(config: JobConfig, plan: Plan) -> str:
-    """The plan's hook (the planner resolves "auto"), else the configured one; "auto" unresolved is allreduce."""
-    name = plan.comm_hook or config.parallel.comm_hook
-    return "allreduce" if name == "auto" else name
-
-
-def attach_overlap(wrapped: WrappedModel, model: GPT, optimizer: torch.optim.Optimizer, config: JobConfig,
-                   plan: Plan, comm_stats: CommStats) -> NextForwardOverlap | None:
-    """The next-forward overlap, hooked into DDP, when the job asks for it and there is DDP to hook
-    (one worker alone has nothing to reduce); None otherwise."""
-    if wrapped.ddp is None or config.parallel.overlap != "next_forward":
+def attach_overlap(wrapped: WrappedModel, model: GPT, optimizer: torch.optim.Optimizer, plan: Plan,
+                   comm_stats: CommStats) -> NextForwardOverlap | None:
+    """The next-forward overlap, hooked into DDP, when the plan runs it and there is DDP to hook (one
+    worker alone has nothing to reduce); None otherwise."""
+    if wrapped.ddp is None or plan.overlap != "next_forward":
         return None
     overlap = NextForwardOverlap(model, optimizer, world_size=dist.get_world_size(), stats=comm_stats,
-                                 wire="bf16" if comm_hook_to_run(config, plan) == "bf16" else "fp32",
-                                 backward_share=overlap_backward_share(config, plan))
+                                 wire="bf16" if plan.comm_hook == "bf16" else "fp32",
+                                 backward_share=plan.overlap_backward_share)
     overlap.register(wrapped.ddp)
     wrapped.hook_state = overlap.state
     return overlap
 
 
-def overlap_backward_share(config: JobConfig, plan: Plan) -> float:
-    """[parallel] overlap_backward_share, or for 0 the plan's predicted backward time (two thirds of
-    its compute) over its predicted communication time, at most 1 (1 without a prediction)."""
-    if config.parallel.overlap_backward_share > 0:
-        return config.parallel.overlap_backward_share
-    predicted = plan.predicted
-    if predicted.communication_seconds <= 0:
-        return 1.0
-    return min(1.0, 2 / 3 * predicted.compute_seconds / predicted.communication_seconds)
-
-
-def _wrap_ddp(model: GPT, config: JobConfig, plan: Plan, device: torch.device, world: int,
-              comm_stats: CommStats) -> WrappedModel:
-    par = config.parallel
-    compiled_autograd = config.compile.uses_compiled_autograd
+def _wrap_ddp(model: GPT, spec: WorkerSpec, device: torch.device, world: int, comm_stats: CommStats) -> WrappedModel:
+    plan, hooks = spec.plan, spec.plan.hook_settings
+    compiled_autograd = spec.compile.uses_compiled_autograd
     # The next-forward overlap runs Python between blocks (GPT.before_stage): compile block by block.
-    by_block = par.overlap == "next_forward"
+    by_block = plan.overlap == "next_forward"
     if by_block:
-        _compile_by_block(model, config)
+        _compile_by_block(model, spec.compile)
     # DDP reads optimize_ddp once, in its constructor; both flags are process-wide, so every wrap
     # sets them either way (a later engine in the same process must not inherit them).
     # With compiled autograd, DDP's C++ reducer is replaced by the Python one, whose all-reduces
@@ -117,40 +101,39 @@ def _wrap_ddp(model: GPT, config: JobConfig, plan: Plan, device: torch.device, w
     # gradients exist and sink its wait to their first use (unmeasured on several GPUs so far).
     inductor_config.reorder_for_compute_comm_overlap = compiled_autograd
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                  bucket_cap_mb=plan.ddp_bucket_cap_mb or par.bucket_mb, gradient_as_bucket_view=True)
+                                  bucket_cap_mb=plan.bucket_cap_mb, gradient_as_bucket_view=True)
     state = None
     if not (compiled_autograd or by_block):  # the overlap registers its own hook (attach_overlap)
-        hook_name = comm_hook_to_run(config, plan)
         islands = (build_island_groups(plan.intra_island_groups, plan.inter_island_groups)
-                   if hook_name == "hierarchical" else None)
-        hook, state = make_hook(hook_name, stats=comm_stats, world_size=world, islands=islands,
-                                warmup_steps=par.comm_warmup_steps, powersgd_rank=par.powersgd_rank,
-                                topk_ratio=par.topk_ratio, topk_ramp_steps=par.topk_ramp_steps,
-                                topk_wire=par.topk_wire)
+                   if plan.comm_hook == "hierarchical" else None)
+        hook, state = make_hook(plan.comm_hook, stats=comm_stats, world_size=world, islands=islands,
+                                warmup_steps=hooks.warmup_steps, powersgd_rank=hooks.powersgd_rank,
+                                topk_ratio=hooks.topk_ratio, topk_ramp_steps=hooks.topk_ramp_steps,
+                                topk_wire=hooks.topk_wire)
         ddp.register_comm_hook(state, hook)
     # DDP times compute, communication and their overlap on sampled iterations; a sampled iteration
     # waits for the previous one's timing events, so sample once per metrics window, not every step.
-    ddp._set_ddp_runtime_logging_sample_rate(config.train.log_every * plan.grad_accum_steps)
-    forward = ddp if by_block else maybe_compile(ddp, config.compile, fullgraph=compiled_autograd)
+    ddp._set_ddp_runtime_logging_sample_rate(spec.train.log_every * plan.grad_accum_steps)
+    forward = ddp if by_block else maybe_compile(ddp, spec.compile, fullgraph=compiled_autograd)
     return WrappedModel(forward, ddp, False, state, compiled_autograd=compiled_autograd)
 
 
-def _wrap_fsdp(model: GPT, config: JobConfig, precision: Precision) -> WrappedModel:
+def _wrap_fsdp(model: GPT, compile_config: CompileConfig, precision: Precision) -> WrappedModel:
     # Parameters are gathered in the autocast dtype and gradients reduced in fp32.
     policy = MixedPrecisionPolicy(param_dtype=precision.autocast_dtype, reduce_dtype=torch.float32)
-    _compile_by_block(model, config)
+    _compile_by_block(model, compile_config)
     for block in model.blocks:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)  # in place: the model itself is now the FSDP module
     return WrappedModel(model, None, True, None)
 
 
-def _compile_by_block(model: GPT, config: JobConfig) -> None:
+def _compile_by_block(model: GPT, compile_config: CompileConfig) -> None:
     """Compiles each block and the head in place (names unchanged, so checkpoints load either way);
     what runs between them, embeddings included, stays eager (the torchtitan recipe)."""
-    if not config.compile.enable:
+    if not compile_config.enable:
         return
-    options = compile_options(config.compile, fullgraph=config.compile.fullgraph)
+    options = compile_options(compile_config, fullgraph=compile_config.fullgraph)
     for block in model.blocks:
         block.compile(**options)
     model.head = torch.compile(model.head, **options)

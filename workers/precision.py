@@ -19,7 +19,7 @@ from core.errors import ConfigError
 @dataclass(frozen=True, slots=True)
 class Precision:
     name: str
-    """fp32, bf16, fp16 or fp8, resolved from the config's "auto"."""
+    """fp32, bf16, fp16 or fp8, as the plan says."""
     autocast_dtype: torch.dtype | None
 
     @property
@@ -30,21 +30,22 @@ class Precision:
         return torch.autocast(device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
 
 
-def resolve_precision(requested: str, device: torch.device) -> Precision:
-    if requested == "auto":
-        requested = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
-    if requested == "fp32":
+def precision_on(name: str, device: torch.device) -> Precision:
+    """The plan's precision (resolved by the planner, never "auto") on this worker's device. The
+    planner refuses what the catalog says a device cannot do; this checks the device itself (a GPU
+    the catalog does not know, a worker placed on other hardware than planned)."""
+    if name == "fp32":
         return Precision("fp32", None)
-    if requested in ("fp16", "fp8") and device.type != "cuda":
-        raise ConfigError(f"{requested} training needs a CUDA GPU; this worker runs on {device.type}",
+    if name in ("fp16", "fp8") and device.type != "cuda":
+        raise ConfigError(f"{name} training needs a CUDA GPU; this worker runs on {device.type}",
                           where="[train] precision", fix='use "fp32" or "bf16" on CPU workers')
-    if requested == "fp8":
+    if name == "fp8":
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) < (8, 9):
             raise ConfigError(f"float8 needs compute capability 8.9 or newer, this GPU has {major}.{minor}",
                               where="[train] precision", fix='use "bf16" on this GPU')
         return Precision("fp8", torch.bfloat16)
-    return Precision(requested, torch.float16 if requested == "fp16" else torch.bfloat16)
+    return Precision(name, torch.float16 if name == "fp16" else torch.bfloat16)
 
 
 def convert_to_float8(model: torch.nn.Module, recipe: str) -> int:

@@ -25,18 +25,15 @@ reads a measured table in their place.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
-import tomllib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 
 from core.atomic import read_text
 from core.errors import ConfigError
 from core.plan import AllReduce
-from topology import catalog
 
 
 class LinkClass(StrEnum):

@@ -15,8 +15,8 @@ import math
 from dataclasses import dataclass, field, replace
 
 import numpy as np
-import torch
 
+from core import rules
 from core.config import JobConfig
 from core.plan import AllReduce, DataParallel, DeviceKind, Objective
 from orchestrator.planning.collectives import Bucketing, CollectiveCostModel, Hop, LinkClass, Reduction, bucketing
@@ -92,6 +92,8 @@ class PlanningJob:
     cpus_per_worker: int
     spot: bool
     use_mig: bool
+    float8: bool = False
+    """[train] precision = "fp8": only devices with float8 tensor cores can take part."""
     gradient_element_bytes: int = 4
     """Bytes of a gradient element in DDP's buckets (comm_hooks.gradient_element_bytes)."""
     comm_hook: CommHookCost | None = None
@@ -117,7 +119,7 @@ class PlanningJob:
                    strategies=(DataParallel(config.parallel.strategy),), use_gpu=config.cluster.use_gpu,
                    cpus_per_worker=config.cluster.cpus_per_worker,
                    spot=placement.pricing == "spot", use_mig=placement.use_mig,
-                   gradient_element_bytes=gradient_element_bytes(config),
+                   float8=precision == "fp8", gradient_element_bytes=gradient_element_bytes(config),
                    comm_hook=CommHookCost.for_job(config))
 
     @property
@@ -334,9 +336,9 @@ class Costing:
         world = footprint.world
         if world == 0:
             return Refusal("no devices chosen", "", 0)
-        if self.comm_hook.name == "powersgd" and footprint.backend == "gloo" and world > 1:
-            return Refusal("powersgd hangs over gloo, which several MIG slices of one GPU reduce through",
-                           'use one MIG slice per GPU (bound [placement] max_gpus), or comm_hook = "bf16" or "topk"',
+        refusal = rules.comm_hook_refusal(self.comm_hook.name, backend=footprint.backend) if world > 1 else None
+        if refusal is not None:  # several MIG slices of one GPU reduce through gloo
+            return Refusal(refusal.what, f"{refusal.fix}, or use one MIG slice per GPU (bound [placement] max_gpus)",
                            world)
         replicas = footprint.replicas
         types = list(replicas)

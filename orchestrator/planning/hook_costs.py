@@ -10,7 +10,7 @@ layout and kernels.wire's encoding, workers/comm/hooks.py's PowerSGD rule): on G
 1 % is costed at 3,294,000 bytes a step and the hook sent 3,294,752 on two H200s (4,620,560 and
 4,621,248 with topk_wire = "offsets"). PowerSGD's count over NCCL is checked
 against the all-reduces torch's hook issues (tests/gpu/test_engine_nccl.py). The compute rates are
-fitted to measured runs (orchestrator/planning/collectives.py, HOOK_COMPUTE). The warm-up steps (plain all-reduce)
+fitted to measured runs (orchestrator/planning/compute.py, HOOK_COMPUTE). The warm-up steps (plain all-reduce)
 are not costed: the prediction is the steady state. What a hook keeps between steps (top-k's
 residual, PowerSGD's error feedback) counts against each worker's memory.
 """
@@ -83,8 +83,9 @@ class CommHookCost:
         return cls("allreduce", buffer_bytes, buffer_bytes)
 
     @classmethod
-    def for_job(cls, config: JobConfig, name: str | None = None) -> CommHookCost:
-        """The job's [parallel] comm_hook, or the hook `name` on the same job."""
+    def for_job(cls, config: JobConfig, name: str | None = None, *, topk_wire: str | None = None) -> CommHookCost:
+        """The job's [parallel] comm_hook, or the hook `name` on the same job (topk_wire: the other
+        way of sending topk's places)."""
         shapes = model_shapes(config.model)
         elements = sum(math.prod(shape) for shape in shapes)
         buffer = elements * gradient_element_bytes(config)
@@ -93,7 +94,7 @@ class CommHookCost:
             return cls(name, elements * 2, buffer, elements=elements)
         if name == "topk":
             layout = payload_layout(elements, config.parallel.topk_ratio)
-            elias_fano = config.parallel.topk_wire == "elias_fano"
+            elias_fano = (topk_wire or config.parallel.topk_wire) == "elias_fano"
             wire = wire_nbytes(layout) if elias_fano else layout.nbytes
             return cls(name, wire, buffer, all_gather=True, elements=elements, state_bytes=4 * elements,
                        elias_fano=elias_fano)

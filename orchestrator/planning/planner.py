@@ -23,13 +23,14 @@ import functools
 import math
 from collections import defaultdict
 from itertools import product
+from typing import NamedTuple
 
 import numpy as np
 
+from core import rules
 from core.config import JobConfig
-from core.errors import ConfigError, PlacementError
+from core.errors import PlacementError
 from core.plan import (
-    AllReduce,
     DataParallel,
     DeviceKind,
     Objective,
@@ -53,6 +54,8 @@ from orchestrator.planning.devices import Device, DevicePool, DeviceType, Domain
 from orchestrator.planning.hook_costs import COMPRESSING_HOOKS, CommHookCost
 from orchestrator.planning.memory import MemoryProfile, measure_steps, profile, usable_bytes
 from orchestrator.planning.prices import PriceTable
+from orchestrator.planning.resolve import plan_choices
+from topology import catalog
 from topology.cluster import ClusterTopology
 from topology.sysfs import format_cpu_list, parse_cpu_list
 
@@ -71,6 +74,14 @@ reached plain all-reduce's loss 1.81x sooner and ended 0.02 % above it after 200
 HOOK_ADVICE_EXPOSED_SHARE = 0.10
 """From this share of the step spent waiting on plain all-reduce, a plan's notes say what each
 compressing comm hook is predicted to do."""
+
+
+class _Choice(NamedTuple):
+    """A search's best candidate, the costing it was scored by (its comm hook), and why that hook."""
+
+    outcome: Outcome
+    costing: Costing
+    note: str = ""
 
 
 class _Overrun(Exception):
@@ -107,7 +118,7 @@ class Planner:
         self._check_feasible()
         self.memory = memory or profile(config, device_type="cuda" if self.job.use_gpu else "cpu")
         self.costing = Costing(self.job, self.pool, self.collectives, self.compute, self.prices, self.memory)
-        self._auto_note = ""
+        """Under the configured comm hook ("auto" costed as plain buckets until a search picks one)."""
         self.classes = self._classes()
         self._class_domains = [np.array(members, dtype=np.int64) for members in self.classes]
         self._unit_of_class = [self._usable(self.pool.domains[members[0]]) for members in self.classes]
@@ -117,76 +128,64 @@ class Planner:
     # ---- public ----------------------------------------------------------------------------------
     def plan(self) -> Plan:
         for _ in range(EXACT_MEMORY_RETRIES):
-            best = self._search_for_hook()
+            choice = self._search_for_hook()
             try:
-                return self.build(best, notes=self._notes(best))
+                return self.build(choice.outcome, choice.costing, notes=self._notes(choice))
             except _Overrun as overrun:  # the interpolation was optimistic: cap that device exactly, search again
-                self.costing.limit_micro_batch(overrun.device, self._exact_fit(overrun, best))
+                # Every costing derived from self.costing shares its micro-batch limits.
+                choice.costing.limit_micro_batch(overrun.device, self._exact_fit(overrun, choice))
                 failed = overrun
         raise PlacementError(f"the exact memory estimate of micro-batch {failed.micro_batch} does not fit "
                              f"{failed.device.label}", where="[train] micro_batch_size",
                              fix=f"set micro_batch_size below {failed.micro_batch}")
 
-    def _exact_fit(self, overrun: _Overrun, outcome: Outcome) -> int:
+    def _exact_fit(self, overrun: _Overrun, choice: _Choice) -> int:
         """The largest micro-batch below the one that overran whose exact peak fits the device."""
+        outcome = choice.outcome
         return self.memory.max_micro_batch(
-            self.costing.capacity_for_step(overrun.device, outcome.data_parallel, outcome.devices),
+            choice.costing.capacity_for_step(overrun.device, outcome.data_parallel, outcome.devices),
             data_parallel=outcome.data_parallel.value, world_size=outcome.devices,
             tensor_parallel_size=self.job.tensor_parallel_size, accumulating=outcome.split.grad_accum_steps > 1,
             limit=overrun.micro_batch - 1, exact=True)
 
-    def _search_for_hook(self) -> Outcome:
+    def _search_for_hook(self) -> _Choice:
         """search() under the configured comm hook. Under "auto": under plain all-reduce and, where the
-        config allows it, the bf16 hook, which is kept only for a step AUTO_BF16_MIN_GAIN shorter; self.costing
-        is left on the winner's hook, which build() names in the plan."""
-        self._auto_note = ""
+        rules allow it, the bf16 hook, which is taken only for a step AUTO_BF16_MIN_GAIN shorter."""
         if self.config.parallel.comm_hook != "auto":
-            return self.search()
+            return _Choice(self.search(self.costing), self.costing)
         plain_costing = self.costing.with_comm_hook(CommHookCost.plain(self.job.gradient_bytes))
-        self.costing = plain_costing
-        plain = self.search()
-        bf16_config = self._config_with_hook("bf16")
-        if bf16_config is None:
-            return plain
-        self.costing = plain_costing.with_comm_hook(CommHookCost.for_job(bf16_config))
-        bf16 = self.search()
+        plain = self.search(plain_costing)
+        if not self._hook_allowed("bf16"):
+            return _Choice(plain, plain_costing)
+        bf16_costing = plain_costing.with_comm_hook(CommHookCost.for_job(self.config, "bf16"))
+        bf16 = self.search(bf16_costing)
         if bf16.step_seconds <= (1 - AUTO_BF16_MIN_GAIN) * plain.step_seconds and bf16.score <= plain.score:
-            self._auto_note = (f"comm_hook = auto took bf16: a predicted {bf16.step_seconds * 1e3:.1f} ms step "
-                               f"against {plain.step_seconds * 1e3:.1f} ms with plain all-reduce")
-            return bf16
-        self.costing = plain_costing
-        return plain
+            return _Choice(bf16, bf16_costing, f"comm_hook = auto took bf16: a predicted {bf16.step_seconds * 1e3:.1f} "
+                                               f"ms step against {plain.step_seconds * 1e3:.1f} ms with plain all-reduce")
+        return _Choice(plain, plain_costing)
 
-    def _hook_to_run(self) -> str:
-        """What the workers run (Plan.comm_hook): the configured hook, or auto's pick (self.costing's)."""
-        if self.config.parallel.comm_hook != "auto":
-            return self.config.parallel.comm_hook
-        return self.costing.comm_hook.name
+    def _hook_allowed(self, name: str) -> bool:
+        """Whether the rules (core/rules.py) let this job run comm hook `name` in place of its own."""
+        config = self.config
+        compiled_autograd = config.compile.uses_compiled_autograd
+        refusal = rules.comm_hook_refusal(name, backend=config.gradient_backend, strategy=config.parallel.strategy,
+                                          bf16_weights=config.train.bf16_weights, compiled_autograd=compiled_autograd)
+        if refusal is None and config.parallel.overlap == "next_forward":
+            refusal = rules.overlap_refusal(strategy=config.parallel.strategy, hook=name,
+                                            grad_clip=config.train.grad_clip, precision=config.train.precision,
+                                            bf16_weights=config.train.bf16_weights, compiled_autograd=compiled_autograd)
+        return refusal is None
 
-    def _config_with_hook(self, name: str) -> JobConfig | None:
-        """The job's config with [parallel] comm_hook = name, or None where the config's own checks
-        refuse that hook for this job (powersgd over gloo; compression with bf16 weights, compiled
-        autograd or FSDP)."""
-        return self._config_with(comm_hook=name)
-
-    def _config_with(self, **parallel) -> JobConfig | None:
-        """The job's config with these [parallel] settings, or None where its own checks refuse them."""
-        data = self.config.to_dict()
-        data["parallel"].update(parallel)
-        try:
-            return JobConfig.from_dict(data)
-        except ConfigError:
-            return None
-
-    def search(self) -> Outcome:
-        """The best candidate the greedy paths and hill climbing find (raises PlacementError if none)."""
+    def search(self, costing: Costing) -> Outcome:
+        """The best candidate the greedy paths and hill climbing find under `costing` (raises
+        PlacementError if none). Reads nothing but the costing and the planner's fixed classes."""
         evaluated: dict[tuple[int, ...], Outcome | Refusal] = {}
         best: Outcome | None = None
 
         def visit(counts: tuple[int, ...]) -> Outcome | Refusal:
             nonlocal best
             if counts not in evaluated:
-                evaluated[counts] = self.costing.evaluate(self._footprint(counts))
+                evaluated[counts] = costing.evaluate(self._footprint(counts))
                 outcome = evaluated[counts]
                 if self._acceptable(outcome) and (best is None or outcome.score < best.score):
                     best = outcome
@@ -222,10 +221,12 @@ class Planner:
             counts = better
         return best
 
-    def exhaustive(self) -> Outcome:
-        """The optimum of the same cost model over every number of devices from every domain, and
-        every feasible accumulation count. Devices of one domain are interchangeable in the model,
-        so this covers every subset of devices. Exponential: for clusters of a few domains."""
+    def exhaustive(self, costing: Costing | None = None) -> Outcome:
+        """The optimum of the same cost model (`costing`, the configured hook's by default) over every
+        number of devices from every domain, and every feasible accumulation count. Devices of one
+        domain are interchangeable in the model, so this covers every subset of devices. Exponential:
+        for clusters of a few domains."""
+        costing = costing or self.costing
         unit = self.job.tensor_parallel_size
         ranges = [range(0, d.size // unit * unit + 1, unit) for d in self.pool.domains]
         best: Outcome | None = None
@@ -233,7 +234,7 @@ class Planner:
             if not self._in_range(sum(counts)) or sum(counts) == 0:
                 continue
             selection = tuple((i, k) for i, k in enumerate(counts) if k)
-            outcome = self.costing.evaluate(selection, all_accumulations=True)
+            outcome = costing.evaluate(selection, all_accumulations=True)
             if self._acceptable(outcome) and (best is None or outcome.score < best.score):
                 best = outcome
         if best is None:
@@ -258,23 +259,21 @@ class Planner:
         if left:
             return None
         types = {self.pool.domains[i].type for i, _ in selection}
-        planned_costing = self.costing
+        costing = self.costing
         if self.config.parallel.comm_hook == "auto":  # unplanned: DDP's own all-reduce
-            self.costing = planned_costing.with_comm_hook(CommHookCost.plain(self.job.gradient_bytes))
-        try:
-            for micro_batch in range(self.job.micro_batch_limit, 0, -1):
-                outcome = self.costing.evaluate(tuple(selection), uniform_micro_batch=micro_batch, planned_comm=False)
-                if isinstance(outcome, Outcome):
-                    what = "whole GPUs" if self.job.use_gpu else "CPU slots"
-                    note = (f"Ray's PACK order: {wanted} {what} in node and index order, micro-batch "
-                            f"{micro_batch} for every worker ({', '.join(sorted(t.label for t in types))})")
-                    try:
-                        return self.build(outcome, notes=[note], bucket_bytes={"default": DDP_DEFAULT_BUCKET_BYTES})
-                    except _Overrun:  # the exact estimate is larger than the profile's: a smaller one
-                        continue
-            return None
-        finally:
-            self.costing = planned_costing
+            costing = costing.with_comm_hook(CommHookCost.plain(self.job.gradient_bytes))
+        for micro_batch in range(self.job.micro_batch_limit, 0, -1):
+            outcome = costing.evaluate(tuple(selection), uniform_micro_batch=micro_batch, planned_comm=False)
+            if isinstance(outcome, Outcome):
+                what = "whole GPUs" if self.job.use_gpu else "CPU slots"
+                note = (f"Ray's PACK order: {wanted} {what} in node and index order, micro-batch "
+                        f"{micro_batch} for every worker ({', '.join(sorted(t.label for t in types))})")
+                try:
+                    return self.build(outcome, costing, notes=[note],
+                                      bucket_bytes={"default": DDP_DEFAULT_BUCKET_BYTES})
+                except _Overrun:  # the exact estimate is larger than the profile's: a smaller one
+                    continue
+        return None
 
     # ---- candidates ------------------------------------------------------------------------------
     def _classes(self) -> list[list[int]]:
@@ -294,9 +293,12 @@ class Planner:
         return sorted(classes.values(), key=preference)
 
     def _usable(self, domain: Domain) -> int:
-        """Devices of `domain` the job can use: whole tensor-parallel groups, which need NVLink."""
+        """Devices of `domain` the job can use: whole tensor-parallel groups, which need NVLink, of
+        devices that have float8 where the job trains in it."""
         unit = self.job.tensor_parallel_size
         if unit > 1 and not domain.nvlink:
+            return 0
+        if self.job.float8 and not _has_float8(domain.type):
             return 0
         return domain.size // unit * unit
 
@@ -357,6 +359,11 @@ class Planner:
             raise PlacementError(f"the cluster has no {what}", where="topology",
                                  fix="set [cluster] use_gpu = false to train on CPUs" if job.use_gpu else
                                  "lower [cluster] cpus_per_worker to what a node has")
+        if job.float8 and not any(_has_float8(d.type) for d in pool.domains):
+            models = sorted({d.type.label for d in pool.domains})
+            raise PlacementError(f"float8 needs GPUs of compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
+                                 f"the cluster has {', '.join(models)}", where="[train] precision",
+                                 fix='use precision = "bf16" on these GPUs')
         unit = job.tensor_parallel_size
         if unit > 1:
             largest = max((d for d in pool.domains if d.nvlink), key=lambda d: d.size, default=None)
@@ -421,7 +428,8 @@ class Planner:
         fixes.append("lower [train] micro_batch_size or [model] seq_len, or use GPUs with more memory")
         return "; ".join(fixes)
 
-    def _notes(self, best: Outcome) -> list[str]:
+    def _notes(self, choice: _Choice) -> list[str]:
+        best, costing = choice.outcome, choice.costing
         notes = list(self.pool.notes)
         nodes = {device.node.node_id for i, k in best.selection for device in self.pool.domains[i].devices[:k]}
         guessed = sorted(nodes & self.pool.guessed_networks)
@@ -435,9 +443,9 @@ class Planner:
         if best.split.grad_accum_steps > 1:
             notes.append(f"{best.split.grad_accum_steps} accumulation steps: larger micro-batches do not fit "
                          f"(or exceed [train] micro_batch_size = {self.job.micro_batch_limit})")
-        if self._auto_note:
-            notes.append(self._auto_note)
-        hook = self.costing.comm_hook
+        if choice.note:
+            notes.append(choice.note)
+        hook = costing.comm_hook
         if hook.compresses and best.bucketing is not None:
             share = f"{hook.wire_bytes / 1e6:.1f} MB a step ({hook.wire_bytes / hook.buffer_bytes:.1%} of its " \
                     f"{hook.buffer_bytes / 1e6:.1f} MB of gradient buckets)"
@@ -445,27 +453,26 @@ class Planner:
                      if hook.all_gather else f"each rank all-reduces {share}")
             notes.append(f"comm hook {hook.name}: {sends}; its own work adds {best.hook_compute_seconds * 1e3:.1f} ms "
                          "a step (costed as after its plain all-reduce warm-up)")
-        notes.extend(self._hook_advice(best))
-        notes.extend(self._topk_wire_advice(best))
+        notes.extend(self._hook_advice(best, costing))
+        notes.extend(self._topk_wire_advice(best, costing))
         notes.extend(self._overlap_notes(best))
         if best.backend == "gloo" and self.job.use_gpu:
             notes.append("several MIG slices of one GPU: NCCL runs one rank per GPU, so gradients are reduced "
                          "with gloo through host memory")
         return notes
 
-    def _hook_advice(self, best: Outcome) -> list[str]:
+    def _hook_advice(self, best: Outcome, costing: Costing) -> list[str]:
         """Where plain all-reduce leaves the step waiting on the wire, what each compressing hook the
         config allows would do on the same devices, if it shortens the step. A hint, not a choice:
         compression changes the loss."""
         exposed = best.exposed_communication_seconds / best.step_seconds if best.step_seconds else 0.0
-        if self.costing.comm_hook.compresses or exposed < HOOK_ADVICE_EXPOSED_SHARE:
+        if costing.comm_hook.compresses or exposed < HOOK_ADVICE_EXPOSED_SHARE:
             return []
         steps = []
         for name in COMPRESSING_HOOKS:
-            config = self._config_with_hook(name)
-            if config is None:
+            if not self._hook_allowed(name):
                 continue
-            outcome = self.costing.with_comm_hook(CommHookCost.for_job(config)).evaluate(best.footprint)
+            outcome = costing.with_comm_hook(CommHookCost.for_job(self.config, name)).evaluate(best.footprint)
             if isinstance(outcome, Outcome) and outcome.step_seconds < best.step_seconds:
                 steps.append(f"{name} {outcome.step_seconds * 1e3:.1f} ms")
         return [f"the step waits {exposed:.0%} of its {best.step_seconds * 1e3:.1f} ms on gradient communication; "
@@ -482,22 +489,25 @@ class Planner:
         return ['[parallel] overlap = "next_forward" is not costed: the prediction is plain DDP\'s step (on two '
                 "H200s the overlap measured 0.88x to 1.03x of it, by model, link and wire; benchmarks/RESULTS.md)"]
 
-    def _topk_wire_advice(self, best: Outcome) -> list[str]:
+    def _topk_wire_advice(self, best: Outcome, costing: Costing) -> list[str]:
         """For topk, the step with its places sent the other way on the same devices, where that is
         shorter: Elias–Fano's smaller wire against the encode and per-rank decode it costs."""
-        if self.costing.comm_hook.name != "topk":
+        if costing.comm_hook.name != "topk":
             return []
         other = "offsets" if self.config.parallel.topk_wire == "elias_fano" else "elias_fano"
-        hook = CommHookCost.for_job(self._config_with(topk_wire=other), "topk")
-        outcome = self.costing.with_comm_hook(hook).evaluate(best.footprint)
+        hook = CommHookCost.for_job(self.config, "topk", topk_wire=other)
+        outcome = costing.with_comm_hook(hook).evaluate(best.footprint)
         if not (isinstance(outcome, Outcome) and outcome.step_seconds < best.step_seconds):
             return []
         return [f'[parallel] topk_wire = "{other}" is predicted at {outcome.step_seconds * 1e3:.1f} ms a step '
                 f"against {best.step_seconds * 1e3:.1f} ms (each rank sends {hook.wire_bytes / 1e6:.1f} MB a step "
-                f"instead of {self.costing.comm_hook.wire_bytes / 1e6:.1f})"]
+                f"instead of {costing.comm_hook.wire_bytes / 1e6:.1f})"]
 
     # ---- the plan --------------------------------------------------------------------------------
-    def build(self, outcome: Outcome, *, notes: list[str], bucket_bytes: dict[str, int] | None = None) -> Plan:
+    def build(self, outcome: Outcome, costing: Costing, *, notes: list[str],
+              bucket_bytes: dict[str, int] | None = None) -> Plan:
+        """The Plan of `outcome`, scored under `costing` (whose comm hook the workers run); bucket_bytes
+        replaces the buckets the costing would choose (an unplanned run's DDP default)."""
         job, t = self.job, self.job.tensor_parallel_size
         devices: list[tuple[Device, Domain]] = [(device, self.pool.domains[i]) for i, k in outcome.selection
                                                 for device in self.pool.domains[i].devices[:k]]
@@ -505,7 +515,7 @@ class Planner:
         micro_batches = []
         for replica in range(len(devices) // t):
             micro_batches += [next(sizes[devices[replica * t][0].type])] * t
-        peaks = self._peaks(outcome, devices, micro_batches)
+        peaks = self._peaks(outcome, costing, devices, micro_batches)
         affinity = _numa_shares(devices)
         accum = outcome.split.grad_accum_steps
         workers = [WorkerPlacement(
@@ -514,7 +524,7 @@ class Planner:
             grad_accum_steps=accum, data_parallel_rank=rank // t, tensor_parallel_rank=rank % t,
             cpus=self.job.cpus_per_worker, cpu_affinity=affinity[rank], numa_node=device.numa_node,
             ray_node_id=device.node.ray_node_id,
-            predicted_compute_seconds=accum * self.costing.replica_group(
+            predicted_compute_seconds=accum * costing.replica_group(
                 device.type, 1, 1, domain.intra_hop).micro_step_seconds(micro_batches[rank]),
             predicted_peak_memory_bytes=peaks[rank], memory_capacity_bytes=device.type.memory_bytes)
             for rank, (device, domain) in enumerate(devices)]
@@ -522,27 +532,30 @@ class Planner:
         for rank, (_, domain) in enumerate(devices):
             islands[id(domain)].append(rank)
         intra = list(islands.values())
+        buckets = bucket_bytes if bucket_bytes is not None else costing.bucket_sizes(outcome)
+        bottleneck = ("default" if bucket_bytes is not None else
+                      outcome.hops["world"].link_class.value if "world" in outcome.hops else "")
+        prediction = self._prediction(outcome)
+        choices = plan_choices(self.config, use_gpu=job.use_gpu, replicas=len(workers) // t,
+                               data_parallel=outcome.data_parallel, comm_hook=costing.comm_hook.name,
+                               backend=outcome.backend, bucket_bytes=buckets.get(bottleneck), prediction=prediction)
         return Plan(
             job_name=job.name, objective=job.objective, workers=workers, global_batch_size=job.global_batch_size,
             seq_len=job.seq_len, grad_accum_steps=accum, data_parallel=outcome.data_parallel,
-            tensor_parallel_size=t, allreduce=outcome.allreduce, comm_hook=self._hook_to_run(),
-            intra_island_groups=intra,
+            tensor_parallel_size=t, allreduce=outcome.allreduce, intra_island_groups=intra,
             inter_island_groups=cross_island_groups(intra),
             tensor_parallel_groups=[list(range(r, r + t)) for r in range(0, len(workers), t)],
             data_parallel_groups=[list(range(j, len(workers), t)) for j in range(t)],
-            ddp_bucket_bytes=bucket_bytes if bucket_bytes is not None else self.costing.bucket_sizes(outcome),
-            bottleneck_link_class="default" if bucket_bytes is not None else
-            (outcome.hops["world"].link_class.value if "world" in outcome.hops else ""),
-            backend=outcome.backend, price_basis="spot" if job.spot else "on_demand",
-            predicted=self._prediction(outcome), notes=notes)
+            ddp_bucket_bytes=buckets, bottleneck_link_class=bottleneck,
+            price_basis="spot" if job.spot else "on_demand", predicted=prediction, notes=notes, **choices)
 
-    def _peaks(self, outcome: Outcome, devices: list, micro_batches: list[int]) -> list[int]:
+    def _peaks(self, outcome: Outcome, costing: Costing, devices: list, micro_batches: list[int]) -> list[int]:
         accumulating = outcome.split.grad_accum_steps > 1
         strategy = outcome.data_parallel.value
         if self.exact_memory:  # one fake model for every micro-batch the plan hands out
             measure_steps(self.memory.spec, tuple(sorted(set(micro_batches))))
         peaks = {}
-        hook_state = int(self.costing.hook_state_bytes(outcome.data_parallel, len(devices)))
+        hook_state = int(costing.hook_state_bytes(outcome.data_parallel, len(devices)))
         for m in set(micro_batches):
             peaks[m] = hook_state + self.memory.peak_bytes(m, data_parallel=strategy, world_size=len(devices),
                                                            tensor_parallel_size=self.job.tensor_parallel_size,
@@ -567,6 +580,16 @@ class Planner:
 def make_plan(topology: ClusterTopology, config: JobConfig, **kwargs) -> Plan:
     """Plans `config` on `topology` (see Planner for the keyword arguments)."""
     return Planner(topology, config, **kwargs).plan()
+
+
+def _has_float8(device: DeviceType) -> bool:
+    """Whether the device has float8 tensor cores: compute capability 8.9 or newer by the catalog (a
+    model the catalog does not know is let through; its worker checks the device itself)."""
+    model = catalog.find(device.model)
+    if model is None:
+        return device.kind != DeviceKind.CPU
+    major, minor = (int(part) for part in model.compute_capability.split("."))
+    return (major, minor) >= (8, 9)
 
 
 def _guide(outcome: Outcome | Refusal) -> tuple:

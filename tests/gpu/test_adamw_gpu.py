@@ -14,7 +14,7 @@ pytest.importorskip("triton", reason="triton is not installed: it comes with CUD
 
 from core.config import JobConfig  # noqa: E402
 from kernels.adamw import AdamWFromBf16  # noqa: E402
-from tests.engine_support import uniform_plan  # noqa: E402
+from tests.engine_support import engine_spec  # noqa: E402
 from tests.gpu.test_train_step_gpu import config, train  # noqa: E402
 from workers import checkpoint  # noqa: E402
 from workers.engine import Engine  # noqa: E402
@@ -129,7 +129,7 @@ def test_every_step_count_up_to_300_rounds_as_torch_does():
 
 def bf16_engine(fused: bool, **train_settings) -> tuple[Engine, JobConfig]:
     cfg = config(precision="bf16", bf16_weights=True, lr=1e-3, **train_settings)
-    engine = Engine(cfg, uniform_plan(1, 16, 2, seq_len=64), 0, CUDA)
+    engine = Engine(engine_spec(cfg, 1, 16, 2), 0, CUDA)
     assert engine.fused_bf16_step  # a GPU with triton takes the one-pass step by itself
     engine.fused_bf16_step = fused
     return engine, cfg
@@ -155,7 +155,7 @@ def test_a_checkpoint_restored_mid_run_reaches_the_copy(dataset_dir, tmp_path):
     next step pulls the restored masters into the copy and trains them as when they were saved."""
     engine, cfg = bf16_engine(True, steps=3)
     train(engine, cfg, dataset_dir)
-    info = checkpoint.CheckpointInfo.for_job(cfg, 3, 3 * 32, "bytes", world_size=1)
+    info = checkpoint.CheckpointInfo.for_spec(engine.spec, 3, 3 * 32, world_size=1)
     checkpoint.save(tmp_path / "step_3", engine.model, engine.optimizer, info)
     batches = [torch.randint(0, 257, (16, 65), device=CUDA, generator=torch.Generator(CUDA).manual_seed(i))
                for i in range(2)]

@@ -6,7 +6,7 @@ import torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook as powersgd_mod
 
 from core.config import JobConfig
 from orchestrator.planning.hook_costs import CommHookCost
-from tests.engine_support import run_ranks, uniform_plan
+from tests.engine_support import engine_spec, run_ranks
 from workers.engine import Engine
 
 pytestmark = [pytest.mark.gpu,
@@ -66,7 +66,7 @@ def nccl_runs(rank: int, world: int) -> dict:
     for name, (hook, parallel, train) in cases.items():
         islands = HOOKS[hook]
         config = config_for(hook, parallel, train)
-        engine = Engine(config, uniform_plan(2, 8, 1, islands=islands, seq_len=64), rank, device)
+        engine = Engine(engine_spec(config, 2, 8, 1, islands=islands), rank, device)
         counting = CountingAllReduce(powersgd_module.dist)
         powersgd_module.dist = counting  # what torch's PowerSGD hook hands to all_reduce, counted apart from CommStats
         try:
@@ -140,7 +140,7 @@ def overlap_runs(rank: int, world: int) -> dict:
     for name, (parallel, compiled) in OVERLAP_CASES.items():
         config = config_for("allreduce", parallel, {"grad_clip": 0.0})
         config.compile.enable = compiled
-        engine = Engine(config, uniform_plan(2, 8, 1, seq_len=64), rank, device)
+        engine = Engine(engine_spec(config, 2, 8, 1), rank, device)
         losses = []
         for step in range(STEPS):  # no collective between steps: the reduction runs into the next forward
             g = torch.Generator().manual_seed(step % 3)

@@ -17,6 +17,7 @@ from storage.readers import KvikioReader, PosixReader, RemoteReader, choose_read
 from storage.sampler import DeterministicSampler
 from storage.shards import TokenDataset
 from tests.checkpoint_support import trained
+from tests.engine_support import job_spec
 from workers import checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -82,7 +83,7 @@ def test_checkpoint_loads_straight_into_gpu_tensors(tmp_path):
     config = JobConfig.from_dict({"model": {"n_layer": 2, "n_head": 4, "n_embd": 128, "seq_len": 64},
                                   "cluster": {"num_workers": 1, "use_gpu": True}})
     model, optimizer = trained(0, config, CUDA, batch_size=4)
-    info = checkpoint.CheckpointInfo.for_job(config, 1, 4, "bytes", world_size=1)
+    info = checkpoint.CheckpointInfo.for_spec(job_spec(config), 1, 4, world_size=1)
     checkpoint.save(tmp_path / "step_00000001", model, optimizer, info)
     expected_kinds = [("auto", "kvikio" if kvikio_unavailable() is None else "posix"), ("posix", "posix")]
     for kind, used_kind in expected_kinds:

@@ -10,7 +10,7 @@ from core.config import JobConfig
 from core.plan import BatchLayout
 from storage.sampler import DeterministicSampler
 from storage.shards import TokenDataset
-from tests.engine_support import uniform_plan
+from tests.engine_support import engine_spec
 from workers.engine import Engine
 from workers.optim import build_optimizer, lr_at
 
@@ -41,7 +41,7 @@ def train(engine: Engine, cfg: JobConfig, dataset_dir) -> list[float]:
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_engine_learns_on_the_gpu(dataset_dir, precision):
     cfg = config(precision=precision)
-    engine = Engine(cfg, uniform_plan(1, 16, 2, seq_len=64), 0, torch.device("cuda", 0))
+    engine = Engine(engine_spec(cfg, 1, 16, 2), 0, torch.device("cuda", 0))
     assert engine.precision.name == precision and engine.optimizer.defaults["fused"] is True
     losses = train(engine, cfg, dataset_dir)
     assert abs(losses[0] - math.log(257)) < 0.2
@@ -63,7 +63,7 @@ def test_bf16_weights_learn_as_autocast_does_compiled(dataset_dir):
     for bf16_weights in (False, True):
         cfg = JobConfig.from_dict({**config(precision="bf16", bf16_weights=bf16_weights, lr=1e-3).to_dict(),
                                    "compile": {"enable": True}})
-        engine = Engine(cfg, uniform_plan(1, 16, 2, seq_len=64), 0, torch.device("cuda", 0))
+        engine = Engine(engine_spec(cfg, 1, 16, 2), 0, torch.device("cuda", 0))
         curves[bf16_weights] = train(engine, cfg, dataset_dir)
         torch._dynamo.reset()
     windows = {key: [round(sum(losses[i:i + 10]) / 10, 4) for i in range(0, len(losses), 10)]
@@ -77,14 +77,14 @@ def test_bf16_weights_learn_as_autocast_does_compiled(dataset_dir):
 
 
 def test_bf16_is_the_default_on_a_gpu():
-    engine = Engine(config(), uniform_plan(1, 16, 2, seq_len=64), 0, torch.device("cuda", 0))
+    engine = Engine(engine_spec(config(), 1, 16, 2), 0, torch.device("cuda", 0))
     assert engine.precision.name == "bf16"
 
 
 def test_clipping_inside_fused_adamw_matches_clip_grad_norm():
     """The engine folds the clip into fused AdamW's grad_scale; the step must be clip_grad_norm_ + step."""
     cfg = config(grad_clip=0.05)  # small enough that the clip acts
-    engine = Engine(cfg, uniform_plan(1, 16, 2, seq_len=64), 0, torch.device("cuda", 0))
+    engine = Engine(engine_spec(cfg, 1, 16, 2), 0, torch.device("cuda", 0))
     assert engine.clip_in_optimizer
     reference = copy.deepcopy(engine.model)
     optimizer = build_optimizer(reference, cfg.train, engine.device)

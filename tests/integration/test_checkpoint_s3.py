@@ -16,7 +16,7 @@ from storage.readers import choose_reader
 from storage.shards import MANIFEST, TokenDataset, check_files, has_dataset
 from storage.verify import verify_dataset
 from tests.checkpoint_support import CONFIG, trained
-from tests.engine_support import free_port
+from tests.engine_support import free_port, job_spec
 from workers import checkpoint
 
 pytestmark = pytest.mark.integration
@@ -51,18 +51,18 @@ def test_locations_print_and_parse_back(s3):
 
 
 def test_run_checkpoints_in_s3_save_async_prune_and_restore(s3):
-    runs = checkpoint.RunCheckpoints(s3 / "runs" / "job", CONFIG, rank=0)
+    runs = checkpoint.RunCheckpoints(s3 / "runs" / "job", job_spec(CONFIG), rank=0)
     model, optimizer = trained(0)
     committed = []
     for step in (1, 2, 3):
-        committed += runs.save(model, optimizer, checkpoint.CheckpointInfo.for_job(CONFIG, step, 4 * step, "bytes"))
+        committed += runs.save(model, optimizer, checkpoint.CheckpointInfo.for_spec(job_spec(CONFIG), step, 4 * step))
     committed += runs.wait()
     assert committed == [1, 2, 3] and [s for s, _ in runs.store.committed()] == [2, 3]
     # a save that died before its commit: data uploaded, no .metadata
     save_checkpoint({"x": torch.ones(3)}, runs.store.step(4)).result()
     (runs.store.step(4) / DCP_METADATA).remove()
     fresh, fresh_opt = trained(1)
-    info, readers = runs.restore(fresh, fresh_opt, "bytes")
+    info, readers = runs.restore(fresh, fresh_opt)
     assert info.step == 3 and readers == {"remote"} and not runs.store.step(4).exists()
     for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), name

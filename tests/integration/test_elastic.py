@@ -57,7 +57,7 @@ def run_with(orchestrator: Orchestrator, act):
         if done:
             continue
         try:
-            coordinator = coordinator or ray.get_actor(COORDINATOR_NAME.format(core.config.name))
+            coordinator = coordinator or ray.get_actor(COORDINATOR_NAME.format(orchestrator.config.name))
             status = ray.get(coordinator.status.remote())
         except (ValueError, ray.exceptions.RayActorError):  # not started yet, or over
             continue

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels.adamw import AdamWFromBf16
-from tests.engine_support import uniform_plan
+from tests.engine_support import engine_spec
 from tests.unit.test_compute_copy import config
 from tests.unit.test_engine import MICRO, batches_for, train
 from workers import checkpoint
@@ -150,7 +150,7 @@ def test_the_next_pull_is_skipped_until_a_master_changes():
 def bf16_engine(fused: bool) -> Engine:
     """A bf16-weights engine, clipping at 0.2 (the tiny model's gradient norm is ~0.6 at first); with
     `fused`, on the GPU's path (one pass from the copy's gradients), run by the twin."""
-    engine = Engine(config(precision="bf16", bf16_weights=True, grad_clip=0.2), uniform_plan(1, MICRO, 2), 0,
+    engine = Engine(engine_spec(config(precision="bf16", bf16_weights=True, grad_clip=0.2), 1, MICRO, 2), 0,
                     torch.device("cpu"))
     assert not engine.fused_bf16_step  # on a CPU it takes the unfused path by itself
     engine.fused_bf16_step = fused
@@ -186,7 +186,7 @@ def test_a_checkpoint_restored_mid_run_reaches_the_copy(tmp_path):
     step trains the restored weights, as it did when they were saved."""
     engine = bf16_engine(fused=True)
     train(engine, 0, 1, 2, steps=3)
-    info = checkpoint.CheckpointInfo.for_job(engine.config, 3, 3 * 8, "bytes", world_size=1)
+    info = checkpoint.CheckpointInfo.for_spec(engine.spec, 3, 3 * 8, world_size=1)
     checkpoint.save(tmp_path / "step_3", engine.model, engine.optimizer, info)
     expected = engine(batches_for(3, 0, 1, 2), lr=3e-3)[0]
     engine(batches_for(4, 0, 1, 2), lr=3e-3)

@@ -20,11 +20,12 @@ from storage.checkpoint_io import (
     save_checkpoint,
 )
 from tests.checkpoint_support import CONFIG, trained
+from tests.engine_support import job_spec
 from workers import checkpoint
 
 
 def info(step: int) -> checkpoint.CheckpointInfo:
-    return checkpoint.CheckpointInfo.for_job(CONFIG, step, step * 4, "bytes", world_size=1)
+    return checkpoint.CheckpointInfo.for_spec(job_spec(CONFIG), step, step * 4, world_size=1)
 
 
 def test_round_trip_restores_weights_and_optimizer_exactly(tmp_path):
@@ -100,14 +101,14 @@ def test_async_save_snapshots_the_state_before_returning(tmp_path):
 def test_run_checkpoints_saves_async_and_applies_retention(tmp_path):
     config = JobConfig.from_dict({**CONFIG.to_dict(), "checkpoint": {"keep_last": 2, "async_save": True}})
     model, optimizer = trained(0)
-    runs = checkpoint.RunCheckpoints(tmp_path, config, rank=0)
+    runs = checkpoint.RunCheckpoints(tmp_path, job_spec(config), rank=0)
     committed = []
     for step in (1, 2, 3):
-        committed += runs.save(model, optimizer, checkpoint.CheckpointInfo.for_job(config, step, step, "bytes"))
+        committed += runs.save(model, optimizer, checkpoint.CheckpointInfo.for_spec(job_spec(config), step, step))
     assert committed == [1, 2]  # step 3 is still in flight until waited for
     assert runs.wait() == [3] and [s for s, _ in runs.store.committed()] == [2, 3]
     fresh, fresh_opt = trained(1)
-    restored_info, _ = runs.restore(fresh, fresh_opt, "bytes")
+    restored_info, _ = runs.restore(fresh, fresh_opt)
     assert restored_info.step == 3
 
 
@@ -116,15 +117,19 @@ def test_incompatible_checkpoints_are_refused_with_the_reason(tmp_path):
     checkpoint.save(tmp_path / "ck", model, optimizer, info(1))
     saved = checkpoint.read_info(tmp_path / "ck")
     with pytest.raises(CheckpointError, match="trained on 'bytes' tokens, the dataset has 'hf-json:abc'"):
-        checkpoint.check_compatible(saved, CONFIG, "hf-json:abc", tmp_path / "ck")
+        checkpoint.check_compatible(saved, model=CONFIG.model, seed=CONFIG.train.seed, tokenizer="hf-json:abc",
+                                    directory=tmp_path / "ck")
     reseeded = dataclasses.replace(CONFIG, train=dataclasses.replace(CONFIG.train, seed=CONFIG.train.seed + 1))
     with pytest.raises(CheckpointError, match=f"seed = {CONFIG.train.seed}, the config has {CONFIG.train.seed + 1}"):
-        checkpoint.check_compatible(saved, reseeded, "bytes", tmp_path / "ck")
-    checkpoint.check_compatible(saved, CONFIG, "bytes", tmp_path / "ck")  # the same job resumes
+        checkpoint.check_compatible(saved, model=reseeded.model, seed=reseeded.train.seed, tokenizer="bytes",
+                                    directory=tmp_path / "ck")
+    checkpoint.check_compatible(saved, model=CONFIG.model, seed=CONFIG.train.seed, tokenizer="bytes",
+                                directory=tmp_path / "ck")  # the same job resumes
     legacy = checkpoint.CheckpointInfo(**{**json.loads((tmp_path / "ck" / "archipelago.json").read_text()),
                                           "sampler": "numpy-permutation"})
     with pytest.raises(CheckpointError, match="sampler 'numpy-permutation'.*start a new run"):
-        checkpoint.check_compatible(legacy, CONFIG, "bytes", tmp_path / "ck")
+        checkpoint.check_compatible(legacy, model=CONFIG.model, seed=CONFIG.train.seed, tokenizer="bytes",
+                                    directory=tmp_path / "ck")
 
 
 def test_a_checkpoint_of_another_writer_is_refused(tmp_path):

@@ -68,7 +68,7 @@ def test_resume_with_a_checkpoint_of_another_model(capsys, tmp_path, dataset_dir
     info = {"step": 4, "consumed_samples": 32, "model": {**job.to_dict()["model"], "n_layer": 2},
             "tokenizer": "bytes", "seed": 0, "global_batch_size": 8}
     (checkpoint / "archipelago.json").write_text(json.dumps(info))
-    toml = "\n".join([f'name = "tiny"', f'runs_dir = "{tmp_path / "runs"}"',
+    toml = "\n".join(['name = "tiny"', f'runs_dir = "{tmp_path / "runs"}"',
                       "[model]", "n_layer = 1", "n_head = 2", "n_embd = 32", "seq_len = 32",
                       "[data]", f'path = "{dataset_dir}"'])
     code, out = run_cli(capsys, "fit", write_job(tmp_path, toml), "--resume")

@@ -198,6 +198,19 @@ def test_auto_takes_bf16_where_the_link_is_slow_and_plain_allreduce_where_it_is_
     assert auto_plan("sockets", parallel={"strategy": "fsdp"}).comm_hook == "allreduce"
 
 
+def test_the_planner_keeps_no_state_between_searches():
+    """Under "auto" each search is scored by a costing of its own: planning twice, or the exhaustive
+    check before or after planning, gives the same answers."""
+    planner = two_h200s(job("auto"), "sockets")
+    before = planner.exhaustive()
+    first, second = planner.plan(), planner.plan()
+    after = planner.exhaustive()
+    assert first == second and first.comm_hook == "bf16"
+    assert before.score == after.score and planner.costing.comm_hook.name == "auto"
+    fresh = two_h200s(job("auto"), "sockets")
+    assert fresh.plan() == first
+
+
 def test_auto_keeps_plain_allreduce_when_bf16_gains_less_than_the_threshold(monkeypatch):
     monkeypatch.setattr(planner_module, "AUTO_BF16_MIN_GAIN", 0.5)  # bf16 is predicted about 43 % faster here
     plan = auto_plan("sockets")

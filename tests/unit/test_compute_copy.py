@@ -8,7 +8,7 @@ import torch
 
 from core.config import JobConfig
 from core.errors import ConfigError
-from tests.engine_support import run_ranks, uniform_plan
+from tests.engine_support import engine_spec, run_ranks
 from tests.unit.test_engine import MICRO, batches_for, job, train
 from workers.engine import Engine
 
@@ -26,11 +26,11 @@ def bf16_weights_engine(world: int = 1, accum: int = 2, rank: int = 0, **paralle
     if parallel:
         cfg = JobConfig.from_dict({**cfg.to_dict(), "parallel": parallel})
     islands = [list(range(world))] if parallel.get("comm_hook") == "hierarchical" else None
-    return Engine(cfg, uniform_plan(world, MICRO, accum, islands=islands), rank, CPU)
+    return Engine(engine_spec(cfg, world, MICRO, accum, islands=islands), rank, CPU)
 
 
 def test_tracks_bf16_autocast_training_and_keeps_fp32_masters():
-    autocast = Engine(config(precision="bf16"), uniform_plan(1, MICRO, 2), 0, CPU)
+    autocast = Engine(engine_spec(config(precision="bf16"), 1, MICRO, 2), 0, CPU)
     ours = bf16_weights_engine()
     theirs_losses, our_losses = train(autocast, 0, 1, 2), train(ours, 0, 1, 2)
     for a, b in zip(our_losses, theirs_losses):
@@ -106,11 +106,13 @@ def test_settings_it_cannot_train_with_are_refused_by_name(sections, where):
     assert error.value.where == where
 
 
-def test_a_worker_without_bf16_training_refuses_it():
-    """A GPU job's config passes with precision "auto"; a worker on a device without bf16 still refuses."""
+def test_the_worker_trains_in_the_precision_its_plan_names():
+    """A GPU job's "auto" is resolved to bf16 by the planner; the worker takes it as it is, on any device."""
     raw = config(bf16_weights=False).to_dict()
     raw["train"]["bf16_weights"], raw["cluster"]["use_gpu"] = True, True
-    gpu_job = JobConfig.from_dict(raw)
-    with pytest.raises(ConfigError, match="precision resolved to fp32") as error:
-        Engine(gpu_job, uniform_plan(1, MICRO, 2), 0, CPU)
-    assert error.value.where == "[train] bf16_weights"
+    spec = engine_spec(JobConfig.from_dict(raw), 1, MICRO, 2)
+    assert spec.plan.precision == spec.train.precision == "bf16"
+    engine = Engine(spec, 0, CPU)
+    assert engine.precision.name == "bf16" and engine.compute_copy is not None
+
+

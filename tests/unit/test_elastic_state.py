@@ -3,6 +3,7 @@
 import pytest
 
 from core.config import JobConfig
+from core.spec import WorkerSpec
 from core.errors import ConfigError, PlacementError
 from orchestrator import planning
 from orchestrator.coordinator import ElasticState, config_for_world, granted_topology, matches, ray_cpu_slots
@@ -71,14 +72,16 @@ def state_and_nodes():
     plan_for = lambda topology, cfg: planning.make_plan(topology, cfg, memory=memory)  # noqa: E731
     first = plan_for(granted_topology(nodes, reports(*nodes), cpus_per_worker=1, use_gpu=False), config)
     clock = iter(float(t) for t in range(2000, 3000))
-    state = ElasticState(config, first, nodes, plan_for=plan_for, discover=lambda: ClusterTopology(nodes=nodes),
+    spec = WorkerSpec.for_plan(config, first, data_location="data/tiny", tokenizer="bytes")
+    state = ElasticState(config, spec, nodes, plan_for=plan_for, discover=lambda: ClusterTopology(nodes=nodes),
                          clock=lambda: next(clock))
     return state, nodes
 
 
 def test_a_lost_worker_is_recorded_once_and_the_smaller_group_is_replanned(state_and_nodes):
     state, (a, b, c) = state_and_nodes
-    plan, rows = state.group_started(reports(a, b, c))
+    first, rows = state.group_started(reports(a, b, c))
+    plan = first.plan
     assert rows == [] and plan.world_size == 3 and list(plan.replica_micro_batch_sizes()) == [2, 1, 1]
     state.reached(7, at=1990.0)
     lost = state.failed({1: "ActorDiedError: The actor died unexpectedly\nmore detail"})
@@ -86,13 +89,19 @@ def test_a_lost_worker_is_recorded_once_and_the_smaller_group_is_replanned(state
     assert lost[0]["nodes"] == [f"{b.address} ({b.ray_node_id[:8]})"] and lost[0]["error"].endswith("unexpectedly")
     assert state.failed({1: "the same failure, polled again"}) == []
 
-    plan, rows = state.group_started(reports(a, c))
+    spec, rows = state.group_started(reports(a, c))
+    plan = spec.plan
     assert [r["event"] for r in rows] == ["resize", "replan"]
     assert rows[0]["previous_world_size"] == 3 and rows[0]["world_size"] == 2
     assert rows[1]["comm_hook"] == plan.comm_hook != ""  # the hook the new group runs
     assert plan.world_size == 2 and plan.global_batch_size == 8
     assert sorted(w.ray_node_id for w in plan.workers) == sorted([a.ray_node_id, c.ray_node_id])
     assert sum(plan.replica_micro_batch_sizes()) * plan.grad_accum_steps == 8
+    # The spec the new group's workers get is the re-plan's, settings and all, not the first group's.
+    assert spec.plan is state.plan and spec.plan != first.plan
+    assert rows[1]["micro_batch_sizes"] == list(spec.plan.replica_micro_batch_sizes())
+    assert spec.train.precision == spec.plan.precision == "fp32" and spec.data == first.data
+    assert (spec.model, spec.checkpoint, spec.compile) == (first.model, first.checkpoint, first.compile)
     marks = {"planned": 2100.0, "restore_start": 2101.0, "restored": 2101.5, "first_step_done": 2102.0}
     (restart,) = state.first_step(4, marks)
     assert restart["steps_redone"] == 3 and restart["step"] == 4 and restart["cause"] == "worker lost"
@@ -103,10 +112,10 @@ def test_a_lost_worker_is_recorded_once_and_the_smaller_group_is_replanned(state
 
 def test_the_same_workers_keep_the_plan_and_a_planner_refusal_names_the_group(state_and_nodes):
     state, (a, b, c) = state_and_nodes
-    plan, _ = state.group_started(reports(a, c))
-    assert matches(plan, reports(a, c)) and not matches(plan, reports(a, b))
+    spec, _ = state.group_started(reports(a, c))
+    assert matches(spec.plan, reports(a, c)) and not matches(spec.plan, reports(a, b))
     same, rows = state.group_started(reports(c, a)[::-1])
-    assert same is plan and rows == []
+    assert same is spec and rows == []
     state.config = job(train={"global_batch_size": 1, "micro_batch_size": 1}, elastic={"min_workers": 0},
                        cluster={"num_workers": 1})
     with pytest.raises(PlacementError, match="no plan for the 2 workers Ray granted"):

@@ -13,7 +13,7 @@ from core.errors import CompileError
 from core.plan import BatchLayout
 from storage.sampler import DeterministicSampler
 from storage.shards import TokenDataset
-from tests.engine_support import run_ranks, uniform_plan
+from tests.engine_support import engine_spec, run_ranks
 from workers.compile_check import check_compiled_loss, relative_difference
 from workers.engine import Engine, _ddp_timing
 from workers.models.chunked_loss import chunked_cross_entropy
@@ -76,19 +76,18 @@ def distributed_runs(rank: int, world: int, data_dir: str) -> dict:
     results = {}
     for name, parallel in {"ddp": {}, "fsdp": {"strategy": "fsdp"}}.items():
         config = job(**parallel)
-        engine = Engine(config, uniform_plan(world, MICRO, 1, strategy=config.parallel.strategy), rank,
-                        torch.device("cpu"))
+        engine = Engine(engine_spec(config, world, MICRO, 1), rank, torch.device("cpu"))
         results[name] = {"losses": train(engine, rank, world, 1), **_plain(engine.window_metrics())}
     # comm_hook = "auto": the engine runs the hook the plan names (the planner resolves auto)
-    engine = Engine(job(comm_hook="auto"), dataclasses.replace(uniform_plan(world, MICRO, 1), comm_hook="bf16"), rank,
-                    torch.device("cpu"))
+    spec = engine_spec(job(comm_hook="auto"), world, MICRO, 1)
+    engine = Engine(spec.with_plan(dataclasses.replace(spec.plan, comm_hook="bf16")), rank, torch.device("cpu"))
     results["auto_bf16"] = {"losses": train(engine, rank, world, 1, steps=2), **_plain(engine.window_metrics())}
     text_job = {"model": {"n_layer": 2, "n_head": 2, "n_embd": 64, "seq_len": 32},
                 "train": {"global_batch_size": 16, "micro_batch_size": 8, "lr": 3e-3, "min_lr": 3e-3,
                           "warmup_steps": 0}, "cluster": {"num_workers": 2}}
     for name, parallel in {"text_allreduce": {}, "text_topk": {"comm_hook": "topk", "topk_ratio": 0.07,
                                                                 "topk_ramp_steps": 80, "comm_warmup_steps": 0}}.items():
-        engine = Engine(JobConfig.from_dict({**text_job, "parallel": parallel}), uniform_plan(world, 8, 1), rank,
+        engine = Engine(engine_spec(JobConfig.from_dict({**text_job, "parallel": parallel}), world, 8, 1), rank,
                         torch.device("cpu"))
         results[name] = {"losses": text_losses(engine, data_dir, rank, world, TEXT_STEPS),
                          **_plain(engine.window_metrics())}
@@ -102,7 +101,7 @@ def _plain(metrics: dict) -> dict:
 @pytest.fixture(scope="module")
 def runs(dataset_dir):
     results = run_ranks(2, distributed_runs, str(dataset_dir))
-    single = Engine(job(), uniform_plan(1, MICRO, 2), 0, torch.device("cpu"))
+    single = Engine(engine_spec(job(), 1, MICRO, 2), 0, torch.device("cpu"))
     results["single"] = {"losses": train(single, 0, 1, 2)}
     return results
 
@@ -284,8 +283,8 @@ def test_chunked_loss_matches_the_plain_loss_and_gradients():
 def test_compile_runs_on_cpu_and_matches_eager():
     config = JobConfig.from_dict({**job().to_dict(), "compile": {"enable": True}, "cluster": {"num_workers": 1}})
     torch.manual_seed(0)
-    compiled = Engine(config, uniform_plan(1, MICRO, 2), 0, torch.device("cpu"))
-    eager = Engine(job(), uniform_plan(1, MICRO, 2), 0, torch.device("cpu"))
+    compiled = Engine(engine_spec(config, 1, MICRO, 2), 0, torch.device("cpu"))
+    eager = Engine(engine_spec(job(), 1, MICRO, 2), 0, torch.device("cpu"))
     ours, theirs = train(compiled, 0, 1, 2, steps=3), train(eager, 0, 1, 2, steps=3)
     for a, b in zip(ours, theirs):
         assert a == pytest.approx(b, rel=1e-3)
@@ -305,7 +304,7 @@ def test_a_compiled_step_apart_from_eager_stops_before_any_weight_changes(monkey
     monkeypatch.setattr(GPT, "forward", lambda self, *args, **kwargs: plain_forward(self, *args, **kwargs)
                         * (1.01 if torch.compiler.is_compiling() else 1.0))
     config = JobConfig.from_dict({**job().to_dict(), "compile": {"enable": True}, "cluster": {"num_workers": 1}})
-    engine = Engine(config, uniform_plan(1, MICRO, 2), 0, torch.device("cpu"))
+    engine = Engine(engine_spec(config, 1, MICRO, 2), 0, torch.device("cpu"))
     before = [p.detach().clone() for p in engine.model.parameters()]
     with pytest.raises(CompileError) as refused:
         train(engine, 0, 1, 2, steps=1)
@@ -338,7 +337,7 @@ def test_a_compiled_step_with_the_right_loss_and_wrong_gradients_stops_before_an
         self, ScaleGradient.apply(x, 1.05 if torch.compiler.is_compiling() else 1.0), *args))
     config = JobConfig.from_dict({**job().to_dict(), "compile": {"enable": True}, "cluster": {"num_workers": 1},
                                   "parallel": {"activation_checkpointing": "selective"}})
-    engine = Engine(config, uniform_plan(1, MICRO, 2), 0, torch.device("cpu"))
+    engine = Engine(engine_spec(config, 1, MICRO, 2), 0, torch.device("cpu"))
     before = [p.detach().clone() for p in engine.model.parameters()]
     with pytest.raises(CompileError) as refused:
         train(engine, 0, 1, 2, steps=1)

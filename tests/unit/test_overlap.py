@@ -8,11 +8,11 @@ import torch
 
 from core.config import JobConfig
 from core.errors import ConfigError
-from tests.engine_support import run_ranks, uniform_plan
+from orchestrator.planning.resolve import overlap_backward_share
+from tests.engine_support import engine_spec, run_ranks
 from workers.comm.overlap import forward_stages
 from workers.engine import Engine
 from workers.models.gpt import GPT
-from workers.parallel import overlap_backward_share
 
 STEPS = 6
 MICRO = 4
@@ -37,7 +37,7 @@ def batches(step: int, rank: int, accum: int) -> list[torch.Tensor]:
 
 def run(rank: int, world: int, accum: int, lr_of_step, **parallel) -> dict:
     config = job(accum, **parallel)
-    engine = Engine(config, uniform_plan(world, MICRO, accum), rank, torch.device("cpu"))
+    engine = Engine(engine_spec(config, world, MICRO, accum), rank, torch.device("cpu"))
     losses, norms = [], []
     for step in range(STEPS):
         loss, norm = engine(batches(step, rank, accum), lr=lr_of_step(step))
@@ -53,7 +53,7 @@ def run(rank: int, world: int, accum: int, lr_of_step, **parallel) -> dict:
 
 def stage_order(rank: int, world: int) -> dict:
     """After one backward: which buckets wait for which stage, and what one stage's call applies."""
-    engine = Engine(job(overlap="next_forward", overlap_backward_share=0.3), uniform_plan(world, MICRO, 1), rank,
+    engine = Engine(engine_spec(job(overlap="next_forward", overlap_backward_share=0.3), world, MICRO, 1), rank,
                     torch.device("cpu"))
     engine(batches(0, rank, 1), lr=1e-3)  # DDP regroups its buckets after the first step
     engine(batches(1, rank, 1), lr=1e-3)
@@ -136,7 +136,7 @@ def test_forward_stages_follow_the_model():
     ({"train": {"grad_clip": 1.0}}, "[parallel] overlap"),
     ({"parallel": {"strategy": "fsdp"}}, "[parallel] overlap"),
     ({"parallel": {"comm_hook": "topk"}}, "[parallel] overlap"),
-    ({"train": {"precision": "fp16"}}, "[parallel] overlap"),
+    ({"train": {"precision": "fp16"}, "cluster": {"use_gpu": True}}, "[parallel] overlap"),
     ({"compile": {"enable": True, "ddp_mode": "compiled_autograd"}}, "[parallel] overlap"),
     ({"parallel": {"overlap_backward_share": 1.5}}, "[parallel] overlap_backward_share"),
 ])
@@ -150,12 +150,14 @@ def test_the_config_refuses_what_the_overlap_cannot_do(setting, field):
 
 
 def test_the_share_sent_during_backward_comes_from_the_plan_unless_set():
-    plan = uniform_plan(2, MICRO, 1)
+    predicted = engine_spec(job(), 2, MICRO, 1).plan.predicted  # a hand-made plan predicts no communication
     config = job(overlap="next_forward")
-    assert overlap_backward_share(config, plan) == 1.0  # a hand-made plan predicts no communication
+    assert overlap_backward_share(config, predicted) == 1.0
     # GPT-2 124M over a 3.4 GB/s link: 60 ms of compute (40 of it backward), 146 ms of all-reduce.
-    predicted = dataclasses.replace(plan.predicted, compute_seconds=0.060, communication_seconds=0.146)
-    assert overlap_backward_share(config, dataclasses.replace(plan, predicted=predicted)) == pytest.approx(0.274, abs=1e-3)
-    fast = dataclasses.replace(plan.predicted, compute_seconds=0.060, communication_seconds=0.004)
-    assert overlap_backward_share(config, dataclasses.replace(plan, predicted=fast)) == 1.0
-    assert overlap_backward_share(job(overlap="next_forward", overlap_backward_share=0.5), plan) == 0.5
+    slow = dataclasses.replace(predicted, compute_seconds=0.060, communication_seconds=0.146)
+    assert overlap_backward_share(config, slow) == pytest.approx(0.274, abs=1e-3)
+    fast = dataclasses.replace(predicted, compute_seconds=0.060, communication_seconds=0.004)
+    assert overlap_backward_share(config, fast) == 1.0
+    assert overlap_backward_share(job(overlap="next_forward", overlap_backward_share=0.5), slow) == 0.5
+    # The planner writes the share into the plan; the engine's overlap takes it from there.
+    assert engine_spec(job(overlap="next_forward", overlap_backward_share=0.3), 2, MICRO, 1).plan.overlap_backward_share == 0.3

@@ -59,3 +59,16 @@ def test_a_placement_error_is_one_line_and_exit_2(capsys, tmp_path):
     code, out = run(capsys, "plan", "--topology", "examples/topologies/h200-single.json", "--config", str(path))
     assert code == 2 and "Traceback" not in out
     assert "error: [placement] tensor_parallel_size: tensor_parallel_size 2 needs an NVLink island" in out
+
+
+def test_plan_and_fit_refuse_what_the_workers_could_not_run_with_the_same_line(capsys, tmp_path, monkeypatch):
+    """The next-forward overlap with fp16's loss scaling: refused by the rules before any Ray call."""
+    path = tmp_path / "overlap.toml"
+    train = "micro_batch_size = 16\nprecision = \"fp16\"\ngrad_clip = 0.0\n"
+    path.write_text(JOB.replace("micro_batch_size = 16\n", train) + '[parallel]\noverlap = "next_forward"\n')
+    import ray
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray started before the refusal"))
+    plan_code, plan_out = run(capsys, "plan", "--generate", "8xH100-SXM:1", "--config", str(path))
+    fit_code, fit_out = run(capsys, "fit", str(path))
+    assert plan_code == fit_code == 2 and plan_out == fit_out
+    assert "[parallel] overlap" in plan_out and "loss scaling" in plan_out and plan_out.count("\n") == 1

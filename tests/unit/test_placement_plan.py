@@ -85,13 +85,32 @@ def test_a_tensor_parallel_group_never_holds_a_mig_slice():
                  data_parallel_groups=[[0], [1]])
 
 
-def test_a_version_1_plan_reads_as_naming_no_comm_hook_and_a_newer_one_is_refused():
+def test_older_plans_read_with_plain_all_reduce_and_a_newer_one_is_refused():
     data = json.loads(cpu_plan(comm_hook="bf16").to_json())
-    assert data["version"] == 2 and data["comm_hook"] == "bf16"
-    old = {key: value for key, value in data.items() if key != "comm_hook"} | {"version": 1}
-    assert Plan.from_dict(old) == cpu_plan(comm_hook="")
-    with pytest.raises(PlacementError, match="plan version 3; this archipelago reads 2"):
-        Plan.from_dict({**data, "version": 3})
+    assert data["version"] == 3 and data["comm_hook"] == "bf16" and data["precision"] == "fp32"
+    resolved = ("hook_settings", "bucket_cap_mb", "precision", "activation_checkpointing", "overlap",
+                "overlap_backward_share")
+    version_2 = {key: value for key, value in data.items() if key not in resolved} | {"version": 2}
+    assert Plan.from_dict(version_2) == cpu_plan(comm_hook="bf16")
+    version_1 = {key: value for key, value in version_2.items() if key != "comm_hook"} | {"version": 1}
+    assert Plan.from_dict(version_1) == cpu_plan(comm_hook="allreduce")
+    with pytest.raises(PlacementError, match="plan version 4; this archipelago reads 3"):
+        Plan.from_dict({**data, "version": 4})
+
+
+@pytest.mark.parametrize("choices, named", [
+    ({"comm_hook": "auto"}, "comm_hook 'auto' is not one of"),
+    ({"comm_hook": ""}, "comm_hook '' is not one of"),
+    ({"precision": "auto"}, "precision 'auto' is not one of"),
+    ({"comm_hook": "powersgd", "backend": "gloo"}, "powersgd hangs over gloo"),
+    ({"overlap": "next_forward", "precision": "fp16"}, "loss scaling"),
+    ({"overlap": "next_forward", "comm_hook": "topk"}, "comm_hook 'topk' would not run"),
+    ({"bucket_cap_mb": 0.0}, "bucket_cap_mb 0.0"),
+])
+def test_a_plan_names_only_resolved_choices_that_go_together(choices, named):
+    """What the workers read is decided: no "auto", no empty hook, nothing the rules refuse."""
+    with pytest.raises(PlacementError, match=named):
+        cpu_plan(**choices)
 
 
 def test_a_damaged_plan_file_names_the_field():

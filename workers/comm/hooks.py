@@ -24,14 +24,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
-from core.config import POWERSGD_ON_GLOO, POWERSGD_ON_GLOO_FIX
-from core.errors import ConfigError, NonFiniteGradientError
+from core.errors import NonFiniteGradientError
+from core.rules import COMM_HOOKS
 from kernels.compression import compress, decompress_accumulate, decompress_sum
 from kernels.wire import decode_wires, encode_wire
 from workers.comm.groups import IslandGroups
 from workers.comm.stats import CommStats
 
-HOOKS = ("allreduce", "bf16", "powersgd", "topk", "hierarchical")
 TOPK_WIRES = ("elias_fano", "offsets")
 
 Hook = Callable[[object, dist.GradBucket], torch.futures.Future[torch.Tensor]]
@@ -278,9 +277,7 @@ def make_hook(name: str, *, stats: CommStats, world_size: int, islands: IslandGr
         return allreduce_hook, HookState(stats=stats, world_size=world_size)
     if name == "bf16":
         return bf16_hook, HookState(stats=stats, world_size=world_size)
-    if name == "powersgd":
-        if dist.get_backend() == "gloo":  # a hand-made plan; the config and the planner refuse it before
-            raise ConfigError(POWERSGD_ON_GLOO, where="[parallel] comm_hook", fix=POWERSGD_ON_GLOO_FIX)
+    if name == "powersgd":  # never over gloo: the Plan refuses that (core/rules.py)
         return powersgd_hook, PowerSgdHookState(stats=stats, world_size=world_size, warmup_steps=warmup_steps,
                                                 rank=powersgd_rank)
     if name == "topk":
@@ -292,4 +289,4 @@ def make_hook(name: str, *, stats: CommStats, world_size: int, islands: IslandGr
                                         elias_fano=topk_wire == "elias_fano")
     if name == "hierarchical":
         return hierarchical_hook, HierarchicalHookState(stats=stats, world_size=world_size, islands=islands)
-    raise ValueError(f"unknown comm hook {name!r}; choose one of {', '.join(HOOKS)}")
+    raise ValueError(f"unknown comm hook {name!r}; choose one of {', '.join(COMM_HOOKS)}")

@@ -1,0 +1,65 @@
+"""What one worker is told: the plan and the settings it needs, resolved on the driver.
+
+    spec = WorkerSpec.for_plan(config, plan, data_location="data/stdlib-bytes", tokenizer="bytes")
+    Engine(spec, rank, device)          # workers/engine.py; the Ray Train loop gets one per worker group
+
+One plain object crosses from the driver to the workers. It holds no [parallel], [placement] or
+[cluster] section: how the model is spread, in which precision, with which comm hook and buckets
+is the Plan's to say, decided by the planner; the worker reads it as it is and never merges it
+with the config again. On every start of an elastic worker group the driver builds the spec anew
+from the plan it made for that group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from core.config import CheckpointConfig, CompileConfig, JobConfig, ModelConfig, TrainConfig
+from core.plan import Plan
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class DataSpec:
+    """The prepared dataset the workers read and how they read it."""
+
+    location: str = ""
+    """A local directory or a pyarrow.fs URI readable from every node ("" where the caller feeds the
+    engine its batches itself: tests and benchmarks)."""
+    tokenizer: str = "bytes"
+    """The dataset's tokenizer identity (checkpoints record it)."""
+    reader: str = "auto"
+    reader_threads: int = 8
+    prefetch_steps: int = 2
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class WorkerSpec:
+    plan: Plan
+    """Where each worker runs, its micro-batch and accumulation, the strategy, backend, precision,
+    comm hook, bucket size, overlap and activation checkpointing."""
+    model: ModelConfig
+    train: TrainConfig
+    """Steps, schedule, seed, clipping, loss kernel, bf16 weights; `precision` is the plan's."""
+    compile: CompileConfig
+    checkpoint: CheckpointConfig
+    data: DataSpec = DataSpec()
+    preemption_check_steps: int = 10
+    """Steps between reads of Ray's preemption notice ([elastic] preemption_check_steps)."""
+    sample_ledger: bool = False
+    """Record the sample ids of every committed step in each checkpoint ([elastic] sample_ledger)."""
+
+    @classmethod
+    def for_plan(cls, config: JobConfig, plan: Plan, *, data_location: str = "", tokenizer: str = "bytes") -> WorkerSpec:
+        """The spec for the workers that run `plan` of the job `config`, reading the prepared dataset at
+        `data_location` (its tokenizer identity `tokenizer`)."""
+        data = DataSpec(location=data_location, tokenizer=tokenizer, reader=config.data.reader,
+                        reader_threads=config.data.reader_threads, prefetch_steps=config.data.prefetch_steps)
+        return cls(plan=plan, model=config.model, train=dataclasses.replace(config.train, precision=plan.precision),
+                   compile=config.compile, checkpoint=config.checkpoint, data=data,
+                   preemption_check_steps=config.elastic.preemption_check_steps,
+                   sample_ledger=config.elastic.sample_ledger)
+
+    def with_plan(self, plan: Plan) -> WorkerSpec:
+        """The same job for another plan (a re-planned worker group)."""
+        return dataclasses.replace(self, plan=plan, train=dataclasses.replace(self.train, precision=plan.precision))
