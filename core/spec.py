@@ -1,6 +1,7 @@
 """What one worker is told: the plan and the settings it needs, resolved on the driver.
 
-    spec = WorkerSpec.for_plan(config, plan, data_location="data/stdlib-bytes", tokenizer="bytes")
+    spec = WorkerSpec.for_plan(config, plan, workload=workload, flops_per_token=facts.flops_per_token,
+                               data_location="data/stdlib-bytes", tokenizer="bytes")
     Engine(spec, rank, device)          # workers/engine.py; the Ray Train loop gets one per worker group
 
 One plain object crosses from the driver to the workers. It holds no [parallel], [placement] or
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 from core.config import CheckpointConfig, CompileConfig, JobConfig, ModelConfig, TrainConfig
 from core.plan import Plan
+from core.workload import Workload
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -38,6 +40,11 @@ class WorkerSpec:
     plan: Plan
     """Where each worker runs, its micro-batch and accumulation, the strategy, backend, precision,
     comm hook, bucket size, overlap and activation checkpointing."""
+    workload: Workload
+    """The model: how to build it, its loss, its blocks (core/workload.py). A factory's callable travels
+    inside it (pickled by value where the workers cannot import it)."""
+    flops_per_token: float
+    """Training FLOPs per token, counted on the driver (the bill's MFU)."""
     model: ModelConfig
     train: TrainConfig
     """Steps, schedule, seed, clipping, loss kernel, bf16 weights; `precision` is the plan's."""
@@ -50,12 +57,13 @@ class WorkerSpec:
     """Record the sample ids of every committed step in each checkpoint ([elastic] sample_ledger)."""
 
     @classmethod
-    def for_plan(cls, config: JobConfig, plan: Plan, *, data_location: str = "", tokenizer: str = "bytes") -> WorkerSpec:
-        """The spec for the workers that run `plan` of the job `config`, reading the prepared dataset at
-        `data_location` (its tokenizer identity `tokenizer`)."""
+    def for_plan(cls, config: JobConfig, plan: Plan, *, workload: Workload, flops_per_token: float,
+                 data_location: str = "", tokenizer: str = "bytes") -> WorkerSpec:
+        """The spec for the workers that run `plan` of the job `config` (its model `workload`), reading
+        the prepared dataset at `data_location` (its tokenizer identity `tokenizer`)."""
         data = DataSpec(location=data_location, tokenizer=tokenizer, reader=config.data.reader,
                         reader_threads=config.data.reader_threads, prefetch_steps=config.data.prefetch_steps)
-        return cls(plan=plan, model=config.model, train=dataclasses.replace(config.train, precision=plan.precision),
+        return cls(plan=plan, workload=workload, flops_per_token=flops_per_token, model=config.model, train=dataclasses.replace(config.train, precision=plan.precision),
                    compile=config.compile, checkpoint=config.checkpoint, data=data,
                    preemption_check_steps=config.elastic.preemption_check_steps,
                    sample_ledger=config.elastic.sample_ledger)

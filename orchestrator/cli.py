@@ -34,9 +34,9 @@ from core.config import JobConfig
 from core.errors import ArchipelagoError
 from orchestrator.accounting.report_html import render_report
 from orchestrator.fit import Orchestrator
-from orchestrator.planning.plan_table import print_plan
-from orchestrator.planning.planner import Planner
-from orchestrator.planning.prices import PriceTable
+from planning.plan_table import print_plan
+from planning.planner import Planner
+from planning.prices import PriceTable
 from storage.prepare import prepare_dataset
 from storage.verify import verify_dataset
 from topology import ClusterTopology, catalog, discover_cluster, load_files, machines
@@ -285,7 +285,7 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     if args.json:
         console.print(f"saved {plan.save(args.json)}")
     if args.png:
-        from orchestrator.planning.plan_drawing import draw_plan_png
+        from planning.plan_drawing import draw_plan_png
         console.print(f"drew {draw_plan_png(plan, topology, args.png, naive=naive)}")
     return 0
 

@@ -30,14 +30,14 @@ import ray
 from ray.train import FailureConfig, UserCallback
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+import planning
 import topology
 from core.config import JobConfig
 from core.errors import ArchipelagoError, ClusterError, ConfigError, PlacementError
 from core.plan import Plan
 from core.spec import WorkerSpec
-from orchestrator import planning
 from orchestrator.accounting.bill import Rates
-from orchestrator.planning.memory import measure_steps
+from planning.memory import measure_steps
 from topology.cluster import ClusterTopology, NodeTopology
 from topology.sysfs import format_cpu_list, parse_cpu_list
 from workers.elastic import WorkerReport

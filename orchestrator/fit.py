@@ -12,35 +12,42 @@ granted and records the events. The report is built with the plan the last group
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import ray
 from ray.train import PreemptionError, RunConfig, ScalingConfig, TrainingFailedError
 from ray.train.torch import TorchConfig, TorchTrainer
 from rich.console import Console
 
+import planning
 import topology
 from core.config import JobConfig
 from core.errors import ArchipelagoError, ClusterError, ConfigError, DataError, FailureBudgetError, PlacementError
 from core.plan import Plan
 from core.spec import WorkerSpec
-from orchestrator import coordinator, planning
+from core.workload import Workload
+from orchestrator import coordinator
 from orchestrator.accounting.report import RunReport
-from orchestrator.planning.memory import MemoryProfile, profile
 from orchestrator.progress import MetricsSink, ProgressDisplay
 from orchestrator.run_dir import RunDirectory
+from orchestrator.shipping import modules_to_ship
+from planning.memory import MemoryProfile, profile
+from planning.model_size import model_facts
 from storage.fs import Location
 from storage.prepare import prepare_dataset
 from storage.shards import TokenDataset, check_files, has_dataset
 from storage.verify import verify_dataset
 from workers import binding, checkpoint
 from workers.loop import WorkerJob, train_loop
+from workers.models import make_workload, register_factory
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,11 +62,17 @@ class FitResult:
 
 
 class Orchestrator:
-    def __init__(self, config: JobConfig, *, address: str = "", resume: bool = False, overwrite: bool = False,
-                 console: Console | None = None, verbose: bool = False):
+    def __init__(self, config: JobConfig, *, model: Callable[[dict], Any] | None = None, address: str = "",
+                 resume: bool = False, overwrite: bool = False, console: Console | None = None,
+                 verbose: bool = False):
+        """model: the user's model factory, as [model] factory names one (kind = "custom"): a function of
+        the [model] table returning an nn.Module (token ids to logits) or a workload."""
         if resume and overwrite:
             raise ConfigError("--resume and --overwrite contradict each other", where="command line",
                               fix="pass --resume to continue the run, or --overwrite to start it over")
+        if model is not None:
+            factory = dataclasses.replace(config.model, kind="custom", factory=register_factory(model))
+            config = dataclasses.replace(config, model=factory)
         self.config = config
         self.address = address or config.cluster.address or os.environ.get("RAY_ADDRESS", "")
         self.resume = resume
@@ -72,13 +85,16 @@ class Orchestrator:
         started = time.monotonic()
         started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         _refuse_before_start(self.config)
+        workload = make_workload(self.config.model)  # a factory's errors, before anything starts
         data_dir, tokenizer = self._dataset()
-        resume_from, first_step = self._open_run(tokenizer)
-        with self._ray():
+        resume_from, first_step = self._open_run(workload, tokenizer)
+        with self._ray(workload):
             cluster = topology.discover_cluster()
             memory = profile(self.config, device_type="cuda" if self.config.cluster.use_gpu else "cpu")
             plan = self._plan(cluster, memory)
-            spec = WorkerSpec.for_plan(self.config, plan, data_location=str(data_dir), tokenizer=tokenizer)
+            facts = model_facts(workload, self.config.model.seq_len)
+            spec = WorkerSpec.for_plan(self.config, plan, workload=workload, flops_per_token=facts.flops_per_token,
+                                       data_location=str(data_dir), tokenizer=tokenizer)
             sink = MetricsSink.options(scheduling_strategy=coordinator.on_this_node()).remote()  # outlives worker nodes
             plan_coordinator = coordinator.start_coordinator(self.config, spec, cluster, str(self.run.plan_path),
                                                              sink, memory)
@@ -123,7 +139,7 @@ class Orchestrator:
             self.console.print(f"  plan note: {note}", markup=False)
         return plan
 
-    def _open_run(self, tokenizer: str) -> tuple[Path | Location | None, int]:
+    def _open_run(self, workload: Workload, tokenizer: str) -> tuple[Path | Location | None, int]:
         """Creates the run directory, or checks the checkpoint to resume from; returns that checkpoint
         (None for a new run) and the step training starts from."""
         if not self.resume:
@@ -131,8 +147,8 @@ class Orchestrator:
             return None, 0
         latest = self.run.checkpoint_to_resume()
         info = checkpoint.read_info(latest)
-        checkpoint.check_compatible(info, model=self.config.model, seed=self.config.train.seed, tokenizer=tokenizer,
-                                    directory=latest)
+        checkpoint.check_compatible(info, identity=workload.identity(), seed=self.config.train.seed,
+                                    tokenizer=tokenizer, directory=latest)
         self.run.rewind_metrics(info.step)
         self.console.print(f"resuming from {latest}", markup=False)
         return latest, info.step
@@ -179,20 +195,22 @@ class Orchestrator:
         return str(location), train.tokenizer
 
     @contextlib.contextmanager
-    def _ray(self) -> Iterator[None]:
-        """Joins the cluster at `address`, or starts an embedded one that lives as long as this fit."""
+    def _ray(self, workload: Workload) -> Iterator[None]:
+        """Joins the cluster at `address`, or starts an embedded one that lives as long as this fit; the
+        module of a custom model's factory goes with the job when it is not installed (shipping.py)."""
         if ray.is_initialized():
             yield
             return
         cluster = self.config.cluster
+        runtime_env = {"py_modules": modules} if (modules := modules_to_ship(workload)) else None
         try:
             if self.address:
-                ray.init(address=self.address, log_to_driver=self.verbose)
+                ray.init(address=self.address, log_to_driver=self.verbose, runtime_env=runtime_env)
             else:
                 needed = cluster.num_workers * cluster.cpus_per_worker
                 ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed),
                          num_gpus=None if cluster.use_gpu else 0, include_dashboard=False,
-                         log_to_driver=self.verbose)
+                         log_to_driver=self.verbose, runtime_env=runtime_env)
         except ConnectionError as e:
             raise ClusterError(f"cannot connect to Ray ({e})", where=f"address {self.address!r}",
                                fix="start a head with `ray start --head`, or unset RAY_ADDRESS to use an embedded cluster") from None

@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from core.config import ModelConfig
 from core.errors import CheckpointError
 from core.spec import WorkerSpec
 from storage.checkpoint_io import (
@@ -57,7 +56,8 @@ class CheckpointInfo:
     consumed_samples: int
     """Sampler stream position: samples used by the completed steps."""
     model: dict[str, Any]
-    """The ModelConfig the weights belong to."""
+    """The identity of the model the weights belong to (its workload's identity(): the [model] keys
+    that shape the weights)."""
     tokenizer: str
     seed: int
     global_batch_size: int
@@ -68,7 +68,7 @@ class CheckpointInfo:
 
     @classmethod
     def for_spec(cls, spec: WorkerSpec, step: int, consumed_samples: int, world_size: int = 0) -> CheckpointInfo:
-        return cls(step, consumed_samples, dataclasses.asdict(spec.model), spec.data.tokenizer, spec.train.seed,
+        return cls(step, consumed_samples, spec.workload.identity(), spec.data.tokenizer, spec.train.seed,
                    spec.plan.global_batch_size, SAMPLER_NAME, world_size)
 
 
@@ -84,13 +84,12 @@ def read_info(directory: str | Path | Location) -> CheckpointInfo:
                               fix="resume from an earlier checkpoint or start over") from None
 
 
-def check_compatible(info: CheckpointInfo, *, model: ModelConfig, seed: int, tokenizer: str,
+def check_compatible(info: CheckpointInfo, *, identity: dict[str, Any], seed: int, tokenizer: str,
                      directory: str | Path | Location) -> None:
-    """Refuses a checkpoint whose weights or data stream do not belong to this job (its [model], its
-    [train] seed and the dataset's tokenizer)."""
-    current = dataclasses.asdict(model)
-    differ = [f"{k}: checkpoint {info.model.get(k)!r}, config {v!r}" for k, v in current.items()
-              if k != "dropout" and info.model.get(k) != v]
+    """Refuses a checkpoint whose weights or data stream do not belong to this job: another model
+    (`identity`, the job's workload's), another [train] seed, another tokenizer."""
+    differ = [f"{k}: checkpoint {info.model.get(k)!r}, config {identity.get(k)!r}"
+              for k in dict.fromkeys([*identity, *info.model]) if k != "dropout" and info.model.get(k) != identity.get(k)]
     if differ:
         raise CheckpointError(f"checkpoint is from another model ({'; '.join(differ)})", where=str(directory),
                               fix="resume with the [model] section it was trained with, or start a new run (--overwrite or another name)")
@@ -171,8 +170,8 @@ class RunCheckpoints:
                                       fix="run without --resume to start over")
             return None
         info = read_info(latest)
-        check_compatible(info, model=self.spec.model, seed=self.spec.train.seed, tokenizer=self.spec.data.tokenizer,
-                         directory=latest)
+        check_compatible(info, identity=self.spec.workload.identity(), seed=self.spec.train.seed,
+                         tokenizer=self.spec.data.tokenizer, directory=latest)
         self.restored_from = latest
         return load(latest, model, optimizer, info=info, reader=self.settings.reader,
                     process_group=self.group)

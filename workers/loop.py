@@ -149,7 +149,8 @@ def train(job: WorkerJob, ctx, started_at: float) -> dict:
     window = MetricsWindow()
     send(job, rank, [{"event": "start", "step": progress.step, "world_size": world, "device": str(device),
                       "device_model": plan.worker(rank).device_model, "precision": engine.precision.name,
-                      "params": engine.model.num_params(), "flops_per_token": engine.model.flops_per_token(),
+                      "params": sum(p.numel() for p in engine.model.parameters()),
+                      "flops_per_token": spec.flops_per_token, "model": spec.workload.name,
                       "micro_batch_sizes": list(layout.micro_batch_sizes), "grad_accum_steps": plan.grad_accum_steps,
                       "reader": train_loader.reader_choice, "checkpoint_readers": sorted(checkpoint_readers)}])
 

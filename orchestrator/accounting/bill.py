@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 
 from core.plan import Plan
-from orchestrator.planning.compute import ComputeModel
+from planning.compute import ComputeModel
 from topology import catalog
 
 PEAK_DTYPE = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8", "fp32": "fp32"}

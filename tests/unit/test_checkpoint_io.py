@@ -22,6 +22,9 @@ from storage.checkpoint_io import (
 from tests.checkpoint_support import CONFIG, trained
 from tests.engine_support import job_spec
 from workers import checkpoint
+from workers.models import make_workload
+
+IDENTITY = make_workload(CONFIG.model).identity()
 
 
 def info(step: int) -> checkpoint.CheckpointInfo:
@@ -117,19 +120,28 @@ def test_incompatible_checkpoints_are_refused_with_the_reason(tmp_path):
     checkpoint.save(tmp_path / "ck", model, optimizer, info(1))
     saved = checkpoint.read_info(tmp_path / "ck")
     with pytest.raises(CheckpointError, match="trained on 'bytes' tokens, the dataset has 'hf-json:abc'"):
-        checkpoint.check_compatible(saved, model=CONFIG.model, seed=CONFIG.train.seed, tokenizer="hf-json:abc",
+        checkpoint.check_compatible(saved, identity=IDENTITY, seed=CONFIG.train.seed, tokenizer="hf-json:abc",
                                     directory=tmp_path / "ck")
     reseeded = dataclasses.replace(CONFIG, train=dataclasses.replace(CONFIG.train, seed=CONFIG.train.seed + 1))
     with pytest.raises(CheckpointError, match=f"seed = {CONFIG.train.seed}, the config has {CONFIG.train.seed + 1}"):
-        checkpoint.check_compatible(saved, model=reseeded.model, seed=reseeded.train.seed, tokenizer="bytes",
+        checkpoint.check_compatible(saved, identity=IDENTITY, seed=reseeded.train.seed, tokenizer="bytes",
                                     directory=tmp_path / "ck")
-    checkpoint.check_compatible(saved, model=CONFIG.model, seed=CONFIG.train.seed, tokenizer="bytes",
+    checkpoint.check_compatible(saved, identity=IDENTITY, seed=CONFIG.train.seed, tokenizer="bytes",
                                 directory=tmp_path / "ck")  # the same job resumes
     legacy = checkpoint.CheckpointInfo(**{**json.loads((tmp_path / "ck" / "archipelago.json").read_text()),
                                           "sampler": "numpy-permutation"})
     with pytest.raises(CheckpointError, match="sampler 'numpy-permutation'.*start a new run"):
-        checkpoint.check_compatible(legacy, model=CONFIG.model, seed=CONFIG.train.seed, tokenizer="bytes",
+        checkpoint.check_compatible(legacy, identity=IDENTITY, seed=CONFIG.train.seed, tokenizer="bytes",
                                     directory=tmp_path / "ck")
+    llama = make_workload(dataclasses.replace(CONFIG.model, kind="llama")).identity()
+    with pytest.raises(CheckpointError, match="checkpoint is from another model.*kind: checkpoint None, config 'llama'"):
+        checkpoint.check_compatible(saved, identity=llama, seed=CONFIG.train.seed, tokenizer="bytes",
+                                    directory=tmp_path / "ck")
+
+
+def test_gpt_checkpoints_record_the_model_keys_they_always_have():
+    """Checkpoints written before workloads recorded these [model] keys: they keep resuming."""
+    assert set(IDENTITY) == {"n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "dropout", "bias"}
 
 
 def test_a_checkpoint_of_another_writer_is_refused(tmp_path):

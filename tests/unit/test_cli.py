@@ -8,6 +8,7 @@ import pytest
 
 from orchestrator.cli import main
 from tests.conftest import tiny_job
+from workers.models import make_workload
 
 
 def run_cli(capsys, *argv):
@@ -65,7 +66,7 @@ def test_resume_with_a_checkpoint_of_another_model(capsys, tmp_path, dataset_dir
     checkpoint = tmp_path / "runs" / "tiny" / "step_00000004"
     checkpoint.mkdir(parents=True)
     (checkpoint / ".metadata").write_bytes(b"")
-    info = {"step": 4, "consumed_samples": 32, "model": {**job.to_dict()["model"], "n_layer": 2},
+    info = {"step": 4, "consumed_samples": 32, "model": {**make_workload(job.model).identity(), "n_layer": 2},
             "tokenizer": "bytes", "seed": 0, "global_batch_size": 8}
     (checkpoint / "archipelago.json").write_text(json.dumps(info))
     toml = "\n".join(['name = "tiny"', f'runs_dir = "{tmp_path / "runs"}"',

@@ -35,6 +35,15 @@ def job(**parallel) -> JobConfig:
     })
 
 
+def llama_job(**parallel) -> JobConfig:
+    """The same job with a tiny Llama: grouped-query attention (4 heads, 2 key/value heads), rotary
+    embeddings with Llama-3.1's scaling, SwiGLU, an untied head."""
+    raw = job(**parallel).to_dict()
+    raw["model"] = {"kind": "llama", "n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 32, "seq_len": 32,
+                    "rope_scaling": 8.0, "tie_embeddings": False}
+    return JobConfig.from_dict(raw)
+
+
 def batches_for(step: int, replica: int, replicas: int, accum: int) -> list[torch.Tensor]:
     """Token windows for one step, the same global batch whatever the split; three batches cycle,
     so the model can learn them and the loss falls."""
@@ -78,6 +87,9 @@ def distributed_runs(rank: int, world: int, data_dir: str) -> dict:
         config = job(**parallel)
         engine = Engine(engine_spec(config, world, MICRO, 1), rank, torch.device("cpu"))
         results[name] = {"losses": train(engine, rank, world, 1), **_plain(engine.window_metrics())}
+    for name, parallel in {"llama_ddp": {}, "llama_fsdp": {"strategy": "fsdp"}}.items():
+        engine = Engine(engine_spec(llama_job(**parallel), world, MICRO, 1), rank, torch.device("cpu"))
+        results[name] = {"losses": train(engine, rank, world, 1)}
     # comm_hook = "auto": the engine runs the hook the plan names (the planner resolves auto)
     spec = engine_spec(job(comm_hook="auto"), world, MICRO, 1)
     engine = Engine(spec.with_plan(dataclasses.replace(spec.plan, comm_hook="bf16")), rank, torch.device("cpu"))
@@ -103,6 +115,8 @@ def runs(dataset_dir):
     results = run_ranks(2, distributed_runs, str(dataset_dir))
     single = Engine(engine_spec(job(), 1, MICRO, 2), 0, torch.device("cpu"))
     results["single"] = {"losses": train(single, 0, 1, 2)}
+    llama = Engine(engine_spec(llama_job(), 1, MICRO, 2), 0, torch.device("cpu"))
+    results["llama_single"] = {"losses": train(llama, 0, 1, 2)}
     return results
 
 
@@ -115,6 +129,14 @@ def test_ddp_tracks_a_single_process_run(runs):
 def test_fsdp2_tracks_a_single_process_run(runs):
     for ours, theirs in zip(runs["fsdp"]["losses"], runs["single"]["losses"]):
         assert ours == pytest.approx(theirs, rel=1e-4)
+
+
+def test_a_llama_under_ddp_and_fsdp2_tracks_a_single_process_run(runs):
+    single = runs["llama_single"]["losses"]
+    for name in ("llama_ddp", "llama_fsdp"):
+        for ours, theirs in zip(runs[name]["losses"], single):
+            assert ours == pytest.approx(theirs, rel=1e-4)
+    assert single[-1] < single[0] - 0.5 and len(single) == STEPS
 
 
 def test_the_engine_runs_the_hook_the_plan_picked_for_auto(runs):
