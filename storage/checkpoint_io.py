@@ -225,10 +225,13 @@ class _output:
         self.temporary = target.parent / f".{target.name}.{uuid.uuid4().hex[:8]}.tmp" if target.is_local else target
 
     def __enter__(self):
-        if self.target.is_local:
-            self.file = open(self.temporary.path, "wb")
-        else:
-            self.file = self.target.fs.open_output_stream(self.target.path)
+        try:
+            if self.target.is_local:
+                self.file = open(self.temporary.path, "wb")
+            else:
+                self.file = self.target.fs.open_output_stream(self.target.path)  # starts the upload
+        except OSError as e:
+            raise _write_error(e, self.target) from None
         return self.file
 
     def __exit__(self, exc_type, exc, tb) -> None:
