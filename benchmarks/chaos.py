@@ -6,9 +6,9 @@
 A ray.cluster_utils.Cluster on loopback, a head and three worker nodes of 1 CPU each, runs the job: 2
 gloo workers of a tiny GPT, a checkpoint every 4 steps with the sample ledger, any number of failures
 and preemptions allowed. It is elastic (min_workers = 1): a fixed-size job pins each worker to its
-planned node, and one whose node is gone never starts again. The driver is `archipelago fit --address` in a child process, so that it too
-can be killed. Each fault, drawn with the seed, strikes once the group that recovered from the last one
-has trained `gap` more steps (3 to 10, drawn too):
+planned node, and one whose node is gone never starts again. The driver is `archipelago fit --address`
+in a child process, so that it too can be killed. Each fault, drawn with the seed, strikes once the
+group that recovered from the last one has trained `gap` more steps (3 to 10, drawn too):
 
   kill     SIGKILL one Ray Train worker process
   preempt  drain a worker's node with a preemption notice (10 s deadline); once the workers have

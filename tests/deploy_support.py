@@ -5,8 +5,8 @@
 
 The CRDs (ray.io_rayclusters.yaml, ray.io_rayjobs.yaml) are verbatim copies from KubeRay in
 tests/fixtures/kuberay-crds/ (SOURCE.md there names the commit); ARCHIPELAGO_KUBERAY_CRDS points
-elsewhere, to check against another KubeRay's. Their openAPIV3Schema is checked with jsonschema, with Kubernetes' own rules where
-jsonschema differs:
+elsewhere, to check against another KubeRay's. Their openAPIV3Schema is checked with jsonschema, with
+Kubernetes' own rules where jsonschema differs:
 - unknown fields are errors, as under `kubectl apply --validate=strict` (the API server would
   otherwise prune them without a word: a misspelt authOptions would turn authentication off);
 - x-kubernetes-int-or-string comes with anyOf [integer, string] in these CRDs, which jsonschema checks;
