@@ -16,7 +16,7 @@ group that recovered from the last one has trained `gap` more steps (3 to 10, dr
   remove   remove a worker's node with no notice (its raylet and processes gone), add a fresh one
   driver   SIGKILL the driver (Ray ends the run's actors with it), then `archipelago fit --resume`
 
-Then the same job runs uninterrupted on the same cluster, and the report says:
+Then the same job runs uninterrupted on a fresh cluster of the same shape, and the report says:
 
   faults injected / survived  a fault is survived when training resumed after it
   committed steps lost        per fault, the newest committed step when it struck minus the step
