@@ -205,8 +205,13 @@ def strike(run: Run, fault: Fault, rng: random.Random) -> None:
         run.driver.wait()
         time.sleep(2.0)  # Ray notices the driver is gone and ends its actors
         run.start(resume=True)
+    elif not (nodes := [node for node in set(workers.values()) if node is not run.cluster.head_node]):
+        # The group shrank onto the head node, which stays: strike its worker instead.
+        pid = rng.choice(sorted(workers))
+        fault.kind, fault.detail = "kill", f"pid {pid} (drawn: {fault.kind}, but no worker on a worker node)"
+        fault.committed = run.newest_committed()
+        os.kill(pid, signal.SIGKILL)
     else:
-        nodes = [node for node in set(workers.values()) if node is not run.cluster.head_node]
         node = rng.choice(sorted(nodes, key=lambda n: n.node_id))
         fault.detail = f"node {node.node_id[:8]}"
         if fault.kind == "preempt":
