@@ -317,9 +317,8 @@ def main() -> None:
         job = work / f"{name}.toml"
         job.write_text(JOB.format(name=name, runs=work / "runs", seq_len=SEQ_LEN, data=data, steps=args.steps,
                                   batch=GLOBAL_BATCH, every=EVERY))
-        cluster = new_cluster()
+        run = Run(new_cluster(), job, work / "runs" / name, work / f"{name}.log")
         try:
-            run = Run(cluster, job, work / "runs" / name, work / f"{name}.log")
             if name == "chaos":
                 results["faults"] = chaos(run, args.faults, args.steps, random.Random(args.seed))
             else:
@@ -327,7 +326,9 @@ def main() -> None:
                 if run.driver.wait() != 0:
                     raise RuntimeError(f"the uninterrupted run failed; see {run.log}")
         finally:
-            cluster.shutdown()
+            if run.driver is not None and run.driver.poll() is None:  # the benchmark failed: stop its driver too
+                run.driver.kill()
+            run.cluster.shutdown()
         results[name] = final_losses(run.run_dir)
     faults: list[Fault] = results["faults"]
     checked = audit(work / "runs" / "chaos", num_samples, read_seed(work / "runs" / "chaos"), args.steps)
