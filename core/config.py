@@ -467,6 +467,11 @@ class ElasticConfig:
     sample_ledger: bool = False
     """Record, in every checkpoint, the global sample ids of every committed step (8 bytes per sample
     trained so far), so a test can prove each sample was used exactly once (storage/ledger.py)."""
+    health_check_timeout_s: float = 120.0
+    """Seconds a worker may leave Ray Train's health check unanswered (a process frozen or stopped, a
+    machine swapping) before it counts as failed and the group restarts from the newest committed
+    checkpoint; its peers wait in their collectives meanwhile. Ray's own default is 600 s
+    (RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S, which this sets for the run)."""
 
     def __post_init__(self) -> None:
         _check(self.min_workers >= 0, "[elastic] min_workers", f"must be 0 or more, got {self.min_workers}",
@@ -480,6 +485,7 @@ class ElasticConfig:
         _positive("elastic", preemption_check_steps=self.preemption_check_steps)
         _check(self.resize_check_s >= 0, "[elastic] resize_check_s", f"must be 0 or more, got {self.resize_check_s}",
                "set resize_check_s = 60.0")
+        _positive("elastic", health_check_timeout_s=self.health_check_timeout_s)
 
 
 @dataclass(kw_only=True, slots=True)

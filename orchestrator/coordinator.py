@@ -44,9 +44,10 @@ from workers.elastic import WorkerReport
 
 COORDINATOR_NAME = "archipelago-plan-coordinator-{}"
 """Ray actor name, by run name: one coordinator per run."""
-WORKER_DEATHS = ("ActorDiedError", "WorkerHealthCheckFailedError", "ActorUnavailableError", "NodeDiedError",
-                 "RayActorError", "OutOfMemoryError")
-"""How Ray reports a worker process or node that is gone (FailureRecorder prefixes the type's name)."""
+WORKER_DEATHS = ("ActorDiedError", "WorkerHealthCheckFailedError", "WorkerHealthCheckTimeoutError",
+                 "ActorUnavailableError", "NodeDiedError", "RayActorError", "OutOfMemoryError")
+"""How Ray reports a worker process or node that is gone, or frozen past [elastic] health_check_timeout_s
+(FailureRecorder prefixes the type's name)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -237,7 +237,8 @@ class Orchestrator:
         outcome: dict = {}
         thread = threading.Thread(target=_fit_into, args=(trainer, outcome), daemon=True)
         rows: list[dict] = []
-        with ProgressDisplay.for_run(self.console, plan, cfg, self.run.path, first_step) as display:
+        with ProgressDisplay.for_run(self.console, plan, cfg, self.run.path, first_step) as display, \
+                _environ(_controller_settings(cfg)):
             thread.start()
             while thread.is_alive():
                 thread.join(timeout=0.5)
@@ -280,6 +281,26 @@ def _refuse_before_start(config: JobConfig) -> None:
         raise PlacementError(f"[placement] tensor_parallel_size = {config.placement.tensor_parallel_size}: the worker "
                              "engine runs DDP and FSDP2 only", where="[placement] tensor_parallel_size",
                              fix="set tensor_parallel_size = 1 to train (`archipelago plan` still plans it)")
+
+
+def _controller_settings(config: JobConfig) -> dict[str, str]:
+    """Ray Train settings its controller reads from environment variables only; the trainer copies them
+    from the driver's environment into the controller's when the run starts."""
+    return {"RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S": str(config.elastic.health_check_timeout_s)}
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _fit_into(trainer: TorchTrainer, outcome: dict) -> None:

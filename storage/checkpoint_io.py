@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import io
 import os
 import pickle
@@ -215,34 +216,68 @@ class RawWriter(StorageWriter):
 
 class _output:
     """A file written whole or not at all: local files go through a temporary name, fsync and rename;
-    object-store uploads become visible only when closed."""
+    object-store uploads become visible only when closed. A full disk, or an upload that failed
+    through the object store's retries, is a CheckpointError: the step is not committed (its
+    `.metadata` is never written), and no temporary file is left behind on the full disk."""
 
     def __init__(self, target: Location):
         self.target = target
         self.temporary = target.parent / f".{target.name}.{uuid.uuid4().hex[:8]}.tmp" if target.is_local else target
 
     def __enter__(self):
-        if self.target.is_local:
-            self.file = open(self.temporary.path, "wb")
-        else:
-            self.file = self.target.fs.open_output_stream(self.target.path)
+        try:
+            if self.target.is_local:
+                self.file = open(self.temporary.path, "wb")
+            else:
+                self.file = self.target.fs.open_output_stream(self.target.path)  # starts the upload
+        except OSError as e:
+            raise _write_error(e, self.target) from None
         return self.file
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if not self.target.is_local:
-            self.file.close()
-            return
         try:
-            if exc_type is None:
+            if self.target.is_local:
+                self._close_local(complete=exc_type is None)
+            else:
+                self.file.close()  # the upload completes (and becomes visible) here
+        except OSError as e:
+            raise _write_error(e, self.target) from None
+        if isinstance(exc, OSError):
+            raise _write_error(exc, self.target) from None
+
+    def _close_local(self, complete: bool) -> None:
+        """fsync, close and rename into place when complete; otherwise, or when any of that fails (a
+        full disk fails the flush at close too), close and remove the temporary file."""
+        try:
+            if complete:
                 self.file.flush()
                 os.fsync(self.file.fileno())
-        finally:
             self.file.close()
-        if exc_type is None:
-            os.replace(self.temporary.path, self.target.path)
-            _fsync_dir(self.target.parent.path)
-        else:
-            Path(self.temporary.path).unlink(missing_ok=True)
+            if complete:
+                os.replace(self.temporary.path, self.target.path)
+                _fsync_dir(self.target.parent.path)
+        except OSError:
+            complete = False
+            raise
+        finally:
+            if not complete:
+                with contextlib.suppress(OSError):
+                    self.file.close()
+                Path(self.temporary.path).unlink(missing_ok=True)
+
+
+def _write_error(e: OSError, target: Location) -> Exception:
+    """What a failed checkpoint write says: a full disk or a failed upload as a CheckpointError."""
+    kept = "the step was not committed and the last committed one is intact"
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return CheckpointError(f"no space left to write a checkpoint ({e.strerror}); {kept}", where=str(target),
+                               fix="free space there, lower [checkpoint] keep_last or move [checkpoint] storage to "
+                                   "a larger disk, then run again with --resume")
+    if not target.is_local:
+        return CheckpointError(f"the upload failed after the object store's retries ({e}); {kept}",
+                               where=str(target), fix="check the object store (endpoint, credentials, quota), "
+                                                      "then run again with --resume")
+    return e
 
 
 def _fsync_dir(path: str) -> None:

@@ -50,6 +50,14 @@ class Location:
             return cls(pafs.LocalFileSystem(), local.as_posix(), error=error)
         scheme, rest = text.split("://", 1)
         _, _, query = rest.partition("?")
+        authority, _, after = rest.partition("/")
+        if "@" in authority.partition("?")[0]:
+            # Never echo them: the message is printed, and the URI is what plan.json and report.json hold.
+            raise error("the URI holds credentials (user:secret@ before the bucket or host), which would be "
+                        "printed in plan.json, report.json, the progress output and Ray's logs",
+                        where=f"{scheme}://***@{authority.rsplit('@', 1)[1]}/{after}".rstrip("/"),
+                        fix="remove them from the URI and give them in the environment (AWS_ACCESS_KEY_ID and "
+                            "AWS_SECRET_ACCESS_KEY for s3://) or the cloud's own credential files")
         try:
             fs, path = pafs.FileSystem.from_uri(text)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as e:
