@@ -100,16 +100,27 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _check(bool(self.path), "[data] path", "is empty", 'set path to a dataset directory, e.g. "data/stdlib-bytes"')
-        _check(0.0 < self.val_percent < 100.0, "[data] val_percent", f"must be in (0, 100), got {self.val_percent}",
-               "set val_percent = 5.0")
         _check(self.tokenizer == "bytes" or (self.tokenizer.startswith("hf:") and len(self.tokenizer) > 3),
                "[data] tokenizer", f"{self.tokenizer!r} is not a tokenizer",
                'use "bytes" or "hf:path/to/tokenizer.json"')
-        _check(bool(self.text_column), "[data] text_column", "is empty", 'name the text field, e.g. "text"')
-        _check(self.prepare_workers >= 0, "[data] prepare_workers", f"must be 0 or more, got {self.prepare_workers}",
-               "set prepare_workers = 0 to use every core")
-        _positive("data", shard_tokens=self.shard_tokens, reader_threads=self.reader_threads,
-                  prefetch_steps=self.prefetch_steps)
+        check_prepare_settings(shard_tokens=self.shard_tokens, workers=self.prepare_workers,
+                               val_percent=self.val_percent, text_column=self.text_column, as_flags=False)
+        _positive("data", reader_threads=self.reader_threads, prefetch_steps=self.prefetch_steps)
+
+
+def check_prepare_settings(*, shard_tokens: int, workers: int, val_percent: float, text_column: str,
+                           as_flags: bool) -> None:
+    """The preparation settings, as [data] keys of a job or as flags of `archipelago prepare`: one set of
+    rules for both, checked before anything is read or written. `as_flags` names the flags in the error."""
+    checks = [(shard_tokens >= 1, "shard_tokens", "shard-tokens", f"must be 1 or more, got {shard_tokens}",
+               "give the tokens per shard file, e.g. 16777216"),
+              (workers >= 0, "prepare_workers", "workers", f"must be 0 or more, got {workers}",
+               "give a number of processes, or 0 for every core"),
+              (0.0 < val_percent < 100.0, "val_percent", "val-percent", f"must be in (0, 100), got {val_percent}",
+               "hold out a share of the documents, e.g. 5"),
+              (bool(text_column), "text_column", "text-column", "is empty", 'name the text field, e.g. "text"')]
+    for ok, key, flag, problem, fix in checks:
+        _check(ok, f"--{flag} / [data] {key}" if as_flags else f"[data] {key}", problem, fix)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -319,9 +330,14 @@ class ClusterConfig:
     """Give each worker one GPU."""
     cpus_per_worker: int = 1
     """CPU cores reserved per worker (and torch threads on CPU workers)."""
+    connect_timeout_s: float = 30.0
+    """How long joining the cluster at `address` may take before fit stops with one line saying so
+    (`--connect-timeout` on the command line)."""
 
     def __post_init__(self) -> None:
         _positive("cluster", num_workers=self.num_workers, cpus_per_worker=self.cpus_per_worker)
+        _check(math.isfinite(self.connect_timeout_s) and self.connect_timeout_s > 0, "[cluster] connect_timeout_s",
+               f"must be a number of seconds above 0, got {self.connect_timeout_s:g}", "set connect_timeout_s = 30.0")
 
 
 @dataclass(kw_only=True, slots=True)

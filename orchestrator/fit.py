@@ -27,7 +27,7 @@ from rich.console import Console
 
 import topology
 from core.config import JobConfig
-from core.errors import ArchipelagoError, ClusterError, ConfigError, DataError, FailureBudgetError, PlacementError
+from core.errors import ArchipelagoError, ConfigError, DataError, FailureBudgetError, PlacementError
 from core.plan import Plan
 from core.spec import WorkerSpec
 from orchestrator import coordinator, planning
@@ -39,6 +39,7 @@ from storage.fs import Location
 from storage.prepare import prepare_dataset
 from storage.shards import TokenDataset, check_files, has_dataset
 from storage.verify import verify_dataset
+from topology.connect import ray_session
 from workers import binding, checkpoint
 from workers.loop import WorkerJob, train_loop
 
@@ -55,13 +56,15 @@ class FitResult:
 
 
 class Orchestrator:
-    def __init__(self, config: JobConfig, *, address: str = "", resume: bool = False, overwrite: bool = False,
-                 console: Console | None = None, verbose: bool = False):
+    def __init__(self, config: JobConfig, *, address: str = "", connect_timeout_s: float | None = None,
+                 resume: bool = False, overwrite: bool = False, console: Console | None = None, verbose: bool = False):
+        """address and connect_timeout_s: as --address and --connect-timeout say (None: [cluster] connect_timeout_s)."""
         if resume and overwrite:
             raise ConfigError("--resume and --overwrite contradict each other", where="command line",
                               fix="pass --resume to continue the run, or --overwrite to start it over")
         self.config = config
         self.address = address or config.cluster.address or os.environ.get("RAY_ADDRESS", "")
+        self.connect_timeout_s = config.cluster.connect_timeout_s if connect_timeout_s is None else connect_timeout_s
         self.resume = resume
         self.overwrite = overwrite
         self.console = console or Console()
@@ -185,21 +188,11 @@ class Orchestrator:
             yield
             return
         cluster = self.config.cluster
-        try:
-            if self.address:
-                ray.init(address=self.address, log_to_driver=self.verbose)
-            else:
-                needed = cluster.num_workers * cluster.cpus_per_worker
-                ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed),
-                         num_gpus=None if cluster.use_gpu else 0, include_dashboard=False,
-                         log_to_driver=self.verbose)
-        except ConnectionError as e:
-            raise ClusterError(f"cannot connect to Ray ({e})", where=f"address {self.address!r}",
-                               fix="start a head with `ray start --head`, or unset RAY_ADDRESS to use an embedded cluster") from None
-        try:
+        embedded = {"num_cpus": max(os.cpu_count() or 1, cluster.num_workers * cluster.cpus_per_worker),
+                    "num_gpus": None if cluster.use_gpu else 0}
+        with ray_session(self.address, connect_timeout_s=self.connect_timeout_s, embedded=embedded,
+                         verbose=self.verbose):
             yield
-        finally:
-            ray.shutdown()
 
     def _train(self, job: WorkerJob, plan: Plan, sink, first_step: int) -> list[dict]:
         """Runs the workers under Ray Train, scheduled and joined as the first `plan` says."""

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from core.errors import DataError
+from core.errors import ConfigError, DataError
 from storage.fs import Location
 from storage.shards import HEADER_BYTES, Manifest, ShardInfo, open_shard, read_manifest
 
@@ -51,6 +51,9 @@ def verify_dataset(directory: str | Path | Location, *, manifest: Manifest | Non
 
     `manifest`: the directory's manifest when the caller has read it already (read here otherwise).
     """
+    if threads < 1:
+        raise ConfigError(f"must be 1 or more, got {threads}", where="--threads / [data] reader_threads",
+                          fix="give the number of shards to check at once, e.g. 8")
     location = Location.parse(directory, error=DataError)
     manifest = manifest if manifest is not None else read_manifest(location)
     report = VerifyReport(str(location), shards=len(manifest.shards))

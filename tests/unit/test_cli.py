@@ -95,3 +95,14 @@ def test_debug_shows_the_traceback(tmp_path):
     from core.errors import ConfigError
     with pytest.raises(ConfigError):
         main(["--debug", "fit", str(tmp_path / "nope.toml")])
+
+
+def test_an_interrupted_fit_names_its_config_in_the_resume_hint(capsys, tmp_path, monkeypatch, dataset_dir):
+    from orchestrator import Orchestrator
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(Orchestrator, "fit", interrupted)
+    job = write_job(tmp_path, f'[data]\npath = "{dataset_dir}"\n')
+    code, out = run_cli(capsys, "fit", job)
+    assert code == 130 and f"`archipelago fit {job} --resume` continues" in out.replace("\n", "")
