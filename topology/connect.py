@@ -6,9 +6,10 @@
         ...
 
 `ray.init` on an address nobody answers at retries for minutes and prints a warning every five
-seconds. Here the address is tried first with a plain TCP connection (a refusal or silence is
-told at once, in one line), and the join itself runs under the same deadline; Ray's own messages
-during the join are kept off the terminal unless `verbose`.
+seconds. Here the address is tried first with a plain TCP connection (a refusal or silence is told
+at once, in one line), then with a gRPC handshake (a port that accepts but is no Ray head), and the
+join itself runs under the same deadline; Ray's own messages during the join are kept off the
+terminal unless `verbose`.
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ import threading
 import time
 from collections.abc import Iterator
 
+import grpc
 import ray
 
 from core.errors import ClusterError, ConfigError
 
 CONNECT_TIMEOUT_S = 30.0
 """How long joining a running cluster may take by default ([cluster] connect_timeout_s, --connect-timeout)."""
+_LONGER = "--connect-timeout / [cluster] connect_timeout_s"
 _FIX = ("check the address (`ray start --head` prints it), or leave --address, RAY_ADDRESS and [cluster] address "
         "unset to start an embedded cluster")
 
@@ -59,9 +62,10 @@ def check_seconds(seconds: float, where: str) -> None:
 
 def _join(address: str, timeout_s: float, options: dict, verbose: bool) -> None:
     deadline = time.monotonic() + timeout_s
-    host_port = address.removeprefix("ray://")
     if address != "auto":
+        host_port = address.removeprefix("ray://")
         _answers(host_port, address, timeout_s)
+        _speaks_grpc(host_port, address, timeout_s, deadline)
     outcome: dict = {}
 
     def join() -> None:
@@ -75,9 +79,8 @@ def _join(address: str, timeout_s: float, options: dict, verbose: bool) -> None:
         thread.start()
         thread.join(max(0.0, deadline - time.monotonic()))
     if thread.is_alive():
-        raise ClusterError(f"joining the Ray cluster did not finish within {timeout_s:g} s (something answers at "
-                           "the address, but not as a Ray head)", where=f"address {address!r}",
-                           fix=f"{_FIX}; or allow longer with --connect-timeout / [cluster] connect_timeout_s")
+        raise ClusterError(f"joining the Ray cluster did not finish within {timeout_s:g} s", where=f"address {address!r}",
+                           fix=f"{_FIX}; or allow longer with {_LONGER}")
     if "error" in outcome:
         first_line = (str(outcome["error"]).strip().splitlines() or [type(outcome["error"]).__name__])[0]
         raise ClusterError(f"cannot join the Ray cluster ({first_line})", where=f"address {address!r}", fix=_FIX)
@@ -93,9 +96,25 @@ def _answers(host_port: str, address: str, timeout_s: float) -> None:
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except TimeoutError:
         raise ClusterError(f"nothing answered within {timeout_s:g} s", where=f"address {address!r}",
-                           fix=f"{_FIX}; or allow longer with --connect-timeout / [cluster] connect_timeout_s") from None
+                           fix=f"{_FIX}; or allow longer with {_LONGER}") from None
     except OSError as e:
         raise ClusterError(f"cannot connect ({e.strerror or e})", where=f"address {address!r}", fix=_FIX) from None
+
+
+def _speaks_grpc(host_port: str, address: str, timeout_s: float, deadline: float) -> None:
+    """The port answers as a gRPC server (a Ray head's GCS, or a Ray Client server) before the deadline: a web
+    server or a port that accepts and stays silent would leave Ray's join retrying. Skipped under RAY_USE_TLS,
+    whose handshake this plain channel cannot make."""
+    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        return
+    channel = grpc.insecure_channel(host_port)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=max(0.0, deadline - time.monotonic()))
+    except grpc.FutureTimeoutError:
+        raise ClusterError(f"something answers at the port, but no Ray head: no gRPC handshake within {timeout_s:g} s",
+                           where=f"address {address!r}", fix=f"{_FIX}; or allow longer with {_LONGER}") from None
+    finally:
+        channel.close()
 
 
 @contextlib.contextmanager

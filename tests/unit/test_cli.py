@@ -106,3 +106,18 @@ def test_an_interrupted_fit_names_its_config_in_the_resume_hint(capsys, tmp_path
     job = write_job(tmp_path, f'[data]\npath = "{dataset_dir}"\n')
     code, out = run_cli(capsys, "fit", job)
     assert code == 130 and f"`archipelago fit {job} --resume` continues" in out.replace("\n", "")
+
+
+def test_an_address_that_answers_but_is_no_ray_head_stops_within_the_connect_timeout(capfd):
+    """The kernel completes TCP handshakes on a listening socket that never accepts: the port answers, and
+    Ray's join would retry for minutes. The command gives up after --connect-timeout with one line."""
+    import socket
+    import time
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        started = time.monotonic()
+        code = main(["topology", "--address", f"127.0.0.1:{silent.getsockname()[1]}", "--connect-timeout", "2"])
+        took = time.monotonic() - started
+    out = capfd.readouterr()
+    assert code == 2 and out.out.strip().count("\n") == 0 and "no gRPC handshake within 2 s" in out.out
+    assert out.err == "" and 2 <= took < 10  # nothing of Ray's: its join retries print to stderr
