@@ -66,9 +66,10 @@ class DataConfig:
     path: str = "data/stdlib-bytes"
     """Directory of a prepared token dataset (manifest.parquet + shards), relative to the working directory,
     or a pyarrow.fs URI ("s3://bucket/datasets/web?region=us-east-1") read with byte-range requests."""
-    prepare_from: str = "stdlib"
-    """When `path` holds no dataset yet, prepare it from this source first: "stdlib" (the .py files of
-    the running Python's standard library), a directory of files, or "" to require a prepared one."""
+    prepare_from: str = ""
+    """When `path` holds no dataset yet, prepare it from this source first: a directory of files, or
+    "stdlib" (the .py files of the running Python's standard library: the demo's corpus). Empty (the
+    default) requires a prepared dataset at `path`: a path that holds none is an error naming it."""
     source_format: Literal["text", "jsonl", "parquet", "arrow"] = "text"
     """What `prepare_from` holds: text files (one document each), JSON Lines (one document per line),
     or a Parquet / Arrow IPC dataset (one document per row)."""

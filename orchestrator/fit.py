@@ -147,7 +147,11 @@ class Orchestrator:
         """
         data = self.config.data
         location = Location.parse(data.path, error=DataError)
-        if not has_dataset(location) and data.prepare_from:
+        if not has_dataset(location) and not data.prepare_from:
+            raise DataError("no prepared dataset there (no manifest.parquet)", where=f"[data] path = {str(location)!r}",
+                            fix=f"check the path, or prepare it: `archipelago prepare --source DIR --out {location}` "
+                                "(or set [data] prepare_from to prepare it on the first run)")
+        if not has_dataset(location):
             if not location.is_local:
                 raise DataError("prepare writes local datasets only", where=str(location),
                                 fix="prepare into a local directory, then copy it to object storage")

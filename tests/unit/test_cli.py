@@ -121,3 +121,13 @@ def test_an_address_that_answers_but_is_no_ray_head_stops_within_the_connect_tim
     out = capfd.readouterr()
     assert code == 2 and out.out.strip().count("\n") == 0 and "no gRPC handshake within 2 s" in out.out
     assert out.err == "" and 2 <= took < 10  # nothing of Ray's: its join retries print to stderr
+
+
+def test_a_data_path_that_holds_no_dataset_is_named_and_nothing_is_prepared_there(capsys, tmp_path):
+    typo = tmp_path / "data" / "stdlib-byts"
+    job = write_job(tmp_path, f'runs_dir = "{tmp_path / "runs"}"\n[data]\npath = "{typo}"\n')
+    code, out = run_cli(capsys, "fit", job)
+    line = out.replace("\n", "")
+    assert code == 2 and f"[data] path = '{typo}': no prepared dataset there" in line
+    assert f"`archipelago prepare --source DIR --out {typo}`" in line
+    assert not typo.exists() and not (tmp_path / "runs").exists()  # nothing prepared, no run started
