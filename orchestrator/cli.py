@@ -87,7 +87,8 @@ def _fit(args: argparse.Namespace, console: Console) -> int:
     config = JobConfig.from_toml(args.config)  # before Ray starts: config errors answer at once
     result = Orchestrator(config, address=args.address or "", connect_timeout_s=args.connect_timeout,
                           resume=args.resume, overwrite=args.overwrite, console=console, verbose=args.debug).fit()
-    result.report.print_summary(console)
+    if result.trained:
+        result.report.print_summary(console)
     return 0
 
 

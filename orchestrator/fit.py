@@ -17,7 +17,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
@@ -34,7 +34,7 @@ from orchestrator import coordinator, planning
 from orchestrator.accounting.report import RunReport
 from orchestrator.planning.memory import MemoryProfile, profile
 from orchestrator.progress import MetricsSink, ProgressDisplay
-from orchestrator.run_dir import RunDirectory
+from orchestrator.run_dir import RunDirectory, SetAside
 from storage.fs import Location
 from storage.prepare import prepare_dataset
 from storage.shards import TokenDataset, check_files, has_dataset
@@ -53,6 +53,17 @@ class FitResult:
     plan: Plan
     """Where the workers ran and what the planner predicted (also in <run>/plan.json)."""
     report: RunReport
+    trained: bool = True
+    """False when --resume found the run trained to [train] steps already: nothing ran, nothing was written,
+    and `report` is the run's report.json as it was."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Clock:
+    """When this invocation of fit started: the bill, the report's wall time and its curves count from here."""
+
+    started: float = field(default_factory=time.monotonic)
+    started_at: str = field(default_factory=lambda: datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
 
 
 class Orchestrator:
@@ -70,17 +81,39 @@ class Orchestrator:
         self.console = console or Console()
         self.verbose = verbose
         self.run = RunDirectory(config.runs_dir, config.name, config.checkpoint.storage)
+        self._clock = _Clock()
+        self._rows: list[dict] = []
+        """Every row this invocation received."""
+        self._aside: SetAside | None = None
+        """The earlier run --overwrite moved aside, until this run commits a checkpoint."""
 
     def fit(self) -> FitResult:
-        started = time.monotonic()
-        started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+        """Trains the job; on any way out before the end (an error, Ctrl-C) the earlier run an --overwrite set
+        aside comes back if this one committed nothing, and a run that trained writes report.json."""
+        self._clock, self._rows = _Clock(), []
         _refuse_before_start(self.config)
         data_dir, tokenizer = self._dataset()
-        resume_from, first_step = self._open_run(tokenizer)
+        resume_from = self._resume_point(tokenizer)
+        if resume_from is not None and resume_from[1].step >= self.config.train.steps:
+            return self._already_trained(*resume_from)
+        first_step = self._open_run(resume_from)
+        try:
+            plan = self._train_on_ray(data_dir, tokenizer, resume_from[0] if resume_from else None, first_step)
+        except BaseException as e:
+            self._stopped("interrupted" if isinstance(e, (KeyboardInterrupt, SystemExit)) else "failed")
+            raise
+        self._committed()
+        report = self._save_report("completed", plan)
+        return FitResult(self._rows, self.run.latest_checkpoint(), plan, report)
+
+    def _train_on_ray(self, data_dir: str, tokenizer: str, resume_from: Path | Location | None, first_step: int) -> Plan:
+        """Plans the job on the cluster and trains it; returns the plan the last worker group ran."""
         with self._ray():
             cluster = topology.discover_cluster()
             memory = profile(self.config, device_type="cuda" if self.config.cluster.use_gpu else "cpu")
             plan = self._plan(cluster, memory)
+            if not self.resume:  # a report from the start, so that a run killed at any point can be reported
+                self._save_report("running", plan)
             spec = WorkerSpec.for_plan(self.config, plan, data_location=str(data_dir), tokenizer=tokenizer)
             sink = MetricsSink.options(scheduling_strategy=coordinator.on_this_node()).remote()  # outlives worker nodes
             plan_coordinator = coordinator.start_coordinator(self.config, spec, cluster, str(self.run.plan_path),
@@ -88,19 +121,48 @@ class Orchestrator:
             try:
                 job = WorkerJob(uses_gpus=plan.uses_gpus, metrics_sink=sink, coordinator=plan_coordinator,
                                 resume_from=str(resume_from) if resume_from else None)
-                rows = self._train(job, plan, sink, first_step)
-                plan = ray.get(plan_coordinator.current_plan.remote())  # the last group's: it may have been re-planned
+                self._train(job, plan, sink, first_step)
+                return ray.get(plan_coordinator.current_plan.remote())  # the last group's: it may have been re-planned
             finally:
                 ray.kill(plan_coordinator)
+
+    def _already_trained(self, latest: Path | Location, info: checkpoint.CheckpointInfo) -> FitResult:
+        """--resume of a run whose latest checkpoint is at or past [train] steps: said, and nothing touched."""
+        steps = self.config.train.steps
+        self.console.print(f"run {self.config.name!r} is trained to step {info.step} ({latest}) and [train] steps = "
+                           f"{steps}: nothing to train. Raise [train] steps to train further; "
+                           f"`archipelago report {self.run.path}` shows the run.", markup=False, highlight=False)
+        return FitResult([], latest, Plan.load(self.run.plan_path), RunReport.load(self.run.path), trained=False)
+
+    def _committed(self) -> None:
+        """This run has a committed checkpoint: an earlier run it replaces is not needed any more."""
+        if self._aside is not None:
+            self._aside.discard()
+            self._aside = None
+
+    def _stopped(self, status: str) -> None:
+        """fit is leaving before the end. A replacement that committed nothing gives the earlier run back;
+        otherwise a run that trained a step this time says how far it got in report.json."""
+        if self._aside is not None and not self.run.committed_checkpoints():
+            self._aside.restore()
+            self._aside = None
+            self.console.print(f"the earlier run is back in {self.run.path}: this one stopped before it committed "
+                               "a checkpoint", markup=False, highlight=False)
+            return
+        self._committed()
+        if any("loss" in row for row in self._rows) and self.run.plan_path.is_file():
+            self._save_report(status, Plan.load(self.run.plan_path))
+
+    def _save_report(self, status: str, plan: Plan) -> RunReport:
         latest = self.run.latest_checkpoint()
         report = RunReport.from_rows(
-            rows, plan=plan, name=self.config.name, status="completed", run_dir=str(self.run.path),
-            started_at=started_at, wall_seconds=time.monotonic() - started,
+            self._rows, plan=plan, name=self.config.name, status=status, run_dir=str(self.run.path),
+            started_at=self._clock.started_at, wall_seconds=time.monotonic() - self._clock.started,
             checkpoint_path=str(latest) if latest else None,
             checkpoint_step=checkpoint.read_info(latest).step if latest else None,
             metrics_path=str(self.run.metrics_path), config=self.config.to_dict())
         report.save(self.run.report_path)
-        return FitResult(rows, latest, plan, report)
+        return report
 
     def _plan(self, cluster: topology.ClusterTopology, memory: MemoryProfile) -> Plan:
         """Plans the job on the cluster Ray gives us; the plan is saved beside the metrics.
@@ -126,19 +188,31 @@ class Orchestrator:
             self.console.print(f"  plan note: {note}", markup=False)
         return plan
 
-    def _open_run(self, tokenizer: str) -> tuple[Path | Location | None, int]:
-        """Creates the run directory, or checks the checkpoint to resume from; returns that checkpoint
-        (None for a new run) and the step training starts from."""
+    def _resume_point(self, tokenizer: str) -> tuple[Path | Location, checkpoint.CheckpointInfo] | None:
+        """For --resume, the checkpoint to continue from and its info, checked against the job; None for a new
+        run, whose place is checked (an earlier run there needs --overwrite). Touches nothing."""
         if not self.resume:
-            self.run.create(overwrite=self.overwrite)
-            return None, 0
+            self.run.check_new(overwrite=self.overwrite)
+            return None
         latest = self.run.checkpoint_to_resume()
         info = checkpoint.read_info(latest)
         checkpoint.check_compatible(info, model=self.config.model, seed=self.config.train.seed, tokenizer=tokenizer,
                                     directory=latest)
+        return latest, info
+
+    def _open_run(self, resume_from: tuple[Path | Location, checkpoint.CheckpointInfo] | None) -> int:
+        """Makes the run's directory (an earlier run moved aside with --overwrite), or rewinds a resumed run's
+        metrics to its checkpoint; returns the step training starts from."""
+        if resume_from is None:
+            self._aside = self.run.create(overwrite=self.overwrite)
+            if self._aside is not None:
+                self.console.print(f"the earlier run is set aside in {self.run.previous_path} until this one commits "
+                                   "its first checkpoint", markup=False, highlight=False)
+            return 0
+        latest, info = resume_from
         self.run.rewind_metrics(info.step)
         self.console.print(f"resuming from {latest}", markup=False)
-        return latest, info.step
+        return info.step
 
     def _dataset(self) -> tuple[str, str]:
         """The prepared dataset (preparing it first when the config says where from), checked against the job.
@@ -198,8 +272,9 @@ class Orchestrator:
                          verbose=self.verbose):
             yield
 
-    def _train(self, job: WorkerJob, plan: Plan, sink, first_step: int) -> list[dict]:
-        """Runs the workers under Ray Train, scheduled and joined as the first `plan` says."""
+    def _train(self, job: WorkerJob, plan: Plan, sink, first_step: int) -> None:
+        """Runs the workers under Ray Train, scheduled and joined as the first `plan` says; their rows go to
+        metrics.jsonl, the display and `self._rows`."""
         cfg = self.config
         scaling = binding.scaling_config_kwargs(plan, elastic_min_workers=cfg.elastic.min_workers or None)
         if cfg.elastic.min_workers and not cfg.cluster.use_gpu:  # CPU jobs may grow to num_workers
@@ -215,20 +290,19 @@ class Orchestrator:
         )
         outcome: dict = {}
         thread = threading.Thread(target=_fit_into, args=(trainer, outcome), daemon=True)
-        rows: list[dict] = []
-        with ProgressDisplay.for_run(self.console, plan, cfg, self.run.path, first_step) as display:
+        with ProgressDisplay.for_run(self.console, plan, cfg, self.run.path, first_step,
+                                     started=self._clock.started) as display:
             thread.start()
             while thread.is_alive():
                 thread.join(timeout=0.5)
-                self._collect(sink, rows, display)
-            self._collect(sink, rows, display)
+                self._collect(sink, display)
+            self._collect(sink, display)
         if "error" in outcome:
             error = outcome["error"]
             user_error = _user_error(error)
             if user_error is None and isinstance(error, TrainingFailedError):
                 raise self._budget_error(error, job.coordinator) from error
             raise user_error or error
-        return rows
 
     def _budget_error(self, error: TrainingFailedError, coordinator) -> FailureBudgetError:
         """Ray Train gave up: which failures used the budget, and the checkpoint that is left."""
@@ -245,12 +319,17 @@ class Orchestrator:
                                   f"{limit} allows: {listed}", where=f"[elastic] {key}",
                                   fix=f"{kept}: fix the cause and run again with --resume, or raise {key}")
 
-    def _collect(self, sink, rows: list[dict], display: ProgressDisplay) -> None:
+    def _collect(self, sink, display: ProgressDisplay) -> None:
         new = ray.get(sink.drain.remote())
-        if new:
-            self.run.append_metrics(new)
-            display.update(new)
-            rows.extend(new)
+        if not new:
+            return
+        self.run.append_metrics(new)
+        display.update(new)
+        self._rows.extend(new)
+        if any(row.get("event") == "checkpoint" for row in new):
+            self._committed()
+            # Kept current at every commit: a driver killed without warning leaves the report of its last checkpoint.
+            self._save_report("running", Plan.load(self.run.plan_path))
 
 
 def _refuse_before_start(config: JobConfig) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import sysconfig
 from pathlib import Path
@@ -49,3 +50,20 @@ def tiny_job(dataset_dir: Path, runs_dir: Path, **sections) -> JobConfig:
         else:
             base[section] = values
     return JobConfig.from_dict(base)
+
+
+def write_job(path: Path, config: JobConfig) -> Path:
+    """`config` as a TOML file at `path`, for the command line."""
+    path.write_text(toml_text(config.to_dict()) + "\n")
+    assert JobConfig.from_toml(path) == config  # the file says exactly this job
+    return path
+
+
+def toml_text(table: dict, prefix: str = "") -> str:
+    """A config dict as TOML: its values (JSON writes strings, numbers, booleans and lists as TOML does),
+    then each sub-table under its header."""
+    lines = [f"{key} = {json.dumps(value)}" for key, value in table.items() if not isinstance(value, dict)]
+    for key, value in table.items():
+        if isinstance(value, dict):
+            lines += ["", f"[{prefix}{key}]", toml_text(value, f"{prefix}{key}.")]
+    return "\n".join(lines)

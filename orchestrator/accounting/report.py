@@ -35,11 +35,22 @@ from orchestrator.accounting.exporters import read_jsonl
 from orchestrator.accounting.live_bill import BILL_FILE
 
 
+STATUSES = {
+    "completed": "trained to [train] steps",
+    "interrupted": "stopped by Ctrl-C or a signal; `archipelago fit CONFIG --resume` continues from its last "
+                   "committed checkpoint",
+    "failed": "stopped by the error fit printed; fix it and `archipelago fit CONFIG --resume`",
+    "running": "written at its last committed checkpoint while fit trained: if fit is not running any more, it was "
+               "killed after that checkpoint (`archipelago fit CONFIG --resume` continues from it)",
+}
+"""What a report's status says about the run."""
+
+
 @dataclass(kw_only=True, slots=True)
 class RunReport:
     name: str
     status: str
-    """"completed" when the last step ran."""
+    """One of STATUSES: "completed" when the last step ran."""
     run_dir: str
     started_at: str
     """UTC, ISO 8601."""

@@ -14,6 +14,7 @@ a second of grace, in which they finish the write.
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from core.config import JobConfig
+from orchestrator.accounting.report_html import render_report
+from tests.conftest import write_job
 from tests.integration.conftest import SEQ_LEN, job
 from workers.checkpoint import read_info
 
@@ -36,22 +38,6 @@ STEPS, EVERY = 8, 2
 """The first run's [train] steps (it is killed long before the end) and [checkpoint] every_steps."""
 RESUMED_STEPS = 12
 """[train] steps for --resume: raised, as a user who trains longer does."""
-
-
-def write_job(path: Path, config: JobConfig) -> Path:
-    path.write_text(toml_text(config.to_dict()) + "\n")
-    assert JobConfig.from_toml(path) == config  # the file says exactly this job
-    return path
-
-
-def toml_text(table: dict, prefix: str = "") -> str:
-    """A config dict as TOML: its values (JSON writes strings, numbers, booleans and lists as TOML does),
-    then each sub-table under its header."""
-    lines = [f"{key} = {json.dumps(value)}" for key, value in table.items() if not isinstance(value, dict)]
-    for key, value in table.items():
-        if isinstance(value, dict):
-            lines += ["", f"[{prefix}{key}]", toml_text(value, f"{prefix}{key}.")]
-    return "\n".join(lines)
 
 
 def fit(job: Path, *extra: str, fsync_delay_s: float = 0.0) -> subprocess.Popen:
@@ -115,14 +101,24 @@ def killed_and_resumed(small_dataset, tmp_path_factory):
     caught = kill_during_a_write(fit(job_file(STEPS), fsync_delay_s=FSYNC_DELAY_S), run_dir)
     time.sleep(1.0)
     committed_after_the_kill = sorted(p.parent.name for p in run_dir.glob("step_*/.metadata"))
+    report_after_the_kill = render_report([run_dir], work / "report-after-the-kill")
     second = fit(job_file(RESUMED_STEPS), "--resume")
     out, _ = second.communicate(timeout=600)
     assert second.returncode == 0, out[-3000:]
-    return run_dir, caught, committed_after_the_kill, out
+    return run_dir, caught, committed_after_the_kill, out, report_after_the_kill
+
+
+def test_a_run_killed_without_warning_can_be_reported(killed_and_resumed):
+    """fit rewrote report.json at every committed checkpoint: the killed run's report stops at one of them."""
+    _, caught, _, _, rendered = killed_and_resumed
+    page = rendered.html.read_text()
+    assert "<td>status</td><td>running: written at its last committed checkpoint" in page and len(rendered.plots) == 5
+    steps = re.search(r"<td>steps</td><td>0 → (\d+)</td>", page)
+    assert steps and EVERY <= int(steps.group(1)) < caught
 
 
 def test_a_driver_killed_mid_checkpoint_resumes_from_the_previous_committed_step(killed_and_resumed):
-    run_dir, caught, committed_after_the_kill, out = killed_and_resumed
+    run_dir, caught, committed_after_the_kill, out, _ = killed_and_resumed
     previous = caught - EVERY
     assert f"step_{caught:08d}" not in committed_after_the_kill, "the write finished: nothing was caught"
     assert committed_after_the_kill[-1] == f"step_{previous:08d}"
@@ -135,7 +131,7 @@ def test_a_driver_killed_mid_checkpoint_resumes_from_the_previous_committed_step
 
 
 def test_resume_continues_exactly_where_an_uninterrupted_run_would_be(killed_and_resumed, straight):
-    run_dir, caught, _, _ = killed_and_resumed
+    run_dir, caught, _, _, _ = killed_and_resumed
     previous = caught - EVERY
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r.get("event") == "start"] == [0, previous]  # one row per invocation
