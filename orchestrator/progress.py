@@ -89,12 +89,12 @@ class ProgressDisplay:
         mfu = "-" if bill is None or bill["mfu"] is None else f"{bill['mfu']:.1%}"
         dollars = "$-" if bill is None else _money(bill["dollars"])
         self._bar.update(self._task, completed=row["step"], loss=loss, tps=tps, mfu=mfu, dollars=dollars)
-        if "val_loss" in row:
-            self.console.print(f"step {row['step']}: validation loss {row['val_loss']:.4f}")
-        elif not self.live and "consumed_samples" in row:  # the last row of a report
+        if not self.live and "consumed_samples" in row:  # the last row of a report, validation steps included
             elapsed = time.monotonic() - self.started
             self.console.print(f"step {row['step']}/{self.total_steps}  loss {loss}  {tps} tok/s  MFU {mfu}  "
                                f"{dollars}  elapsed {elapsed:.0f}s", markup=False, highlight=False)
+        if "val_loss" in row:
+            self.console.print(f"step {row['step']}: validation loss {row['val_loss']:.4f}")
 
     def _event(self, row: dict) -> None:
         if row["event"] == "start":

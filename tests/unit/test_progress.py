@@ -108,3 +108,10 @@ def test_the_live_bill_and_the_report_count_dollars_from_the_same_instant(tmp_pa
                                  config=bill_config(tmp_path).to_dict())
     assert report.dollars == pytest.approx(5.98 * 100 / 3600, rel=1e-3)
     assert report.run_dollars == pytest.approx(report.dollars, rel=1e-3)
+
+
+def test_a_plain_log_prints_the_step_line_on_validation_steps_too():
+    display = ProgressDisplay(console(), total_steps=20, first_step=0)
+    display.update([START, *steps(1, 10, val_loss=2.5)])
+    lines = printed(display).splitlines()
+    assert lines[-2].startswith("step 10/20  loss 3.0000  65,536 tok/s") and lines[-1] == "step 10: validation loss 2.5000"
