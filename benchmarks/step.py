@@ -54,7 +54,7 @@ from topology.nvml import Nvml  # noqa: E402
 from workers.comm.stats import CommStats  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 from workers.models.gpt import GPT  # noqa: E402
-from workers.optim import lr_at  # noqa: E402
+from core.schedule import LrSchedule  # noqa: E402
 
 MODELS = {  # vocab, seq_len, width, layers, heads, micro-batch
     "gpt2-124m": (50304, 1024, 768, 12, 12, 32),
@@ -258,8 +258,10 @@ def _engine(name: str, label: str, data: TextBatches, args, steps: int, extra: d
             raise ValueError('"unfused step" is a variant of "bf16 weights": write "bf16 weights+unfused step"')
         eng.fused_bf16_step = False  # the path before kernels.adamw, for comparison
 
+    schedule = LrSchedule.for_train(config.train)
+
     def step(tokens, i):
-        return eng([tokens], lr_at(i, config.train))[0]
+        return eng([tokens], schedule.lr_at(i))[0]
 
     with attention_backends(backend):
         timing = time_steps(step, data, args.warmup, steps)

@@ -87,6 +87,11 @@ class DataConfig:
     """Tokens per shard file."""
     prepare_workers: int = 0
     """Processes tokenizing in parallel during prepare; 0 uses every core."""
+    shard_checksums_percent: float = 100.0
+    """Share of the shards whose payload each worker checks (crc32 against the manifest, every token id below the
+    vocabulary size) the first time it reads from them, chosen by a hash of the name; 100 checks every one. A bad
+    shard stops the run at once with one line naming it. Each batch's token ids are checked against the
+    vocabulary whatever this says (host readers)."""
     verify_checksums: bool = False
     """Before training, check every shard's crc32 on the driver (reads the whole dataset once);
     `archipelago verify DIR` does the same on its own."""
@@ -107,6 +112,8 @@ class DataConfig:
         check_prepare_settings(shard_tokens=self.shard_tokens, workers=self.prepare_workers,
                                val_percent=self.val_percent, text_column=self.text_column, as_flags=False)
         _positive("data", reader_threads=self.reader_threads, prefetch_steps=self.prefetch_steps)
+        _check(0.0 <= self.shard_checksums_percent <= 100.0, "[data] shard_checksums_percent",
+               f"must be in [0, 100], got {self.shard_checksums_percent}", "set shard_checksums_percent = 100.0")
 
 
 def check_prepare_settings(*, shard_tokens: int, workers: int, val_percent: float, text_column: str,

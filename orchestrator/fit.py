@@ -29,6 +29,7 @@ import topology
 from core.config import JobConfig
 from core.errors import ArchipelagoError, ConfigError, DataError, FailureBudgetError, PlacementError
 from core.plan import Plan
+from core.schedule import LrSchedule
 from core.spec import WorkerSpec
 from orchestrator import coordinator, planning
 from orchestrator.accounting.report import RunReport
@@ -66,6 +67,16 @@ class _Clock:
     started_at: str = field(default_factory=lambda: datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
 
 
+@dataclass(frozen=True, slots=True)
+class _Start:
+    """Where this invocation's training starts."""
+
+    checkpoint: Path | Location | None
+    """The committed checkpoint it resumes from (None: from scratch)."""
+    step: int
+    lr_schedule: LrSchedule
+
+
 class Orchestrator:
     def __init__(self, config: JobConfig, *, address: str = "", connect_timeout_s: float | None = None,
                  resume: bool = False, overwrite: bool = False, console: Console | None = None, verbose: bool = False):
@@ -96,9 +107,9 @@ class Orchestrator:
         resume_from = self._resume_point(tokenizer)
         if resume_from is not None and resume_from[1].step >= self.config.train.steps:
             return self._already_trained(*resume_from)
-        first_step = self._open_run(resume_from)
+        start = self._open_run(resume_from)
         try:
-            plan = self._train_on_ray(data_dir, tokenizer, resume_from[0] if resume_from else None, first_step)
+            plan = self._train_on_ray(data_dir, tokenizer, start)
         except BaseException as e:
             self._stopped("interrupted" if isinstance(e, (KeyboardInterrupt, SystemExit)) else "failed")
             raise
@@ -106,7 +117,7 @@ class Orchestrator:
         report = self._save_report("completed", plan)
         return FitResult(self._rows, self.run.latest_checkpoint(), plan, report)
 
-    def _train_on_ray(self, data_dir: str, tokenizer: str, resume_from: Path | Location | None, first_step: int) -> Plan:
+    def _train_on_ray(self, data_dir: str, tokenizer: str, start: _Start) -> Plan:
         """Plans the job on the cluster and trains it; returns the plan the last worker group ran."""
         with self._ray():
             cluster = topology.discover_cluster()
@@ -114,14 +125,15 @@ class Orchestrator:
             plan = self._plan(cluster, memory)
             if not self.resume:  # a report from the start, so that a run killed at any point can be reported
                 self._save_report("running", plan)
-            spec = WorkerSpec.for_plan(self.config, plan, data_location=str(data_dir), tokenizer=tokenizer)
+            spec = WorkerSpec.for_plan(self.config, plan, data_location=str(data_dir), tokenizer=tokenizer,
+                                       lr_schedule=start.lr_schedule)
             sink = MetricsSink.options(scheduling_strategy=coordinator.on_this_node()).remote()  # outlives worker nodes
             plan_coordinator = coordinator.start_coordinator(self.config, spec, cluster, str(self.run.plan_path),
                                                              sink, memory)
             try:
                 job = WorkerJob(uses_gpus=plan.uses_gpus, metrics_sink=sink, coordinator=plan_coordinator,
-                                resume_from=str(resume_from) if resume_from else None)
-                self._train(job, plan, sink, first_step)
+                                resume_from=str(start.checkpoint) if start.checkpoint else None)
+                self._train(job, plan, sink, start.step)
                 return ray.get(plan_coordinator.current_plan.remote())  # the last group's: it may have been re-planned
             finally:
                 ray.kill(plan_coordinator)
@@ -194,25 +206,36 @@ class Orchestrator:
         if not self.resume:
             self.run.check_new(overwrite=self.overwrite)
             return None
-        latest = self.run.checkpoint_to_resume()
+        latest, damaged = self.run.checkpoint_to_resume()
+        for step in damaged:
+            self.console.print(f"step {step.step} is damaged ({step.problem}); moved it to {step.moved_to} and "
+                               "resuming from the committed step before it", markup=False, highlight=False)
         info = checkpoint.read_info(latest)
         checkpoint.check_compatible(info, model=self.config.model, seed=self.config.train.seed, tokenizer=tokenizer,
-                                    directory=latest)
+                                    global_batch_size=self.config.train.global_batch_size, directory=latest)
         return latest, info
 
-    def _open_run(self, resume_from: tuple[Path | Location, checkpoint.CheckpointInfo] | None) -> int:
+    def _open_run(self, resume_from: tuple[Path | Location, checkpoint.CheckpointInfo] | None) -> _Start:
         """Makes the run's directory (an earlier run moved aside with --overwrite), or rewinds a resumed run's
-        metrics to its checkpoint; returns the step training starts from."""
+        metrics to its checkpoint and continues its learning-rate schedule to [train] steps."""
+        train = self.config.train
         if resume_from is None:
             self._aside = self.run.create(overwrite=self.overwrite)
             if self._aside is not None:
                 self.console.print(f"the earlier run is set aside in {self.run.previous_path} until this one commits "
                                    "its first checkpoint", markup=False, highlight=False)
-            return 0
+            return _Start(None, 0, LrSchedule.for_train(train))
         latest, info = resume_from
+        # A checkpoint that predates recorded schedules was trained under the config's, as far as can be known.
+        recorded = info.lr_schedule or LrSchedule.for_train(train)
+        schedule = recorded.resumed(train, at_step=info.step, where=str(latest))
         self.run.rewind_metrics(info.step)
         self.console.print(f"resuming from {latest}", markup=False)
-        return info.step
+        if schedule != recorded:
+            self.console.print(f"  [train] steps {recorded.end_step} → {train.steps}: the learning rate goes on from "
+                               f"{schedule.lr_at(info.step):.3g} at step {info.step} to min_lr {train.min_lr:g} at step "
+                               f"{train.steps}", markup=False, highlight=False)
+        return _Start(latest, info.step, schedule)
 
     def _dataset(self) -> tuple[str, str]:
         """The prepared dataset (preparing it first when the config says where from), checked against the job.

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from core.atomic import write_text_atomically
 from core.errors import CheckpointError, ConfigError
-from storage.checkpoint_io import CheckpointStore
+from storage.checkpoint_io import CheckpointStore, DamagedStep
 from storage.fs import Location
 
 PREVIOUS_SUFFIX = ".previous"
@@ -54,14 +54,20 @@ class RunDirectory:
         found = self.committed_checkpoints()
         return found[-1] if found else None
 
-    def checkpoint_to_resume(self) -> Path | Location:
-        latest = self.latest_checkpoint()
-        if latest is None:
-            aside = (f"; {self.previous_path} holds the run an interrupted --overwrite set aside: move it back to "
-                     "resume that one" if self.previous_path.exists() else "")
-            raise CheckpointError("no committed checkpoint to resume from", where=str(self.path),
-                                  fix=f"run without --resume to start this run{aside}")
-        return latest
+    def checkpoint_to_resume(self) -> tuple[Path | Location, list[DamagedStep]]:
+        """The newest committed checkpoint whose files are as they were written, and the newer damaged ones,
+        which are moved aside (`step_XXXXXXXX.damaged`) so that no worker loads them."""
+        intact, damaged = self.checkpoints.newest_intact()
+        if intact is not None:
+            return _plain(intact), damaged
+        if damaged:
+            raise CheckpointError(f"every committed checkpoint is damaged; the newest, step {damaged[0].step}: "
+                                  f"{damaged[0].problem}", where=str(self.checkpoints.root),
+                                  fix="start over with --overwrite (the damaged steps are kept as step_*.damaged)")
+        aside = (f"; {self.previous_path} holds the run an interrupted --overwrite set aside: move it back to "
+                 "resume that one" if self.previous_path.exists() else "")
+        raise CheckpointError("no committed checkpoint to resume from", where=str(self.path),
+                              fix=f"run without --resume to start this run{aside}")
 
     def occupied(self) -> list[str]:
         """Where an earlier run of this name left files: the run directory, and checkpoint storage elsewhere."""

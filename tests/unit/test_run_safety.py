@@ -15,7 +15,7 @@ import pytest
 import ray
 from rich.console import Console
 
-from core.errors import ClusterError, DataError
+from core.errors import CheckpointError, ClusterError, DataError
 from orchestrator import Orchestrator
 from orchestrator.accounting.bill import BillMeter, Rates
 from orchestrator.accounting.report import RunReport
@@ -113,7 +113,7 @@ def test_a_replacement_stopped_without_a_word_leaves_the_earlier_run_aside_and_a
     assert snapshot(run.previous_path) == kept and list(run.path.iterdir()) == []
     assert run.create(overwrite=False) is None and snapshot(run.previous_path) == kept  # no --overwrite: left alone
     again.restore()
-    assert run.checkpoint_to_resume() == run.checkpoints.step(STEPS).local_path
+    assert run.checkpoint_to_resume() == (run.checkpoints.step(STEPS).local_path, [])
 
 
 def test_an_interrupted_run_writes_its_report_marked_interrupted_and_report_reads_it(config, monkeypatch):
@@ -146,3 +146,33 @@ def test_a_resume_that_trains_nothing_rewrites_no_report_and_no_bill(config, fin
         Orchestrator(longer, resume=True, console=quiet()).fit()
     assert {p: open(p, "rb").read() for p in before} == before
 
+
+
+def decaying(config, steps: int):
+    train = dataclasses.replace(config.train, steps=steps, lr=2e-3, min_lr=2e-4, warmup_steps=2)
+    return dataclasses.replace(config, train=train)
+
+
+def test_a_resume_with_more_steps_continues_the_learning_rate_the_checkpoint_recorded(config):
+    """Six steps of an 8-step cosine are committed; the config now says 12. The workers get a schedule whose
+    next rate is the 8-step one's at step 6, not the jump back up a 12-step cosine would make."""
+    eight, twelve = decaying(config, 8), decaying(config, 12)
+    run = RunDirectory(config.runs_dir, config.name)
+    run.create(overwrite=False)
+    model, optimizer = trained(0, config)
+    checkpoint.save(run.checkpoints.step(6), model, optimizer,
+                    checkpoint.CheckpointInfo.for_spec(job_spec(eight), 6, 48, 2)).result()
+    recorded = checkpoint.read_info(run.checkpoints.step(6)).lr_schedule
+    assert recorded == job_spec(eight).lr_schedule
+    console = quiet()
+    orchestrator = Orchestrator(twelve, resume=True, console=console)
+    start = orchestrator._open_run(orchestrator._resume_point("bytes"))
+    assert start.step == 6 and start.lr_schedule.lr_at(6) == recorded.lr_at(6) < job_spec(twelve).lr_schedule.lr_at(6)
+    assert start.lr_schedule.lr_at(11) > start.lr_schedule.lr_at(12) == pytest.approx(2e-4)
+    assert f"[train] steps 8 → 12: the learning rate goes on from {recorded.lr_at(6):.3g} at step 6" in printed(console)
+
+
+def test_a_resume_with_another_global_batch_is_refused(config, finished):
+    doubled = dataclasses.replace(config, train=dataclasses.replace(config.train, global_batch_size=16))
+    with pytest.raises(CheckpointError, match="global_batch_size = 8 samples, the config has 16"):
+        Orchestrator(doubled, resume=True, console=quiet()).fit()
