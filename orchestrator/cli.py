@@ -29,10 +29,11 @@ from typing import NoReturn
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
+from core.columns import Column, print_fitted
 from core.config import JobConfig
 from core.errors import ArchipelagoError, ConfigError
+from orchestrator.accounting.report import RunReport
 from orchestrator.accounting.report_html import render_report
 from orchestrator.fit import Orchestrator
 from orchestrator.planning.plan_table import print_plan
@@ -138,17 +139,22 @@ def _report(args: argparse.Namespace, console: Console) -> int:
     else:
         out = runs[0].resolve().parent / f"compare-{runs[0].resolve().name}-{runs[1].resolve().name}"
     rendered = render_report(runs, out)
+    if len(runs) == 2:
+        warning = RunReport.load(runs[0]).losses_compare_with(RunReport.load(runs[1]))
+        if warning:
+            console.print(f"[bold yellow]careful:[/] {escape(warning)}", highlight=False, soft_wrap=True)
     console.print(f"wrote {rendered.html} and {len(rendered.plots)} plots beside it "
                   f"({', '.join(p.name for p in rendered.plots)})", markup=False, highlight=False, soft_wrap=True)
     return 0
 
 
+_PRICE_COLUMNS = (Column("device"), Column("vendor", drop=1), Column("GiB", "right", drop=4),
+                  Column("bf16 TF/s", "right", drop=5), Column("fp8 TF/s", "right", drop=2), Column("$/h", "right"),
+                  Column("$/h spot", "right"), Column("$/TF·h", "right", drop=3), Column("$/TF·h spot", "right"))
+
+
 def _prices(args: argparse.Namespace, console: Console) -> int:
     prices = PriceTable.for_job(JobConfig.from_toml(args.config)) if args.config else PriceTable()
-    table = Table(title="devices and prices (dense peaks, bf16 as fp16 on V100; $ per device-hour)")
-    for column in ("device", "vendor", "memory GiB", "bf16 TFLOP/s", "fp8 TFLOP/s", "$/h on demand", "$/h spot",
-                   "$ per bf16 TFLOP/s·h on demand", "spot"):
-        table.add_column(column, justify="left" if column in ("device", "vendor") else "right")
     money = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     rows = []
     for model in catalog.MODELS:
@@ -159,9 +165,9 @@ def _prices(args: argparse.Namespace, console: Console) -> int:
             money(model.peak_tflops.get("fp8"), ",.0f"), money(prices.dollars_per_hour(model.key, spot=False), ".2f"),
             money(prices.dollars_per_hour(model.key, spot=True), ".2f"),
             money(prices.dollars_per_bf16_tflops_hour(model.key, spot=False), ".5f"), money(unit, ".5f")]))
-    for _, row in sorted(rows, key=lambda r: r[0]):  # cheapest compute first
-        table.add_row(*row)
-    console.print(table)
+    print_fitted(console, _PRICE_COLUMNS, [row for _, row in sorted(rows, key=lambda r: r[0])],  # cheapest first
+                 title="devices and prices: dense peaks (bf16 as fp16 on V100); $/h per device; $/TF·h = dollars "
+                       "per bf16 TFLOP/s held an hour")
     return 0
 
 

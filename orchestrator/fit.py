@@ -95,6 +95,8 @@ class Orchestrator:
         self._clock = _Clock()
         self._rows: list[dict] = []
         """Every row this invocation received."""
+        self._tokenizer = ""
+        """The dataset's tokenizer identity (the report records it)."""
         self._aside: SetAside | None = None
         """The earlier run --overwrite moved aside, until this run commits a checkpoint."""
 
@@ -104,6 +106,7 @@ class Orchestrator:
         self._clock, self._rows = _Clock(), []
         _refuse_before_start(self.config)
         data_dir, tokenizer = self._dataset()
+        self._tokenizer = tokenizer
         resume_from = self._resume_point(tokenizer)
         if resume_from is not None and resume_from[1].step >= self.config.train.steps:
             return self._already_trained(*resume_from)
@@ -172,7 +175,7 @@ class Orchestrator:
             started_at=self._clock.started_at, wall_seconds=time.monotonic() - self._clock.started,
             checkpoint_path=str(latest) if latest else None,
             checkpoint_step=checkpoint.read_info(latest).step if latest else None,
-            metrics_path=str(self.run.metrics_path), config=self.config.to_dict())
+            metrics_path=str(self.run.metrics_path), config=self.config.to_dict(), tokenizer=self._tokenizer)
         report.save(self.run.report_path)
         return report
 

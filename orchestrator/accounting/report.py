@@ -117,6 +117,9 @@ class RunReport:
     metrics_path: str
     config: dict[str, Any]
     versions: dict[str, str]
+    tokenizer: str = ""
+    """The dataset's tokenizer identity: losses per token of runs with different tokenizers do not compare
+    ("" in reports written before it was recorded)."""
 
     @classmethod
     def from_rows(cls, rows: list[dict], *, plan: Plan, **fields: Any) -> RunReport:
@@ -183,7 +186,8 @@ class RunReport:
         except json.JSONDecodeError as e:
             raise ArchipelagoError(f"not JSON ({e})", where=str(path), fix="train the run again") from None
         names = {f.name for f in dataclasses.fields(cls)}
-        missing = sorted(names - set(data))
+        required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
+        missing = sorted(required - set(data))
         if missing:
             raise ArchipelagoError(f"lacks {', '.join(missing[:3])}: written by an older archipelago",
                                    where=str(path), fix="train the run again (`archipelago fit CONFIG --overwrite`)")
@@ -196,6 +200,19 @@ class RunReport:
         for label, value in self.summary_rows():
             table.add_row(label, value)
         console.print(table)
+
+    def losses_compare_with(self, other: RunReport) -> str | None:
+        """None when this run's losses can be set beside `other`'s; otherwise why not, in a sentence."""
+        mine, theirs = self.tokenizer_identity, other.tokenizer_identity
+        if mine == theirs:
+            return None
+        return (f"their losses are not comparable: {self.name!r} was trained on {mine!r} tokens and {other.name!r} on "
+                f"{theirs!r}, and a loss per token depends on what a token is")
+
+    @property
+    def tokenizer_identity(self) -> str:
+        """The dataset's tokenizer, or for an older report the one its config named."""
+        return self.tokenizer or (self.config.get("data") or {}).get("tokenizer", "bytes")
 
     def summary_rows(self) -> list[tuple[str, str]]:
         """(label, value) lines of the summary, shared by the terminal table and report.html."""

@@ -275,7 +275,8 @@ def _prediction_rows(run: LoadedRun) -> list[list[str]]:
              f"{m / p - 1:+.0%}" if m is not None and p else "-"] for name, p, m in pairs]
 
 
-_COMPARED = (("status", "status", "s"), ("final step", "final_step", ",d"), ("final validation loss", "final_val_loss", ".4f"),
+_COMPARED = (("status", "status", "s"), ("tokenizer", "tokenizer_identity", "s"), ("final step", "final_step", ",d"),
+             ("final validation loss", "final_val_loss", ".4f"),
              ("final train loss", "final_train_loss", ".4f"), ("tokens seen", "tokens_seen", ",d"),
              ("tokens/s", "tokens_per_second", ",.0f"), ("MFU", "mfu", ".2%"), ("step time (s)", "step_seconds", ".4g"),
              ("planner's step-time error", "prediction_error", "+.0%"), ("bill ($)", "dollars", ".4f"),
@@ -288,6 +289,7 @@ _COMPARED = (("status", "status", "s"), ("final step", "final_step", ",d"), ("fi
 
 def _comparison(runs: list[LoadedRun]) -> str:
     a, b = runs[0].report, runs[1].report
+    warning = a.losses_compare_with(b)
     rows = []
     for label, key, spec in _COMPARED:
         va, vb = getattr(a, key), getattr(b, key)
@@ -300,4 +302,5 @@ def _comparison(runs: list[LoadedRun]) -> str:
             rows.append([f"$ to reach {ca['target']:g}", _fmt(ca["dollars"], ".4g"), _fmt(cb["dollars"], ".4g"), ratio])
     rows.append(["alerts", str(len(a.alerts)), str(len(b.alerts)), "-"])
     rows.append(["events", str(len(a.events)), str(len(b.events)), "-"])
-    return _table(["", a.name, b.name, f"{b.name} ÷ {a.name}"], rows)
+    table = _table(["", a.name, b.name, f"{b.name} ÷ {a.name}"], rows)
+    return table if warning is None else f"<p class='alert'>Careful: {html.escape(warning)}.</p>{table}"

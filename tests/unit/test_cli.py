@@ -1,6 +1,5 @@
 """Bad input on the command line: one clear line, a non-zero exit, no traceback."""
 
-import json
 import subprocess
 import sys
 
@@ -61,13 +60,15 @@ def test_prepare_into_an_occupied_directory(capsys, tmp_path, corpus_dir):
 
 def test_resume_with_a_checkpoint_of_another_model(capsys, tmp_path, dataset_dir):
     # A committed checkpoint of a 2-layer model, then a config for a 1-layer model resuming the run.
-    job = tiny_job(dataset_dir, tmp_path / "runs")
+    from tests.checkpoint_support import trained
+    from tests.engine_support import job_spec
+    from workers import checkpoint as checkpoints
+
+    two_layers = tiny_job(dataset_dir, tmp_path / "runs", model={"n_layer": 2})
     checkpoint = tmp_path / "runs" / "tiny" / "step_00000004"
-    checkpoint.mkdir(parents=True)
-    (checkpoint / ".metadata").write_bytes(b"")
-    info = {"step": 4, "consumed_samples": 32, "model": {**job.to_dict()["model"], "n_layer": 2},
-            "tokenizer": "bytes", "seed": 0, "global_batch_size": 8}
-    (checkpoint / "archipelago.json").write_text(json.dumps(info))
+    model, optimizer = trained(0, two_layers)
+    checkpoints.save(checkpoint, model, optimizer,
+                     checkpoints.CheckpointInfo.for_spec(job_spec(two_layers), 4, 32)).result()
     toml = "\n".join(['name = "tiny"', f'runs_dir = "{tmp_path / "runs"}"',
                       "[model]", "n_layer = 1", "n_head = 2", "n_embd = 32", "seq_len = 32",
                       "[data]", f'path = "{dataset_dir}"'])
