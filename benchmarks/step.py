@@ -53,6 +53,7 @@ import torch._dynamo.utils as dynamo_utils
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core.config import JobConfig, ModelConfig  # noqa: E402
+from core.schedule import LrSchedule  # noqa: E402
 from planning.model_size import ModelFacts, model_facts  # noqa: E402
 from planning.resolve import uniform_spec  # noqa: E402
 from topology import catalog  # noqa: E402
@@ -60,7 +61,6 @@ from topology.nvml import Nvml  # noqa: E402
 from workers.comm.stats import CommStats  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 from workers.models import make_workload  # noqa: E402
-from workers.optim import lr_at  # noqa: E402
 
 MODELS = {  # name: ([model] table, micro-batch)
     "gpt2-124m": ({"n_layer": 12, "n_head": 12, "n_embd": 768, "seq_len": 1024, "vocab_size": 50304}, 32),
@@ -356,8 +356,10 @@ def _engine(name: str, label: str, data: TextBatches, args, steps: int, extra: d
             raise ValueError('"unfused step" is a variant of "bf16 weights": write "bf16 weights+unfused step"')
         eng.fused_bf16_step = False  # the path before kernels.adamw, for comparison
 
+    schedule = LrSchedule.for_train(config.train)
+
     def step(tokens, i):
-        return eng([tokens], lr_at(i, config.train))[0]
+        return eng([tokens], schedule.lr_at(i))[0]
 
     with attention_backends(backend):
         timing = time_steps(step, data, args.warmup, steps)

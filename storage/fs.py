@@ -138,6 +138,24 @@ class Location:
     def mkdir(self) -> None:
         self.fs.create_dir(self.path, recursive=True)
 
+    def move_to(self, target: Location) -> None:
+        """Moves this file or directory to `target` on the same storage (a missing one is fine): a rename on
+        local disk; file by file on object stores, which have no directories to rename."""
+        info = self.info()
+        if info.type == pafs.FileType.NotFound:
+            return
+        try:
+            if self.is_local or info.type == pafs.FileType.File:
+                self.fs.move(self.path, target.path)
+                return
+            for item in self.fs.get_file_info(pafs.FileSelector(self.path, recursive=True)):
+                if item.type == pafs.FileType.File:
+                    self.fs.move(item.path, target.path + item.path[len(self.path):])
+        except OSError as e:
+            raise self.error(f"cannot move it to {target} ({e})", where=str(self),
+                             fix="check the storage's permissions and free space") from None
+        self.remove()
+
     def remove(self) -> None:
         """Deletes a file or a whole directory; a missing one is fine."""
         kind = self.info().type

@@ -3,6 +3,7 @@ CI=true, no test skips but those marked gpu."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sysconfig
@@ -12,6 +13,7 @@ import pytest
 
 from core.config import JobConfig
 from storage.prepare import prepare_dataset
+
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
@@ -65,3 +67,20 @@ def tiny_job(dataset_dir: Path, runs_dir: Path, **sections) -> JobConfig:
         else:
             base[section] = values
     return JobConfig.from_dict(base)
+
+
+def write_job(path: Path, config: JobConfig) -> Path:
+    """`config` as a TOML file at `path`, for the command line."""
+    path.write_text(toml_text(config.to_dict()) + "\n")
+    assert JobConfig.from_toml(path) == config  # the file says exactly this job
+    return path
+
+
+def toml_text(table: dict, prefix: str = "") -> str:
+    """A config dict as TOML: its values (JSON writes strings, numbers, booleans and lists as TOML does),
+    then each sub-table under its header."""
+    lines = [f"{key} = {json.dumps(value)}" for key, value in table.items() if not isinstance(value, dict)]
+    for key, value in table.items():
+        if isinstance(value, dict):
+            lines += ["", f"[{prefix}{key}]", toml_text(value, f"{prefix}{key}.")]
+    return "\n".join(lines)
