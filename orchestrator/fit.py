@@ -34,6 +34,7 @@ from core.errors import ArchipelagoError, ConfigError, DataError, FailureBudgetE
 from core.plan import Plan
 from core.schedule import LrSchedule
 from core.spec import WorkerSpec
+from core.workload import Workload
 from orchestrator import coordinator
 from orchestrator.accounting.report import RunReport
 from orchestrator.progress import MetricsSink, ProgressDisplay
@@ -112,12 +113,17 @@ class Orchestrator:
         self._aside: SetAside | None = None
         """The earlier run --overwrite moved aside, until this run commits a checkpoint."""
 
+    @property
+    def workload(self) -> Workload:
+        """The model the job trains, built (and checked) once: make_workload caches it per [model] table."""
+        return make_workload(self.config.model)
+
     def fit(self) -> FitResult:
         """Trains the job; on any way out before the end (an error, Ctrl-C) the earlier run an --overwrite set
         aside comes back if this one committed nothing, and a run that trained writes report.json."""
         self._clock, self._rows = _Clock(), []
         _refuse_before_start(self.config)
-        self.workload = make_workload(self.config.model)  # a factory's errors, before anything starts
+        _ = self.workload  # a factory's errors, before anything starts
         data_dir, tokenizer = self._dataset()
         self._tokenizer = tokenizer
         resume_from = self._resume_point(tokenizer)
