@@ -34,6 +34,9 @@ HYSTERESIS = 1.5
 """The noise scale must leave [batch / 1.5, batch × 1.5] before the batch changes: each change costs a
 re-split (and on GPUs with compile, a recompile for the new micro-batch shape), and the smoothed
 estimate still wanders by ±20 % on the tiny CPU model."""
+MAX_CHANGE = 2.0
+"""A change at most doubles or halves the batch: the learning rate follows the batch, and Adam's
+moments, estimated at the old batch's noise, need a few steps to settle before the next jump."""
 MIN_UPDATES = 20
 """Steps measured before the first decision: the moving average's bias correction makes early
 estimates unbiased, not steady."""
@@ -103,14 +106,15 @@ class BatchPolicy:
         return (1 + noise / self.base_batch) / (1 + noise / state.batch)
 
     def decide(self, state: AdaptiveBatch, choices: list[int]) -> int | None:
-        """The batch to change to, or None to keep it: the choice nearest the noise scale (in ratio)
-        once it has left the hysteresis band around the current batch."""
+        """The batch to change to, or None to keep it: once the noise scale has left the hysteresis
+        band around the current batch, the choice nearest it (in ratio), at most MAX_CHANGE away."""
         noise = state.noise_scale
         if not self.adaptive or noise is None or state.estimator.updates < MIN_UPDATES:
             return None
         target = min(max(noise, self.min_batch), self.max_batch)
         if state.batch / HYSTERESIS <= target <= state.batch * HYSTERESIS:
             return None
+        target = min(max(target, state.batch / MAX_CHANGE), state.batch * MAX_CHANGE)
         best = min(choices, key=lambda b: abs(math.log(b / target)))
         return best if best != state.batch else None
 

@@ -45,10 +45,11 @@ def test_the_batch_moves_to_the_noise_scale_only_once_it_leaves_the_hysteresis_b
     choices = batch_choices(policy, (8, 8))
     assert choices == [8, 10, 12, 14, 16, 32, 48, 64]
     assert policy.decide(state_with_noise(8, 11.0), choices) is None          # inside 8 × 1.5
-    assert policy.decide(state_with_noise(8, 30.0), choices) == 32
-    assert policy.decide(state_with_noise(8, 500.0), choices) == 64           # clamped to max
-    assert policy.decide(state_with_noise(64, 9.0), choices) == 10            # and back down
-    assert policy.decide(state_with_noise(64, 2.0), choices) == 8             # clamped to min
+    assert policy.decide(state_with_noise(8, 14.0), choices) == 14
+    assert policy.decide(state_with_noise(8, 500.0), choices) == 16           # at most doubled at once
+    assert policy.decide(state_with_noise(32, 500.0), choices) == 64          # and never past max
+    assert policy.decide(state_with_noise(16, 9.0), choices) == 10            # back down
+    assert policy.decide(state_with_noise(14, 2.0), choices) == 8             # never below min
     assert policy.decide(state_with_noise(8, 30.0, updates=3), choices) is None   # too few measurements yet
     assert BatchPolicy.for_train(TrainConfig()).decide(state_with_noise(32, 500.0), choices) is None  # fixed
 
