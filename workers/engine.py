@@ -72,6 +72,7 @@ class Engine:
         self.fused_bf16_step = (self.compute_copy is not None and self.clip_in_optimizer
                                 and use_triton(next(self.model.parameters())))
         self.trained = trained
+        self._measures_noise = True
         self.local_gradient: tuple[torch.Tensor, int] | None = None
         """The last step's (|g|² of a smaller batch's mean gradient, that batch): this rank's own
         gradient, or on one worker its first micro-batch's; None where neither is seen."""
@@ -84,6 +85,18 @@ class Engine:
                                              compare_gradients=self.wrapped.ddp is None and not self.wrapped.fsdp)
                                 if compile_config.enable and compile_config.check_tolerance > 0
                                 and spec.model.dropout == 0 and self.precision.name != "fp8" else None)
+
+    @property
+    def measures_noise(self) -> bool:
+        """Whether steps read the smaller batch's gradient norm (the noise scale); benchmarks/goodput.py
+        turns it off to price it."""
+        return self._measures_noise
+
+    @measures_noise.setter
+    def measures_noise(self, on: bool) -> None:
+        self._measures_noise = on
+        if self.wrapped.local_norm is not None:
+            self.wrapped.local_norm.enabled = on
 
     def replan(self, plan: Plan) -> None:
         """Takes another split of the batch over the same workers (an adaptive batch's change), between steps."""
@@ -121,7 +134,8 @@ class Engine:
                 self._backward(loss)
                 if eager_loss is not None and check.compare_gradients:
                     check.check_gradients()
-            if i == 0 and len(micro_batches) > 1 and self.wrapped.ddp is None and not self.wrapped.fsdp:
+            if (i == 0 and len(micro_batches) > 1 and self._measures_noise and self.wrapped.ddp is None
+                    and not self.wrapped.fsdp):
                 self._first_micro_batch_norm()
             total_loss += loss.detach() * self.micro_batch_weight
         self._take_local_norm()

@@ -19,10 +19,14 @@ from workers.comm.hooks import Hook
 class LocalGradientNorm:
     def __init__(self) -> None:
         self._sq: torch.Tensor | None = None
+        self.enabled = True
+        """False: buckets pass unread (benchmarks price the read this way)."""
 
     def wrap(self, hook: Hook) -> Hook:
         # Real annotations (no `from __future__ import annotations`): DDP checks the hook's signature.
         def measured(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            if not self.enabled:
+                return hook(state, bucket)
             # Before the hook: hooks divide or compress the buffer in place.
             sq = torch.linalg.vector_norm(bucket.buffer(), dtype=torch.float32).square()
             self._sq = sq if self._sq is None else self._sq + sq
