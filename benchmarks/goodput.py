@@ -2,13 +2,16 @@
 each trained to the same validation loss, in one run; and the noise scale's cost per step.
 
     python benchmarks/goodput.py                                   # CPU tiny model, ~10 min on 2 cores
+    python benchmarks/goodput.py --shape config                    # the config's own model (4 × 128, T=128)
     python benchmarks/goodput.py --batches 8 16 32 64 --target 2.45 --json goodput.json
     python benchmarks/goodput.py --noise-cost --device cuda        # on a GPU: GPT-2 124M, bf16
 
 Every run trains one worker engine in this process (workers/engine.py; no Ray: the driver adds the
 same cost to every run) on the prepared byte-level standard-library text, on the sampler's exact
 order, from the same initial weights, and evaluates the validation loss every --eval-every
-samples. A run stops at the first evaluation at or below --target. Compared, each to the target:
+samples. A run stops at the first evaluation at or below --target. --shape picks the model: the
+config's, or a named shape of MODEL_SHAPES (tiny, the default: 2 layers of 64, T=64, so that the
+seven runs finish on 2 cores). Compared, each to the target:
 
 - fixed: the config's global batch (examples/cpu-tiny.toml: 32), lr as the config says;
 - sweep: each of --batches with the learning rate scaled by sqrt(B / config batch) (what a user
@@ -54,7 +57,7 @@ from workers.batch_adapter import BatchAdapter  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-NOISE_COST_SHAPES = {
+MODEL_SHAPES = {
     "gpt2-124m": {"n_layer": 12, "n_head": 12, "n_embd": 768, "seq_len": 1024, "vocab_size": 50304},
     "tiny": {"n_layer": 2, "n_head": 2, "n_embd": 64, "seq_len": 64, "vocab_size": 257},  # a CPU smoke run
 }
@@ -79,9 +82,10 @@ class Outcome:
                 f"wall {self.train_seconds:7.1f} s  ${self.dollars:.6f}  val {self.final_val_loss:.4f}")
 
 
-def load_config(path: Path, data: Path) -> JobConfig:
+def load_config(path: Path, data: Path, shape: str) -> JobConfig:
     config = JobConfig.from_toml(path)
-    return replace(config, data=replace(config.data, path=str(data), prepare_from=""))
+    model = config.model if shape == "config" else replace(config.model, **MODEL_SHAPES[shape])
+    return replace(config, model=model, data=replace(config.data, path=str(data), prepare_from=""))
 
 
 def dataset(data: Path) -> Path:
@@ -151,7 +155,7 @@ def run(name: str, config: JobConfig, data: Path, *, target: float, eval_every: 
 
 def noise_cost(args) -> dict:
     """Engine step time with the noise measurement on and off, alternating blocks of steps."""
-    model = NOISE_COST_SHAPES[args.noise_shape]
+    model = MODEL_SHAPES[args.noise_shape]
     config = JobConfig.from_dict({"model": model,
                                   "train": {"global_batch_size": args.noise_batch, "micro_batch_size": args.noise_micro,
                                             "precision": "bf16" if args.device == "cuda" else "fp32"},
@@ -193,6 +197,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", type=Path, default=ROOT / "examples/cpu-tiny.toml")
     parser.add_argument("--data", type=Path, default=ROOT / "data/stdlib-bytes")
+    parser.add_argument("--shape", choices=["config", *sorted(MODEL_SHAPES)], default="tiny",
+                        help="the model: the config's, or a named shape (tiny: 2 layers of 64, T=64)")
     parser.add_argument("--batches", type=int, nargs="+", default=[8, 16, 32, 64, 128])
     parser.add_argument("--target", type=float, default=2.6, help="validation loss every run trains to")
     parser.add_argument("--eval-every", type=int, default=1024, help="samples between validation passes")
@@ -202,7 +208,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--noise-cost", action="store_true")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--noise-shape", choices=sorted(NOISE_COST_SHAPES), default="gpt2-124m")
+    parser.add_argument("--noise-shape", choices=sorted(MODEL_SHAPES), default="gpt2-124m")
     parser.add_argument("--noise-batch", type=int, default=64)
     parser.add_argument("--noise-micro", type=int, default=16)
     parser.add_argument("--noise-steps", type=int, default=10)
@@ -217,7 +223,7 @@ def main() -> None:
             args.json.write_text(json.dumps(result, indent=2))
         return
     data = dataset(args.data)
-    config = load_config(args.config, data)
+    config = load_config(args.config, data, args.shape)
     price = PriceTable().dollars_per_hour("cpu", spot=False)
     common = dict(target=args.target, eval_every=args.eval_every, max_samples=args.max_samples, micro=args.micro,
                   threads=args.threads, price_per_core_hour=price, log_every=config.train.log_every)
