@@ -9,7 +9,7 @@
     archipelago report runs/a runs/b                     # two runs side by side (runs/compare-a-b/)
     archipelago prices --config job.toml                 # devices, peaks and prices in one unit ($ per bf16 TFLOP/s·h)
     archipelago topology                                 # the live Ray cluster's map (RAY_ADDRESS, else embedded)
-    archipelago topology --local                         # this machine through NVML, without Ray
+    archipelago topology --local                         # this machine through NVML, without Ray (and its measured figures)
     archipelago topology --from node-a.txt --from node-b.txt   # `nvidia-smi -L; nvidia-smi topo -m` texts
     archipelago topology --generate 8xH100-SXM:4,8xL40S:2      # a made-up cluster, for planning
     ray start --head $(archipelago node-resources)       # advertise islands and MIG profiles to Ray
@@ -40,6 +40,7 @@ from orchestrator.planning.prices import PriceTable
 from storage.prepare import prepare_dataset
 from storage.verify import verify_dataset
 from topology import ClusterTopology, catalog, discover_cluster, load_files, machines
+from topology.device_figures import DeviceBench
 from topology.discover import TIMEOUT_S
 from topology.probe import probe_local_node
 from topology.ray_resources import ray_start_arguments
@@ -200,7 +201,7 @@ def _add_topology_commands(commands: argparse._SubParsersAction) -> None:
     topology = commands.add_parser("topology", help="map GPUs, MIG slices, NVLink islands, PCIe/NUMA and NICs")
     source = topology.add_mutually_exclusive_group()
     source.add_argument("--address", help="Ray cluster to map (default: RAY_ADDRESS, else an embedded cluster)")
-    source.add_argument("--local", action="store_true", help="map this machine through NVML, without Ray")
+    source.add_argument("--local", action="store_true", help="map this machine through NVML, without Ray, and measure its devices")
     source.add_argument("--from", dest="from_files", action="append", metavar="FILE",
                         help="a saved topology JSON, or `nvidia-smi -L; nvidia-smi topo -m` text (one node "
                              "per text file); repeat for more nodes")
@@ -240,7 +241,7 @@ def _topology(args: argparse.Namespace, console: Console) -> int:
 def _load(args: argparse.Namespace) -> ClusterTopology:
     """The map `topology` and `plan` were pointed at: this machine, files, a made-up cluster, or the live one."""
     if getattr(args, "local", False):
-        return ClusterTopology(nodes=[probe_local_node()])
+        return ClusterTopology(nodes=[probe_local_node(bench=DeviceBench.from_environment())])
     if args.from_files:
         return load_files(args.from_files)
     if args.generate:

@@ -61,6 +61,8 @@ def _print_node(cluster: ClusterTopology, node: NodeTopology, console: Console) 
         console.print(_mig_table(node))
     if node.nics:
         console.print(_nic_table(node))
+    if node.measured:
+        console.print(_measured_table(node))
     for gpu in node.gpus:
         if gpu.error:
             console.print(f"  [red]GPU {gpu.index}:[/] {escape(gpu.error)}", highlight=False)
@@ -123,6 +125,21 @@ def _nic_table(node: NodeTopology) -> Table:
                       f"{gpus} ({_CODES[nearest]})" if nearest else "-")
     return table
 
+
+def _measured_table(node: NodeTopology) -> Table:
+    """The micro-benchmark's figures: per GPU, or per core for the CPUs (0 shown as -)."""
+    table = Table(box=None, pad_edge=False, padding=(0, 2, 0, 2), title="measured", title_justify="left")
+    columns = (("device", "name"), ("bf16 TFLOP/s", "bf16_tflops"), ("fp8", "fp8_tflops"), ("fp32", "fp32_tflops"),
+               ("memory GB/s", "memory_gb_per_s"), ("host→device", "host_to_device_gb_per_s"),
+               ("device→host", "device_to_host_gb_per_s"), ("peer", "peer_gb_per_s"))
+    for label, _ in columns:
+        table.add_column(label, justify="left" if label == "device" else "right")
+    table.add_column("under", justify="left")
+    for device in node.measured:
+        name = f"cpu (per core of {device.cores})" if device.name == "cpu" else device.name
+        cells = [f"{getattr(device, key):.4g}" if getattr(device, key) else "-" for _, key in columns[1:]]
+        table.add_row(name, *cells, f"driver {device.driver_version}" if device.driver_version else "-")
+    return table
 
 
 def _bf16(peak_tflops: dict[str, float]) -> str:
