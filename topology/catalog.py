@@ -282,17 +282,22 @@ def scaled_peaks(peak_tflops: dict[str, float], share: float) -> dict[str, float
     return {dtype: round(value * share, 2) for dtype, value in peak_tflops.items()}
 
 
+def peak_at(peak_tflops: dict[str, float], dtype: str) -> float:
+    """The dense peak a job training in `dtype` gets: bf16 falls back to fp16 (V100), anything else to
+    fp32 (GPUs without tensor cores); 0 for no figures."""
+    return peak_tflops.get(dtype) or (peak_tflops.get("fp16") if dtype == "bf16" else None) \
+        or peak_tflops.get("fp32", 0.0)
+
+
 def device_peak_tflops(device_model: str, dtype: str) -> float | None:
     """Dense peak of a plan's device at `dtype`: a catalog key ("A100-SXM4-80GB"), or a key and a MIG
-    profile ("H100-SXM5-80GB 1g.10gb"), which gets its share of the GPU's SMs. bf16 falls back to
-    fp16 (V100), anything else to fp32. None for a device the catalog lacks."""
+    profile ("H100-SXM5-80GB 1g.10gb"), which gets its share of the GPU's SMs (see peak_at for the
+    fallbacks). None for a device the catalog lacks."""
     key, _, profile = device_model.partition(" ")
     model = _BY_KEY.get(key)
     if model is None:
         return None
-    peaks = model.peak_tflops
-    peak = peaks.get(dtype) or (peaks.get("fp16") if dtype == "bf16" else None) or peaks.get("fp32", 0.0)
-    return peak * device_share(device_model)
+    return peak_at(model.peak_tflops, dtype) * device_share(device_model)
 
 
 def device_share(device_model: str) -> float:

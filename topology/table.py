@@ -29,14 +29,16 @@ def print_topology(cluster: ClusterTopology, console: Console) -> None:
 
 
 def summary(cluster: ClusterTopology) -> str:
-    models = Counter(gpu.model or gpu.name or "unknown GPU" for _, gpu in cluster.gpus())
+    models = Counter(gpu.model or gpu.name or "unnamed GPU (no `nvidia-smi -L` text)" for _, gpu in cluster.gpus())
     slices = sum(len(node.mig_slices) for node in cluster.nodes)
     nvlinked = [island for island in cluster.nvlink_islands if island.size > 1]
     bf16 = sum(gpu.peak_tflops.get("bf16", 0.0) for _, gpu in cluster.gpus() if gpu.usable_whole)
     bf16 += sum(s.peak_tflops.get("bf16", 0.0) for node in cluster.nodes for s in node.mig_slices)
+    uncatalogued = sum(1 for _, gpu in cluster.gpus() if not gpu.model)
     gpus = ", ".join(f"{count}× {model}" for model, count in models.most_common()) or "no GPUs"
+    missing = f" ({uncatalogued} GPUs not in the device catalog: no peak counted)" if uncatalogued else ""
     return (f"[bold]{len(cluster.nodes)} node{'s' * (len(cluster.nodes) != 1)}[/]: {gpus}; {slices} MIG slices; "
-            f"{len(nvlinked)} NVLink islands of 2+ GPUs; peak dense bf16 {bf16 / 1000:,.2f} PFLOP/s")
+            f"{len(nvlinked)} NVLink islands of 2+ GPUs; peak dense bf16 {bf16 / 1000:,.2f} PFLOP/s{missing}")
 
 
 def _print_node(cluster: ClusterTopology, node: NodeTopology, console: Console) -> None:

@@ -60,13 +60,19 @@ column), so its cost follows the matrices, not the bytes: 15.4 ms a step for GPT
 H200 host (28.6 ms in an earlier call on another host)."""
 
 
+CPU_UTILISATION_OF_MEASURED = 0.5
+"""Share of the probe's measured product rate per core (topology/device_bench.py, 1024³ with every core
+busy) that CPU workers' training steps reach."""
+
+
 @dataclass(frozen=True, slots=True)
 class ComputeModel:
     """Per-device step time: FLOPs / (peak × utilisation) + a fixed cost per micro-step.
 
     Utilisation is interpolated in log(n_embd) between measured anchors and held flat outside
-    them; the same share of peak is assumed for every GPU (its own peak: MIG slices and slower
-    models are slower in proportion). CPU workers use a nominal peak per core."""
+    them; the same share of peak is assumed for every GPU (its own peak, or the peak its measured
+    product rate implies: MIG slices and slower models are slower in proportion). CPU workers run at
+    a share of the product rate the probe measured on their node, else of a nominal peak per core."""
 
     mfu_anchors: tuple[tuple[int, float], ...] = MFU_ANCHORS
     micro_step_overhead_s_per_layer: float = 1e-4
@@ -79,6 +85,7 @@ class ComputeModel:
     """The same in bf16: the CPU demo's model trained at 1,078 tok/s in bf16 against 8,557 predicted at
     the fp32 share on a 2-core AMD EPYC without bf16 units (no AVX512-BF16 or AMX), so torch emulates
     it. CPUs with AMX would be faster; the run's measured step time, not this, is what the bill uses."""
+    cpu_measured_utilisation: float = CPU_UTILISATION_OF_MEASURED
     cpu_overhead_s_per_layer: float = 5e-4
 
     @classmethod
@@ -92,10 +99,15 @@ class ComputeModel:
     def gpu_samples_per_second(self, peak_tflops: float, flops_per_sample: float, n_embd: int) -> float:
         return peak_tflops * 1e12 * self.utilisation(n_embd) / flops_per_sample
 
-    def cpu_samples_per_second(self, cores: int, flops_per_sample: float, dtype: str = "fp32") -> float:
-        """dtype: the job's compute dtype, fp32 or bf16."""
-        utilisation = self.cpu_bf16_utilisation if dtype == "bf16" else self.cpu_utilisation
-        return cores * self.cpu_gflops_per_core * 1e9 * utilisation / flops_per_sample
+    def cpu_samples_per_second(self, tflops: float, flops_per_sample: float, dtype: str = "fp32", *,
+                               measured: bool = False) -> float:
+        """A CPU slot's `tflops` (its cores' measured product rate in the job's dtype, fp32 or bf16,
+        or the nominal peak) at the share of it a training step reaches."""
+        if measured:
+            utilisation = self.cpu_measured_utilisation
+        else:
+            utilisation = self.cpu_bf16_utilisation if dtype == "bf16" else self.cpu_utilisation
+        return tflops * 1e12 * utilisation / flops_per_sample
 
     def overhead_s(self, n_layer: int, *, cpu: bool) -> float:
         return n_layer * (self.cpu_overhead_s_per_layer if cpu else self.micro_step_overhead_s_per_layer)

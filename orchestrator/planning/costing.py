@@ -22,6 +22,7 @@ from core.plan import AllReduce, DataParallel, DeviceKind, Objective
 from orchestrator.planning.collectives import Bucketing, CollectiveCostModel, Hop, LinkClass, Reduction, bucketing
 from orchestrator.planning.compute import ComputeModel
 from orchestrator.planning.devices import DevicePool, DeviceType, Domain
+from orchestrator.planning.figures import Source
 from orchestrator.planning.hook_costs import CommHookCost, gradient_element_bytes
 from orchestrator.planning.memory import ALLOCATOR_SLACK, MemoryProfile
 from orchestrator.planning.model_size import model_size
@@ -245,8 +246,9 @@ class Costing:
     def _replica_group(self, device: DeviceType, count: int, cap: int, tp_hop: Hop | None) -> ReplicaGroup:
         job, t = self.job, self.job.tensor_parallel_size
         if device.kind == DeviceKind.CPU:
-            per_sample = 1 / self.compute.cpu_samples_per_second(device.cores, job.flops_per_sample,
-                                                                 job.compute_dtype)
+            per_sample = 1 / self.compute.cpu_samples_per_second(device.peak_tflops, job.flops_per_sample,
+                                                                 job.compute_dtype,
+                                                                 measured=device.source == Source.MEASURED)
         else:
             per_sample = 1 / self.compute.gpu_samples_per_second(device.peak_tflops * t, job.flops_per_sample,
                                                                  job.n_embd)

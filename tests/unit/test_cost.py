@@ -203,8 +203,10 @@ def test_a_missing_price_file_says_where_it_was_looked_for(tmp_path):
 
 def test_a_mig_slice_is_priced_and_peaked_as_its_share_of_the_card():
     from orchestrator.planning.devices import DevicePool
+    from orchestrator.planning.figures import FigureBook
     from topology import catalog, machines
-    pool = DevicePool.gpus(machines.cluster("1xH100-MIG7:1"), CollectiveCostModel(), dtype="bf16", use_mig=True)
+    cluster = machines.cluster("1xH100-MIG7:1")
+    pool = DevicePool.gpus(cluster, CollectiveCostModel(), dtype="bf16", use_mig=True, figures=FigureBook(cluster, {}))
     slices = [device.type for domain in pool.domains for device in domain.devices]
     assert len(slices) == 7 and {s.label for s in slices} == {"H100-SXM5-80GB 1g.10gb"}
     # The planner's price of a slice: the card's $2.99 × 1/7 of its SMs = $0.427 an hour.
