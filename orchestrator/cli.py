@@ -34,6 +34,7 @@ from core.config import JobConfig
 from core.errors import ArchipelagoError
 from orchestrator.accounting.report_html import render_report
 from orchestrator.fit import Orchestrator
+from orchestrator.planning.calibration import Calibration
 from orchestrator.planning.plan_table import print_plan
 from orchestrator.planning.planner import Planner
 from orchestrator.planning.prices import PriceTable
@@ -277,7 +278,7 @@ def _add_plan_command(commands: argparse._SubParsersAction) -> None:
 def _plan(args: argparse.Namespace, console: Console) -> int:
     config = JobConfig.from_toml(args.config)
     topology = _load(args)
-    planner = Planner(topology, config)
+    planner = Planner(topology, config, calibration=Calibration.for_job(config))
     plan = planner.plan()
     naive = planner.naive(plan.world_size)
     reason = "" if naive else (f"no single micro-batch divides {plan.global_batch_size} samples over "

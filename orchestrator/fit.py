@@ -32,6 +32,7 @@ from core.plan import Plan
 from core.spec import WorkerSpec
 from orchestrator import coordinator, planning
 from orchestrator.accounting.report import RunReport
+from orchestrator.planning.calibration import Calibration
 from orchestrator.planning.memory import MemoryProfile, profile
 from orchestrator.progress import MetricsSink, ProgressDisplay
 from orchestrator.run_dir import RunDirectory
@@ -77,11 +78,12 @@ class Orchestrator:
         with self._ray():
             cluster = topology.discover_cluster()
             memory = profile(self.config, device_type="cuda" if self.config.cluster.use_gpu else "cpu")
-            plan = self._plan(cluster, memory)
+            calibration = Calibration.for_job(self.config)  # [placement] calibration_file, or <runs_dir>'s
+            plan = self._plan(cluster, memory, calibration)
             spec = WorkerSpec.for_plan(self.config, plan, data_location=str(data_dir), tokenizer=tokenizer)
             sink = MetricsSink.options(scheduling_strategy=coordinator.on_this_node()).remote()  # outlives worker nodes
             plan_coordinator = coordinator.start_coordinator(self.config, spec, cluster, str(self.run.plan_path),
-                                                             sink, memory)
+                                                             sink, memory, calibration)
             try:
                 job = WorkerJob(uses_gpus=plan.uses_gpus, metrics_sink=sink, coordinator=plan_coordinator,
                                 resume_from=str(resume_from) if resume_from else None)
@@ -99,7 +101,7 @@ class Orchestrator:
         report.save(self.run.report_path)
         return FitResult(rows, latest, plan, report)
 
-    def _plan(self, cluster: topology.ClusterTopology, memory: MemoryProfile) -> Plan:
+    def _plan(self, cluster: topology.ClusterTopology, memory: MemoryProfile, calibration: Calibration) -> Plan:
         """Plans the job on the cluster Ray gives us; the plan is saved beside the metrics.
 
         CPU jobs are planned on the worker slots Ray can schedule (each node's Ray CPUs, not its cores:
@@ -111,7 +113,7 @@ class Orchestrator:
             if config.elastic.min_workers:
                 config = coordinator.config_for_world(config, max(config.elastic.min_workers,
                                                               min(slots, config.cluster.num_workers)))
-        plan = planning.make_plan(cluster, config, memory=memory)
+        plan = planning.make_plan(cluster, config, memory=memory, calibration=calibration)
         plan.save(self.run.plan_path)
         predicted = plan.predicted
         self.console.print(f"plan: {plan.world_size} × {plan.workers[0].device_model} workers, "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 MFU_ANCHORS = ((768, 0.34), (2048, 0.53))
 """(n_embd, model FLOPs utilisation) measured in eager bf16 on one H200 (shared/bench, DESIGN.md):
@@ -87,11 +87,20 @@ class ComputeModel:
     it. CPUs with AMX would be faster; the run's measured step time, not this, is what the bill uses."""
     cpu_measured_utilisation: float = CPU_UTILISATION_OF_MEASURED
     cpu_overhead_s_per_layer: float = 5e-4
+    efficiency: tuple[tuple[str, float], ...] = ()
+    """(device model, factor) from a calibration: that model's compute runs `factor` times as fast as
+    the figures above predict (planning/calibration.py)."""
 
     @classmethod
     def compiled(cls, *, bf16_weights: bool = False) -> ComputeModel:
         anchors = BF16_WEIGHTS_MFU_ANCHORS if bf16_weights else COMPILED_MFU_ANCHORS
         return cls(mfu_anchors=anchors, micro_step_overhead_s_per_layer=2e-5)
+
+    def with_efficiency(self, efficiency: dict[str, float]) -> ComputeModel:
+        return replace(self, efficiency=tuple(sorted(efficiency.items())))
+
+    def efficiency_of(self, model: str) -> float:
+        return dict(self.efficiency).get(model, 1.0)
 
     def utilisation(self, n_embd: int) -> float:
         return _interpolate_log(self.mfu_anchors, n_embd)

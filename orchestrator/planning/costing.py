@@ -252,6 +252,7 @@ class Costing:
         else:
             per_sample = 1 / self.compute.gpu_samples_per_second(device.peak_tflops * t, job.flops_per_sample,
                                                                  job.n_embd)
+        per_sample /= self.compute.efficiency_of(device.model)
         overhead = self.compute.overhead_s(job.n_layer, cpu=device.kind == DeviceKind.CPU)
         if t > 1 and tp_hop is not None:
             # Megatron-style blocks all-reduce their output twice forward and twice backward, in bf16.

@@ -40,6 +40,7 @@ from core.plan import (
     WorkerPlacement,
     cross_island_groups,
 )
+from orchestrator.planning.calibration import Calibration
 from orchestrator.planning.collectives import CollectiveCostModel
 from orchestrator.planning.compute import ComputeModel
 from orchestrator.planning.costing import (
@@ -95,9 +96,12 @@ class _Overrun(Exception):
 class Planner:
     def __init__(self, topology: ClusterTopology, config: JobConfig, *, memory: MemoryProfile | None = None,
                  collectives: CollectiveCostModel | None = None, compute: ComputeModel | None = None,
-                 prices: PriceTable | None = None, exact_memory: bool = True):
+                 prices: PriceTable | None = None, exact_memory: bool = True, calibration: Calibration | None = None):
         """memory: the job's MemoryProfile (computed from the config when not given; it is the slow
         part, a few fake training steps); exact_memory re-measures the chosen micro-batches exactly.
+        calibration: link rows and compute efficiencies over the defaults (the file [placement]
+        calibration_file names when not given; the CLI and fit pass Calibration.for_job's, which also
+        looks in the runs directory); `collectives` and `compute`, when given, are taken as they are.
 
         Refuses at once (PlacementError), before the memory profile, a job the cluster cannot hold
         whatever the memory: no devices, no NVLink island for a tensor-parallel group, too few
@@ -105,9 +109,10 @@ class Planner:
         self.topology = topology
         self.config = config
         self.job = PlanningJob.from_config(config)
-        self.collectives = collectives or CollectiveCostModel.for_job(config)  # defaults and a measured table
-        self.compute = compute or (ComputeModel.compiled(bf16_weights=config.train.bf16_weights)
-                                   if config.compile.enable else ComputeModel())
+        self.calibration = calibration or Calibration.named_by(config)
+        self.collectives = collectives or self.calibration.collectives()  # defaults and measured rows
+        self.compute = compute or self.calibration.compute(
+            ComputeModel.compiled(bf16_weights=config.train.bf16_weights) if config.compile.enable else ComputeModel())
         self.exact_memory = exact_memory
         figures = FigureBook(topology, config.devices)  # [devices] tables, measured figures, the catalog
         if self.job.use_gpu:
@@ -455,6 +460,8 @@ class Planner:
     def _notes(self, choice: _Choice) -> list[str]:
         best, costing = choice.outcome, choice.costing
         notes = list(self.pool.notes)
+        if self.calibration.path:
+            notes.append(self.calibration.describe())
         if self.pool.unknown:
             notes.append(f"left out GPUs nothing gives figures for ({_listed(self.pool.unknown)}): "
                          f"{_unknown_gpus_error(self.pool.unknown).fix}")
@@ -596,8 +603,8 @@ class Planner:
             known = slowest.get(device.type.label)
             if known is None or device.type.peak_tflops < known.peak_tflops:
                 slowest[device.type.label] = device.type
-        return [DeviceBasis(device_model=label, source=t.source.value, tflops=t.stated_tflops)
-                for label, t in slowest.items()]
+        return [DeviceBasis(device_model=label, source=t.source.value, tflops=t.stated_tflops,
+                            compute_efficiency=self.compute.efficiency_of(t.model)) for label, t in slowest.items()]
 
     def _peaks(self, outcome: Outcome, costing: Costing, devices: list, micro_batches: list[int]) -> list[int]:
         accumulating = outcome.split.grad_accum_steps > 1

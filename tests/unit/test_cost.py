@@ -7,6 +7,7 @@ import pytest
 
 from core.errors import ConfigError
 from core.plan import AllReduce
+from orchestrator.planning.calibration import Calibration
 from orchestrator.planning.collectives import (
     DEFAULT_CALIBRATION,
     CollectiveCostModel,
@@ -59,7 +60,7 @@ def test_hierarchical_wins_when_the_network_is_the_bottleneck():
 def test_a_measured_table_replaces_the_nominal_bandwidth(tmp_path):
     path = tmp_path / "nccl-tests.json"
     path.write_text(json.dumps({"infiniband": {"alpha_us": 8.5, "bus_gb_per_s": 20.0}}))
-    measured = CollectiveCostModel.load(path)
+    measured = Calibration.load(path).collectives()
     assert measured.hop(LinkClass.INFINIBAND, nominal_gb_per_s=400).bytes_per_s == 20e9
     assert measured.hop(LinkClass.INFINIBAND).alpha_s == pytest.approx(8.5e-6)
     # Rows left out keep the defaults: nominal × efficiency.
@@ -78,7 +79,7 @@ def test_a_bad_calibration_table_names_the_problem(tmp_path, content, message):
     path = tmp_path / "table.json"
     path.write_text(content)
     with pytest.raises(ConfigError, match=message):
-        CollectiveCostModel.load(path)
+        Calibration.load(path).collectives()
 
 
 @pytest.mark.parametrize("value", ['"x"', '"1.5"', "[1]", "null", "true", "NaN"])
@@ -86,7 +87,7 @@ def test_a_calibration_value_that_is_not_a_number_names_its_row_and_key(tmp_path
     path = tmp_path / "table.json"
     path.write_text('{"infiniband": {"alpha_us": 8.5, "bus_gb_per_s": %s}}' % value)
     with pytest.raises(ConfigError) as refused:
-        CollectiveCostModel.load(path)
+        Calibration.load(path).collectives()
     assert refused.value.where == f"{path}: infiniband.bus_gb_per_s"
     assert "row 'infiniband': bus_gb_per_s is" in refused.value.what and "not a number" in refused.value.what
 
