@@ -350,9 +350,11 @@ class PlacementConfig:
     calibration_file: str = ""
     """A JSON table of measured collective costs by link class, {"nvswitch": {"alpha_us": 30.1,
     "bus_gb_per_s": 323.1}}, as benchmarks/multigpu.py writes it (calibration.json) from an all-reduce
-    sweep; rows it gives replace orchestrator/planning/collectives.py's defaults. A row may also give
-    ddp_compute_slowdown (a share; the link class's figure when left out). Relative paths are from
-    the working directory."""
+    sweep, and of compute efficiency by device model, "compute_efficiency": {"cpu": 0.94}, as
+    `archipelago calibrate RUN...` fits it from finished runs (orchestrator/planning/calibration.py);
+    rows it gives replace the cost model's defaults. A link row may also give ddp_compute_slowdown
+    (a share; the link class's figure when left out). Empty: `fit` and `plan` read
+    <runs_dir>/calibration.json when there is one. Relative paths are from the working directory."""
 
     def __post_init__(self) -> None:
         _positive("placement", min_gpus=self.min_gpus, tensor_parallel_size=self.tensor_parallel_size)

@@ -135,6 +135,9 @@ class DeviceBasis:
 
     device_model: str
     """As the workers' WorkerPlacement.device_model names it."""
+    model: str
+    """The key prices and calibrations use for it: the catalog key, the GPU's name, or "cpu" (a MIG
+    slice's is its GPU's)."""
     source: str
     """declared ([devices] in the job), measured (the probe's micro-benchmark), catalog (the data sheet),
     or nominal (CPU workers without a measurement)."""
@@ -185,6 +188,10 @@ class Plan:
     """Gradient bucket size per link class the reduction crosses (nvswitch, pcie, infiniband, …)."""
     bottleneck_link_class: str = ""
     """The slowest link class of the flat all-reduce: the bucket size a single DDP group uses."""
+    bottleneck_gb_per_s: float = 0.0
+    bottleneck_alpha_us: float = 0.0
+    """The bandwidth and latency that slowest hop was costed at (its calibration row's), for
+    `archipelago calibrate` to fit the link from what the run then waited; 0 without a reduction."""
     comm_hook: str = "allreduce"
     """The DDP comm hook the workers run (core.rules.COMM_HOOKS): [parallel] comm_hook, or what the
     planner picked for "auto"."""

@@ -15,6 +15,7 @@
     ray start --head $(archipelago node-resources)       # advertise islands and MIG profiles to Ray
     archipelago plan --config job.toml                   # place a job on the live cluster
     archipelago plan --topology cluster.json --config job.toml --json plan.json --png plan.png
+    archipelago calibrate runs/a runs/b                  # fit the cost model to finished runs: runs/calibration.json
 
 User errors print one line and exit 2; --debug shows the traceback.
 """
@@ -22,6 +23,8 @@ User errors print one line and exit 2; --debug shows the traceback.
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -32,8 +35,10 @@ from rich.table import Table
 
 from core.config import JobConfig
 from core.errors import ArchipelagoError
+from orchestrator.accounting import calibrate
 from orchestrator.accounting.report_html import render_report
 from orchestrator.fit import Orchestrator
+from orchestrator.planning.calibration import DEFAULT_FILE as DEFAULT_CALIBRATION_FILE
 from orchestrator.planning.calibration import Calibration
 from orchestrator.planning.plan_table import print_plan
 from orchestrator.planning.planner import Planner
@@ -69,6 +74,9 @@ def _fit(args: argparse.Namespace, console: Console) -> int:
     result = Orchestrator(config, address=args.address or "", resume=args.resume, overwrite=args.overwrite,
                           console=console, verbose=args.debug).fit()
     result.report.print_summary(console)
+    console.print(f"teach the planner this run's speed: archipelago calibrate {result.report.run_dir} (writes "
+                  f"{Path(config.runs_dir) / DEFAULT_CALIBRATION_FILE}, which later plans and fits read)",
+                  markup=False, highlight=False, soft_wrap=True)
     return 0
 
 
@@ -145,6 +153,38 @@ def _prices(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _calibrate(args: argparse.Namespace, console: Console) -> int:
+    runs = [calibrate.FinishedRun.load(run) for run in args.runs]
+    sweeps = calibrate.load_sweeps(args.sweep or [])
+    if len(runs) > 1:
+        _print_checks(calibrate.leave_one_out(runs, sweeps), console)
+    else:
+        console.print("one run: nothing is left to check the fit on (give two or more for the leave-one-out error)",
+                      markup=False, highlight=False)
+    out = Path(args.out) if args.out else Path(args.runs[0]).resolve().parent / DEFAULT_CALIBRATION_FILE
+    fitted = calibrate.merged(Calibration.load(out) if out.is_file() else Calibration(), calibrate.fit(runs, sweeps))
+    console.print(json.dumps(fitted.to_dict(), indent=1), markup=False, highlight=False)
+    if args.dry_run:
+        return 0
+    console.print(f"wrote {fitted.save(out)}" + ("" if args.out else " (fit and plan read it for jobs with runs_dir "
+                                                                     f"{out.parent})"), markup=False, highlight=False)
+    return 0
+
+
+def _print_checks(checks: list[calibrate.Check], console: Console) -> None:
+    table = Table(title="each run predicted by a calibration fitted on the others (leave-one-out)", title_justify="left")
+    for column in ("run", "devices", "measured ms", "planned ms", "error", "after ms", "error", "other runs"):
+        table.add_column(column, justify="left" if column in ("run", "devices") else "right")
+    for c in checks:
+        table.add_row(c.run, c.devices, f"{c.measured_s * 1e3:,.1f}", f"{c.before_s * 1e3:,.1f}",
+                      f"{c.error_before:+.1%}", f"{c.after_s * 1e3:,.1f}", f"{c.error_after:+.1%}", str(c.fitted_on))
+    console.print(table)
+    before = statistics.mean(abs(c.error_before) for c in checks)
+    after = statistics.mean(abs(c.error_after) for c in checks)
+    console.print(f"mean |error|: {before:.1%} as planned, {after:.1%} calibrated on the other runs",
+                  markup=False, highlight=False)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="archipelago", description="Elastic training on heterogeneous GPU clusters.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and worker logs")
@@ -191,6 +231,18 @@ def _parser() -> argparse.ArgumentParser:
     prices.add_argument("--config", help="job config whose [bill] prices_file and [placement] prices apply")
     prices.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     prices.set_defaults(command=_prices)
+
+    calibrate_command = commands.add_parser("calibrate", help="fit the cost model's compute efficiency and link "
+                                                                "costs to finished runs")
+    calibrate_command.add_argument("runs", nargs="+", metavar="RUN_DIR", help="finished run directories (runs/<name>)")
+    calibrate_command.add_argument("--sweep", action="append", metavar="PATH",
+                                   help="benchmarks/multigpu.py output (its --out folder or multigpu.json) whose "
+                                        "all-reduce sweep gives link rows; repeat for more")
+    calibrate_command.add_argument("--out", help="calibration file to write (default: calibration.json beside the "
+                                                 "first run, in its runs directory, where fit and plan look)")
+    calibrate_command.add_argument("--dry-run", action="store_true", help="print the fit, write nothing")
+    calibrate_command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    calibrate_command.set_defaults(command=_calibrate)
 
     _add_topology_commands(commands)
     _add_plan_command(commands)

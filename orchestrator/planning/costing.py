@@ -252,8 +252,9 @@ class Costing:
         else:
             per_sample = 1 / self.compute.gpu_samples_per_second(device.peak_tflops * t, job.flops_per_sample,
                                                                  job.n_embd)
-        per_sample /= self.compute.efficiency_of(device.model)
         overhead = self.compute.overhead_s(job.n_layer, cpu=device.kind == DeviceKind.CPU)
+        efficiency = self.compute.efficiency_of(device.model)  # a calibration's: the whole micro-step scales
+        per_sample, overhead = per_sample / efficiency, overhead / efficiency
         if t > 1 and tp_hop is not None:
             # Megatron-style blocks all-reduce their output twice forward and twice backward, in bf16.
             activation_bytes = job.seq_len * job.n_embd * 2

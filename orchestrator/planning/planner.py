@@ -580,6 +580,7 @@ class Planner:
         buckets = bucket_bytes if bucket_bytes is not None else costing.bucket_sizes(outcome)
         bottleneck = ("default" if bucket_bytes is not None else
                       outcome.hops["world"].link_class.value if "world" in outcome.hops else "")
+        world = outcome.hops.get("world")
         prediction = self._prediction(outcome)
         choices = plan_choices(self.config, use_gpu=job.use_gpu, replicas=len(workers) // t,
                                data_parallel=outcome.data_parallel, comm_hook=costing.comm_hook.name,
@@ -593,6 +594,8 @@ class Planner:
             tensor_parallel_groups=[list(range(r, r + t)) for r in range(0, len(workers), t)],
             data_parallel_groups=[list(range(j, len(workers), t)) for j in range(t)],
             ddp_bucket_bytes=buckets, bottleneck_link_class=bottleneck,
+            bottleneck_gb_per_s=world.bytes_per_s / 1e9 if world else 0.0,
+            bottleneck_alpha_us=world.alpha_s * 1e6 if world else 0.0,
             price_basis="spot" if job.spot else "on_demand", predicted=prediction, notes=notes, **choices)
 
     def _device_bases(self, devices: list[tuple[Device, Domain]]) -> list[DeviceBasis]:
@@ -603,7 +606,7 @@ class Planner:
             known = slowest.get(device.type.label)
             if known is None or device.type.peak_tflops < known.peak_tflops:
                 slowest[device.type.label] = device.type
-        return [DeviceBasis(device_model=label, source=t.source.value, tflops=t.stated_tflops,
+        return [DeviceBasis(device_model=label, model=t.model, source=t.source.value, tflops=t.stated_tflops,
                             compute_efficiency=self.compute.efficiency_of(t.model)) for label, t in slowest.items()]
 
     def _peaks(self, outcome: Outcome, costing: Costing, devices: list, micro_batches: list[int]) -> list[int]:

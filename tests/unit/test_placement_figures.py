@@ -59,7 +59,7 @@ def test_gpus_nothing_describes_are_named_with_both_ways_to_describe_them():
 def test_a_devices_table_plans_them_at_its_figures_and_price():
     result = plan(ClusterTopology(nodes=[text_node()]), job(devices=DECLARED))
     assert result.world_size == 2
-    assert result.device_bases == [DeviceBasis(device_model=RTX_3090, source="declared", tflops=71.0)]
+    assert result.device_bases == [DeviceBasis(device_model=RTX_3090, model=RTX_3090, source="declared", tflops=71.0)]
     assert {w.memory_capacity_bytes for w in result.workers} == {24 * 2**30}  # the text has no memory
     assert result.predicted.dollars_per_hour == pytest.approx(2 * 0.35)
     # Spelled as a catalog key or in another case, a table names the same GPUs.
@@ -85,14 +85,14 @@ def test_a_measured_map_plans_the_same_model_on_nodes_imported_from_text():
     probed.measured = [MeasuredDevice(name=RTX_3090, driver_version="580.95.05", bf16_tflops=61.0)]
     result = plan(ClusterTopology(nodes=[probed, text_node(node_id="box-b")]), job(placement={"min_gpus": 4}))
     assert result.world_size == 4 and {w.node_id for w in result.workers} == {"box-a", "box-b"}
-    assert result.device_bases == [DeviceBasis(device_model=RTX_3090, source="measured", tflops=61.0)]
+    assert result.device_bases == [DeviceBasis(device_model=RTX_3090, model=RTX_3090, source="measured", tflops=61.0)]
     assert {w.memory_capacity_bytes for w in result.workers} == {24 * 2**30}
 
 
 def test_a_measured_gpu_plans_as_fast_as_its_measured_rate_says():
     flops_only = ComputeModel(micro_step_overhead_s_per_layer=0.0)
     catalog_plan = plan(machines.cluster("1xH200:1"), compute=flops_only)
-    assert catalog_plan.device_bases == [DeviceBasis(device_model="H200-SXM5-141GB", source="catalog", tflops=989.4)]
+    assert catalog_plan.device_bases == [DeviceBasis(device_model="H200-SXM5-141GB", model="H200-SXM5-141GB", source="catalog", tflops=989.4)]
     for rate, ratio in ((989.4 * MEASURED_MATMUL_SHARE_OF_PEAK, 1.0), (989.4 * MEASURED_MATMUL_SHARE_OF_PEAK / 2, 2.0)):
         measured = machines.cluster("1xH200:1")
         measured.nodes[0].measured = [MeasuredDevice(name="NVIDIA H200", bf16_tflops=rate)]
