@@ -47,6 +47,9 @@ class GpuModel:
     """Compute slices MIG divides the GPU into (7 on A100/H100/H200); 0 = no MIG."""
     mig_profiles: tuple[str, ...] = ()
     vendor: str = "nvidia"
+    peer_to_peer: bool = True
+    """Whether two GPUs of this model copy to each other over PCIe; False for GeForce cards whose driver
+    turns it off (NCCL then stages through host memory)."""
 
     @property
     def memory_gib(self) -> float:
@@ -155,10 +158,12 @@ MODELS: tuple[GpuModel, ...] = (
     # are the figures here. No NVLink on Ada or Blackwell GeForce/RTX cards.
     # RTX 4090: NVIDIA Ada GPU Architecture whitepaper (images.nvidia.com/aem-dam/Solutions/geforce/ada/
     # nvidia-ada-gpu-architecture.pdf), Appendix A: 128 SMs, fp32 82.6, bf16 (fp32 acc.) 165.2, fp8 (fp32
-    # acc.) 330.3, int8 660.6, 24 GB GDDR6X at 1,008 GB/s; nvidia-smi prints 24564MiB.
+    # acc.) 330.3, int8 660.6, 24 GB GDDR6X at 1,008 GB/s; nvidia-smi prints 24564MiB. NVIDIA's driver
+    # has no PCIe peer-to-peer for GeForce 40 (and 50) series cards.
     GpuModel(key="RTX-4090", nvml_name="NVIDIA GeForce RTX 4090", name_pattern=r"RTX 4090(?! D)",
              architecture="ada", compute_capability="8.9", sm_count=128, memory_mib=24564, memory_gb_per_s=1008.0,
-             peak_tflops={"fp32": 82.6, "tf32": 82.6, "bf16": 165.2, "fp16": 165.2, "fp8": 330.3, "int8": 660.6}),
+             peak_tflops={"fp32": 82.6, "tf32": 82.6, "bf16": 165.2, "fp16": 165.2, "fp8": 330.3, "int8": 660.6},
+             peer_to_peer=False),
     # RTX 5090: NVIDIA RTX Blackwell GPU Architecture whitepaper (images.nvidia.com/aem-dam/Solutions/geforce/
     # blackwell/nvidia-rtx-blackwell-gpu-architecture.pdf), Appendix: 170 SMs, fp32 104.8, bf16 (fp32 acc.)
     # 209.5, fp8 (fp32 acc.) 419, int8 838; 32 GB GDDR7 at 1,792 GB/s; nvidia-smi prints 32607MiB.
@@ -166,7 +171,7 @@ MODELS: tuple[GpuModel, ...] = (
              architecture="blackwell", compute_capability="12.0", sm_count=170, memory_mib=32607,
              memory_gb_per_s=1792.0,
              peak_tflops={"fp32": 104.8, "tf32": 104.8, "bf16": 209.5, "fp16": 209.5, "fp8": 419.0, "int8": 838.0},
-             pcie_generation=5),
+             pcie_generation=5, peer_to_peer=False),
     # RTX 6000 Ada: the same Ada whitepaper's appendix and NVIDIA's RTX 6000 Ada data sheet (workstation cards
     # accumulate in fp32 at the full rate): 142 SMs, fp32 91.1, tf32 182.1, bf16 364.2, fp8 728.5, int8 728.5;
     # 48 GB GDDR6 at 960 GB/s; nvidia-smi prints 49140MiB.
