@@ -40,6 +40,8 @@ from storage.fs import Location
 from storage.prepare import prepare_dataset
 from storage.shards import TokenDataset, check_files, has_dataset
 from storage.verify import verify_dataset
+from topology.device_figures import DeviceBench
+from topology.probe import probe_local_node
 from workers import binding, checkpoint
 from workers.loop import WorkerJob, train_loop
 
@@ -75,6 +77,10 @@ class Orchestrator:
         _refuse_before_start(self.config)
         data_dir, tokenizer = self._dataset()
         resume_from, first_step = self._open_run(tokenizer)
+        if not (self.address or ray.is_initialized()):
+            # An embedded cluster runs on this machine: measure its devices (once; cached) while it is
+            # quiet, before Ray's processes start. The probe then reads the figures from the cache.
+            probe_local_node(bench=DeviceBench.from_environment())
         with self._ray():
             cluster = topology.discover_cluster()
             memory = profile(self.config, device_type="cuda" if self.config.cluster.use_gpu else "cpu")

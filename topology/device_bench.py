@@ -9,8 +9,8 @@ share) and for the CPUs: dense matrix products at a training shape in bf16, floa
 has it) and fp32, a copy far larger than the caches, host↔device copies from pinned memory, and a
 copy to a second GPU of the same model. Each figure is the best of a few timed rounds: the probe
 runs while Ray starts its workers, and a core taken away for a moment should not lower the figure
-for good. CPU rates are per core, measured with every core of the process's affinity at work, as
-CPU workers run them.
+for good. CPU rates are per core, measured with every core of the process's affinity at work, one
+thread each, as CPU workers run them.
 
 The probe runs this in a child process (topology/device_figures.py): a CUDA context would otherwise
 stay in the Ray worker that probed, holding GPU memory that training needs.
@@ -21,7 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -40,7 +42,7 @@ CPU_COPY_BYTES = 256 * 2**20
 """Copied in host memory: beyond every L3 of 2026's servers but the largest."""
 TRANSFER_BYTES = 256 * 2**20
 """Host↔device and peer copies."""
-ROUNDS = 3
+ROUNDS = 5
 """Timed rounds per figure; the best counts."""
 
 
@@ -106,19 +108,39 @@ def copy_gb_per_s(source: torch.device, target: torch.device, nbytes: int, secon
 
 
 def measure_cpu(seconds: float) -> MeasuredDevice:
-    """The CPUs of this process's affinity, every one at work; rates per core."""
+    """The CPUs of this process's affinity, every one at work as CPU workers use them: one thread per
+    core, each on its own data; rates per core (the median core's)."""
     cores, threads = len(os.sched_getaffinity(0)), torch.get_num_threads()
     cpu, begin = torch.device("cpu"), time.perf_counter()
-    torch.set_num_threads(cores)
+    torch.set_num_threads(1)
     try:
         return MeasuredDevice(
             name="cpu", cores=cores,
-            fp32_tflops=round(matmul_tflops(cpu, torch.float32, CPU_MATMUL_SIZE, seconds) / cores, 5),
-            bf16_tflops=round(matmul_tflops(cpu, torch.bfloat16, CPU_MATMUL_SIZE, seconds) / cores, 5),
-            memory_gb_per_s=round(copy_gb_per_s(cpu, cpu, CPU_COPY_BYTES, seconds, count_both_ends=True) / cores, 2),
+            fp32_tflops=round(on_every_core(cores, lambda: matmul_tflops(cpu, torch.float32, CPU_MATMUL_SIZE,
+                                                                         seconds)), 5),
+            bf16_tflops=round(on_every_core(cores, lambda: matmul_tflops(cpu, torch.bfloat16, CPU_MATMUL_SIZE,
+                                                                         seconds)), 5),
+            memory_gb_per_s=round(on_every_core(cores, lambda: copy_gb_per_s(cpu, cpu, CPU_COPY_BYTES // cores, seconds,
+                                                                             count_both_ends=True)), 2),
             seconds=round(time.perf_counter() - begin, 2))
     finally:
         torch.set_num_threads(threads)
+
+
+def on_every_core(cores: int, measure: Callable[[], float]) -> float:
+    """`measure` in `cores` threads at once (torch releases the GIL in its kernels), the median result.
+    Independent threads, not one product split over the cores: a core taken away for a moment slows
+    its own thread, not every thread waiting for it at the product's end."""
+    results: list[float] = [0.0] * cores
+
+    def run(i: int) -> None:
+        results[i] = measure()
+    workers = [threading.Thread(target=run, args=(i,)) for i in range(cores)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    return statistics.median(results)
 
 
 def measure_gpu(index: int, peer: int | None, seconds: float, notes: list[str]) -> MeasuredDevice:

@@ -35,6 +35,9 @@ def test_fit_trains_checkpoints_and_reports(straight):
     assert report["final_val_loss"] == result.report.final_val_loss < 5.0
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in lines if "loss" in row] == list(range(1, steps + 1))
+    # The probe measured the CPUs (topology/device_figures.py), and the plan was costed on that figure.
+    (basis,) = result.plan.device_bases
+    assert (basis.device_model, basis.source) == ("cpu", "measured") and basis.tflops > 0
 
 
 def test_resume_refuses_a_checkpoint_of_another_model(straight, small_dataset):

@@ -1,0 +1,139 @@
+"""The topology probe's measured device figures beside the same quantities measured the benchmarks' way.
+
+    python3 benchmarks/device_probe.py                     # on a GPU machine: every GPU model, and the CPUs
+    python3 benchmarks/device_probe.py --json probe.json
+    python3 benchmarks/device_probe.py --cpu-only          # the CPU row only (this project's CPU machines)
+
+GPU rows (the probe's micro-benchmark, topology/device_bench.py, run in this process):
+  bf16 matmul   the probe's 8192³ bf16 product rate, beside the matmul rate benchmarks/step.py's torch
+                profile reads off a GPT-2 124M step (plain torch.compile row: "matmul TFLOP/s", 746 on
+                an H200, benchmarks/RESULTS.md)
+  HBM copy      the probe's device copy, beside benchmarks/kernels.py's copy baseline at 1,000 MB buckets
+                (`copy_gbs`: graph replays and back-to-back calls, the faster; 4,211 GB/s on an H200)
+  The acceptance for the probe: each within 10 % of its benchmark.
+CPU row: the probe's fp32 product rate of one core, beside the examples/cpu-tiny.toml model's training
+step on that core (the worker engine, micro-batch 16, one thread): the share of the product rate the
+step reaches beyond the compute model's fixed overhead, which is what
+orchestrator/planning/compute.py's CPU_UTILISATION_OF_MEASURED holds. Rounds alternate between the two
+and the median of the rounds' shares is reported, so a machine other work slows for a while slows both.
+Needs no Ray (the GPU machines have none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+
+from core.config import JobConfig  # noqa: E402
+from orchestrator.planning.compute import CPU_UTILISATION_OF_MEASURED, ComputeModel  # noqa: E402
+from orchestrator.planning.resolve import uniform_spec  # noqa: E402
+from topology.device_bench import CPU_MATMUL_SIZE, gpus_to_measure, matmul_tflops, measure_gpu  # noqa: E402
+from workers.engine import Engine  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TOLERANCE = 0.10
+"""The probe's figures are held to within this share of the benchmarks'."""
+
+
+def cpu_row(rounds: int, steps: int, seconds: float) -> dict:
+    """One core: the probe's fp32 product rate and the demo model's step, alternating."""
+    torch.set_num_threads(1)
+    config = JobConfig.from_toml(ROOT / "examples/cpu-tiny.toml")
+    micro = config.train.micro_batch_size
+    engine = Engine(uniform_spec(config, world_size=1, micro_batch_size=micro, grad_accum_steps=1), 0,
+                    torch.device("cpu"))
+    batch = torch.randint(0, config.model.vocab_size, (micro, config.model.seq_len + 1),
+                          generator=torch.Generator().manual_seed(0))
+    flops = engine.model.flops_per_token() * micro * config.model.seq_len
+    overhead = ComputeModel().overhead_s(config.model.n_layer, cpu=True)
+    engine([batch], 1e-3)  # warm-up: allocator, first kernels
+    shares, rates, step_times = [], [], []
+    for _ in range(rounds):
+        rate = matmul_tflops(torch.device("cpu"), torch.float32, CPU_MATMUL_SIZE, seconds)
+        begin = time.perf_counter()
+        for _ in range(steps):
+            engine([batch], 1e-3)
+        step_s = (time.perf_counter() - begin) / steps
+        rates.append(rate)
+        step_times.append(step_s)
+        shares.append(flops / (step_s - overhead) / (rate * 1e12))
+    return {"device": "cpu (one core)", "probe_fp32_tflops": round(statistics.median(rates), 5),
+            "step_ms": round(statistics.median(step_times) * 1e3, 2), "flops_per_step": flops,
+            "share_of_product_rate": round(statistics.median(shares), 4),
+            "share_range": [round(min(shares), 4), round(max(shares), 4)],
+            "compute_model_share": CPU_UTILISATION_OF_MEASURED}
+
+
+def step_matmul_tflops() -> float | None:
+    """benchmarks/step.py's profiled matmul rate of a GPT-2 124M step (plain torch.compile row)."""
+    with tempfile.TemporaryDirectory() as out:
+        rows_path = Path(out) / "step.json"
+        command = [sys.executable, str(ROOT / "benchmarks/step.py"), "--models", "gpt2-124m", "--skip-eager",
+                   "--skip-engine", "--steps", "10", "--profile", "--json", str(rows_path)]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode != 0 or not rows_path.is_file():
+            print(f"benchmarks/step.py failed: {done.stderr.strip().splitlines()[-1:]}", flush=True)
+            return None
+        rows = json.loads(rows_path.read_text())
+    return next((row["profile"]["matmul_TFLOPs"] for row in rows
+                 if isinstance(row.get("profile"), dict) and "matmul_TFLOPs" in row["profile"]), None)
+
+
+def kernels_copy_gb_per_s() -> float:
+    """benchmarks/kernels.py's copy baseline at 1,000 MB buckets (the script is loaded from its file:
+    benchmarks/ is not a package, and it needs triton, which only GPU machines have)."""
+    spec = importlib.util.spec_from_file_location("kernels_benchmark", ROOT / "benchmarks/kernels.py")
+    kernels = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kernels)
+    return kernels.copy_gbs(kernels.Buffers.make(1000.0))
+
+
+def gpu_rows(seconds: float) -> list[dict]:
+    notes: list[str] = []
+    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    matmul, copy = step_matmul_tflops(), kernels_copy_gb_per_s()  # the benchmarks run on GPU 0
+    rows = []
+    for index, peer in gpus_to_measure(names):
+        probe = measure_gpu(index, peer, seconds, notes)
+        row = {"device": probe.name, "probe_bf16_tflops": probe.bf16_tflops, "probe_fp8_tflops": probe.fp8_tflops,
+               "probe_memory_gb_per_s": probe.memory_gb_per_s, "probe_host_to_device_gb_per_s":
+               probe.host_to_device_gb_per_s, "probe_peer_gb_per_s": probe.peer_gb_per_s}
+        if index == 0:
+            row["step_py_matmul_tflops"] = matmul
+            row["kernels_py_copy_gb_per_s"] = round(copy, 1)
+            row["bf16_within_10_percent"] = matmul is not None and abs(probe.bf16_tflops / matmul - 1) <= TOLERANCE
+            row["copy_within_10_percent"] = abs(probe.memory_gb_per_s / copy - 1) <= TOLERANCE
+        rows.append(row)
+    return rows + [{"note": note} for note in notes]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the rows here too")
+    parser.add_argument("--cpu-only", action="store_true", help="only the CPU row")
+    parser.add_argument("--rounds", type=int, default=7, help="CPU: alternating rounds of product rate and steps")
+    parser.add_argument("--steps", type=int, default=10, help="CPU: training steps per round")
+    parser.add_argument("--seconds", type=float, default=0.3, help="time per probe figure (the probe's default)")
+    args = parser.parse_args()
+    rows = [] if args.cpu_only or not torch.cuda.is_available() else gpu_rows(args.seconds)
+    rows.append(cpu_row(args.rounds, args.steps, args.seconds))
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"torch": torch.__version__, "date": time.strftime(
+            "%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
