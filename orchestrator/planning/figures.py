@@ -66,6 +66,8 @@ class FigureBook:
         self.notes: list[str] = []
         self.prices: dict[str, float] = {}
         """Declared prices by the planner's model key (catalog key, else the name)."""
+        self._stale: set[tuple[str, str]] = set()
+        """(node, driver) pairs whose stale figures a note already names."""
         for node in topology.nodes:
             for device in node.measured:
                 self._measured[device.name].append((node, device))
@@ -77,7 +79,6 @@ class FigureBook:
             if name.strip().lower() not in names:
                 self.notes.append(f'[devices."{name}"] matches no GPU of the cluster (GPUs are named as '
                                   "`nvidia-smi -L` prints them, or by their catalog key)")
-        self._stale: set[tuple[str, str]] = set()
 
     def of(self, node: NodeTopology, gpu: Gpu, *, dtype: str) -> Figure | None:
         figure = self._declared_figure(gpu) or self._measured_figure(node, gpu, dtype) or _catalog_figure(gpu, dtype)

@@ -474,7 +474,7 @@ class Planner:
         if unused:
             reason = "slower" if self.job.objective == Objective.FASTEST else "dearer per token"
             notes.append(f"left out {', '.join(unused)}: adding them made the plan {reason}")
-        notes.extend(self._no_fast_path_notes(used))
+        notes.extend(self._no_fast_path_notes({self.pool.domains[i].type.model for i, _ in best.selection}))
         if best.split.grad_accum_steps > 1:
             notes.append(f"{best.split.grad_accum_steps} accumulation steps: larger micro-batches do not fit "
                          f"(or exceed [train] micro_batch_size = {self.job.micro_batch_limit})")
@@ -496,15 +496,15 @@ class Planner:
                          "with gloo through host memory")
         return notes
 
-    def _no_fast_path_notes(self, labels: set[str]) -> list[str]:
-        """GPUs of the plan the catalog gives no 16-bit tensor rate: costed at fp32, which a bf16 job
-        on them would not reach (the workers emulate bf16)."""
+    def _no_fast_path_notes(self, models: set[str]) -> list[str]:
+        """GPU models of the plan the catalog gives no 16-bit tensor rate: costed at fp32, which a bf16
+        job on them would not reach (the workers emulate bf16)."""
         if self.job.compute_dtype != "bf16":
             return []
-        slow = sorted(label for label in labels if (model := catalog.find(label.split(" ")[0])) is not None
+        slow = sorted(key for key in models if (model := catalog.find(key)) is not None
                       and not ({"bf16", "fp16"} & set(model.peak_tflops)))
-        return [f"{label} has no bf16 or fp16 tensor cores: costed at its fp32 rate; set [train] precision = "
-                '"fp32" to train at it' for label in slow]
+        return [f"{key} has no bf16 or fp16 tensor cores: costed at its fp32 rate; set [train] precision = "
+                '"fp32" to train at it' for key in slow]
 
     def _hook_advice(self, best: Outcome, costing: Costing) -> list[str]:
         """Where plain all-reduce leaves the step waiting on the wire, what each compressing hook the

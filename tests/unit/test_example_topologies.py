@@ -51,3 +51,11 @@ def test_every_example_machine_plans_a_gpu_job(path, memory):
     assert sum(1 for island in cluster.nvlink_islands if island.size > 1) == islands
     assert cluster.link(node.gpus[0].uuid, node.gpus[1].uuid).kind == link
     assert {basis.source for basis in plan.device_bases} == {"catalog"}
+
+
+def test_a_gpu_without_16_bit_tensor_cores_is_planned_at_fp32_and_the_notes_say_so(memory):
+    cluster = load_files([EXAMPLES / "2xgtx1080ti-desktop.nvidia-smi.txt"])
+    plan = Planner(cluster, GPU_JOB, memory=memory, exact_memory=False).plan()
+    assert plan.device_bases[0].tflops == 11.34  # the fp32 rate: Pascal has no tensor cores
+    assert 'GTX-1080-Ti has no bf16 or fp16 tensor cores: costed at its fp32 rate; set [train] precision = "fp32"' \
+        in " ".join(plan.notes)
