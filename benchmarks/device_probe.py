@@ -1,7 +1,8 @@
 """The topology probe's measured device figures beside the same quantities measured the benchmarks' way.
 
-    python3 benchmarks/device_probe.py                     # on a GPU machine: every GPU model, and the CPUs
+    python3 benchmarks/device_probe.py                     # on a GPU machine: every GPU model, the CPUs, the plan check
     python3 benchmarks/device_probe.py --json probe.json
+    python3 benchmarks/device_probe.py --skip-plan-check   # the figures only (a minute)
     python3 benchmarks/device_probe.py --cpu-only          # the CPU row only (this project's CPU machines)
 
 GPU rows (the probe's micro-benchmark, topology/device_bench.py, run in this process):
@@ -11,6 +12,11 @@ GPU rows (the probe's micro-benchmark, topology/device_bench.py, run in this pro
   HBM copy      the probe's device copy, beside benchmarks/kernels.py's copy baseline at 1,000 MB buckets
                 (`copy_gbs`: graph replays and back-to-back calls, the faster; 4,211 GB/s on an H200)
   The acceptance for the probe: each within 10 % of its benchmark.
+Plan check (GPU 0): GPT-2 124M (B=32, T=1024) and GPT 1.3B (B=8, T=2048), the worker engine compiled in
+bf16 as benchmarks/step.py's engine row runs it, measured over timed steps; beside each, the planner's
+predicted step on this machine's probed map (its measured figures), and the step predicted by a
+calibration fitted on the *other* model's row (`archipelago calibrate`'s leave-one-out). The
+acceptance: within 5 % after calibration.
 CPU row: the probe's fp32 product rate of one core, beside the examples/cpu-tiny.toml model's training
 step on that core (the worker engine, micro-batch 16, one thread): the share of the product rate the
 step reaches beyond the compute model's fixed overhead, which is what
@@ -36,14 +42,25 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
 from core.config import JobConfig  # noqa: E402
+from orchestrator.accounting import calibrate  # noqa: E402
+from orchestrator.planning import make_plan  # noqa: E402
 from orchestrator.planning.compute import CPU_UTILISATION_OF_MEASURED, ComputeModel  # noqa: E402
 from orchestrator.planning.resolve import uniform_spec  # noqa: E402
+from topology import ClusterTopology  # noqa: E402
 from topology.device_bench import CPU_MATMUL_SIZE, gpus_to_measure, matmul_tflops, measure_gpu  # noqa: E402
+from topology.device_figures import DeviceBench  # noqa: E402
+from topology.probe import probe_local_node  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 0.10
 """The probe's figures are held to within this share of the benchmarks'."""
+PLAN_TOLERANCE = 0.05
+"""A calibrated prediction is held to within this share of the measured step."""
+PLAN_MODELS = {  # name: (model section, micro-batch): benchmarks/step.py's rows and DESIGN.md's anchors
+    "gpt2-124m": ({"n_layer": 12, "n_head": 12, "n_embd": 768, "seq_len": 1024, "vocab_size": 50304}, 32),
+    "gpt-1.3b": ({"n_layer": 24, "n_head": 16, "n_embd": 2048, "seq_len": 2048, "vocab_size": 50304}, 8),
+}
 
 
 def cpu_row(rounds: int, steps: int, seconds: float) -> dict:
@@ -118,6 +135,48 @@ def gpu_rows(seconds: float) -> list[dict]:
     return rows + [{"note": note} for note in notes]
 
 
+def engine_step_seconds(config: JobConfig, micro: int, warmup: int, steps: int) -> float:
+    """The compiled engine's median step on GPU 0, each step's start marked by a CUDA event."""
+    engine = Engine(uniform_spec(config, world_size=1, micro_batch_size=micro, grad_accum_steps=1), 0,
+                    torch.device("cuda", 0))
+    generator = torch.Generator().manual_seed(0)
+    batch = torch.randint(0, config.model.vocab_size, (micro, config.model.seq_len + 1), generator=generator).cuda()
+    marks = []
+    for step in range(warmup + steps + 1):
+        if step >= warmup:
+            marks.append(torch.cuda.Event(enable_timing=True))
+            marks[-1].record()
+        if step < warmup + steps:
+            engine([batch], 3e-4)
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:]))
+
+
+def plan_check(warmup: int, steps: int) -> list[dict]:
+    """Each model's measured step beside its plan's prediction and a calibration fitted on the others."""
+    with tempfile.TemporaryDirectory() as cache:
+        topology = ClusterTopology(nodes=[probe_local_node(bench=DeviceBench(cache_dir=Path(cache)))])
+    runs = []
+    for name, (model, micro) in PLAN_MODELS.items():
+        config = JobConfig.from_dict({"name": name, "model": model, "cluster": {"use_gpu": True},
+                                      "compile": {"enable": True}, "placement": {"min_gpus": 1, "max_gpus": 1},
+                                      "train": {"global_batch_size": micro, "micro_batch_size": micro,
+                                                "precision": "bf16", "warmup_steps": 0}})
+        plan = make_plan(topology, config)
+        runs.append(calibrate.FinishedRun(name=name, plan=plan, step_seconds=engine_step_seconds(
+            config, micro, warmup, steps), exposed_seconds=0.0))
+        torch.cuda.empty_cache()
+    rows = []
+    for run, check in zip(runs, calibrate.leave_one_out(runs, {})):
+        rows.append({"plan_check": run.name, "device": run.plan.workers[0].device_model,
+                     "figures": run.plan.device_bases[0].source, "measured_ms": round(check.measured_s * 1e3, 2),
+                     "planned_ms": round(check.before_s * 1e3, 2), "error_planned": round(check.error_before, 4),
+                     "calibrated_on_the_other_ms": round(check.after_s * 1e3, 2),
+                     "error_calibrated": round(check.error_after, 4),
+                     "within_5_percent": abs(check.error_after) <= PLAN_TOLERANCE})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the rows here too")
@@ -125,8 +184,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7, help="CPU: alternating rounds of product rate and steps")
     parser.add_argument("--steps", type=int, default=10, help="CPU: training steps per round")
     parser.add_argument("--seconds", type=float, default=0.3, help="time per probe figure (the probe's default)")
+    parser.add_argument("--skip-plan-check", action="store_true", help="GPU: no planned-against-measured steps")
+    parser.add_argument("--plan-steps", type=int, default=20, help="GPU: timed engine steps per model (after 5)")
     args = parser.parse_args()
-    rows = [] if args.cpu_only or not torch.cuda.is_available() else gpu_rows(args.seconds)
+    gpu = torch.cuda.is_available() and not args.cpu_only
+    rows = gpu_rows(args.seconds) if gpu else []
+    if gpu and not args.skip_plan_check:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        rows += plan_check(warmup=5, steps=args.plan_steps)
     rows.append(cpu_row(args.rounds, args.steps, args.seconds))
     for row in rows:
         print(json.dumps(row), flush=True)
