@@ -9,7 +9,7 @@
     archipelago report runs/a runs/b                     # two runs side by side (runs/compare-a-b/)
     archipelago prices --config job.toml                 # devices, peaks and prices in one unit ($ per bf16 TFLOP/s·h)
     archipelago topology                                 # the live Ray cluster's map (RAY_ADDRESS, else embedded)
-    archipelago topology --local                         # this machine through NVML, without Ray (and its measured figures)
+    archipelago topology --local                         # this machine through NVML and its measured figures
     archipelago topology --from node-a.txt --from node-b.txt   # `nvidia-smi -L; nvidia-smi topo -m` texts
     archipelago topology --generate 8xH100-SXM:4,8xL40S:2      # a made-up cluster, for planning
     ray start --head $(archipelago node-resources)       # advertise islands and MIG profiles to Ray
@@ -172,7 +172,8 @@ def _calibrate(args: argparse.Namespace, console: Console) -> int:
 
 
 def _print_checks(checks: list[calibrate.Check], console: Console) -> None:
-    table = Table(title="each run predicted by a calibration fitted on the others (leave-one-out)", title_justify="left")
+    table = Table(title="each run predicted by a calibration fitted on the others (leave-one-out)",
+                  title_justify="left")
     for column in ("run", "devices", "measured ms", "planned ms", "error", "after ms", "error", "other runs"):
         table.add_column(column, justify="left" if column in ("run", "devices") else "right")
     for c in checks:
@@ -254,7 +255,8 @@ def _add_topology_commands(commands: argparse._SubParsersAction) -> None:
     topology = commands.add_parser("topology", help="map GPUs, MIG slices, NVLink islands, PCIe/NUMA and NICs")
     source = topology.add_mutually_exclusive_group()
     source.add_argument("--address", help="Ray cluster to map (default: RAY_ADDRESS, else an embedded cluster)")
-    source.add_argument("--local", action="store_true", help="map this machine through NVML, without Ray, and measure its devices")
+    source.add_argument("--local", action="store_true",
+                        help="map this machine through NVML, without Ray, and measure its devices")
     source.add_argument("--from", dest="from_files", action="append", metavar="FILE",
                         help="a saved topology JSON, or `nvidia-smi -L; nvidia-smi topo -m` text (one node "
                              "per text file); repeat for more nodes")

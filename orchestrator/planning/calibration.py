@@ -60,8 +60,9 @@ class Calibration:
                               where=where, fix=_FIX)
         unknown = sorted(set(data) - {link.value for link in LinkClass} - {COMPUTE_KEY})
         if unknown:
+            classes = ", ".join(link.value for link in LinkClass)
             raise ConfigError(f"unknown link class {unknown[0]!r}", where=where,
-                              fix=f"keys are link classes ({', '.join(link.value for link in LinkClass)}) and {COMPUTE_KEY}")
+                              fix=f"keys are link classes ({classes}) and {COMPUTE_KEY}")
         links = parse_calibration({k: v for k, v in data.items() if k != COMPUTE_KEY}, where=where)
         return cls(links=links, compute_efficiency=_parse_efficiency(data.get(COMPUTE_KEY, {}), where), path=where)
 

@@ -170,12 +170,14 @@ def _network_hop(node: NodeTopology, collectives: CollectiveCostModel) -> Hop:
     return collectives.hop(kind, gb_per_s)
 
 
-def _cpu_type(node: NodeTopology, cores: int, memory_bytes: int, dtype: str, nominal_gflops_per_core: float) -> DeviceType:
+def _cpu_type(node: NodeTopology, cores: int, memory_bytes: int, dtype: str,
+              nominal_gflops_per_core: float) -> DeviceType:
     measured = next((d for d in node.measured if d.name == "cpu"), None)
     per_core = (measured.fp32_tflops if dtype == "fp32" else measured.bf16_tflops) if measured else 0.0
     source = Source.MEASURED if per_core else Source.NOMINAL
     per_core = per_core or nominal_gflops_per_core / 1000
-    bandwidth = measured.memory_gb_per_s * 1e9 if measured and measured.memory_gb_per_s else CPU_MEMORY_BYTES_PER_S_PER_CORE
+    bandwidth = (measured.memory_gb_per_s * 1e9 if measured and measured.memory_gb_per_s
+                 else CPU_MEMORY_BYTES_PER_S_PER_CORE)
     return DeviceType(kind=DeviceKind.CPU, model="cpu", label="cpu", cores=cores, peak_tflops=cores * per_core,
                       memory_bytes=memory_bytes, price_units=float(cores), memory_bytes_per_s=cores * bandwidth,
                       source=source, stated_tflops=cores * per_core)

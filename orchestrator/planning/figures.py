@@ -87,7 +87,8 @@ class FigureBook:
         return figure
 
     def _declared_figure(self, gpu: Gpu) -> Figure | None:
-        spec = next((self._declared[n.lower()] for n in (gpu.name, gpu.model) if n and n.lower() in self._declared), None)
+        names = [name.lower() for name in (gpu.name, gpu.model) if name]
+        spec = next((self._declared[name] for name in names if name in self._declared), None)
         if spec is None:
             return None
         self.prices[gpu.model or gpu.name] = spec.price
@@ -105,7 +106,8 @@ class FigureBook:
             if node.driver_version and device.driver_version != node.driver_version:
                 self._note_stale(node, device)
                 continue
-            bandwidth = device.memory_gb_per_s * 1e9 / MEASURED_COPY_SHARE_OF_NOMINAL if device.memory_gb_per_s else None
+            bandwidth = (device.memory_gb_per_s * 1e9 / MEASURED_COPY_SHARE_OF_NOMINAL
+                         if device.memory_gb_per_s else None)
             return Figure(source=Source.MEASURED, peak_tflops=rate / MEASURED_MATMUL_SHARE_OF_PEAK, stated_tflops=rate,
                           memory_bytes=None if gpu.memory_bytes else self._memory.get(gpu.name),
                           memory_bytes_per_s=bandwidth)
@@ -115,9 +117,10 @@ class FigureBook:
         if (node.node_id, device.driver_version) in self._stale:
             return
         self._stale.add((node.node_id, device.driver_version))
-        self.notes.append(f"dropped the {device.name} figures measured under driver {device.driver_version or 'unknown'} "
-                          f"for {node.node_id}, which runs driver {node.driver_version}: probe it again "
-                          "(`archipelago topology --local --json`) to plan it on measured figures")
+        driver = device.driver_version or "unknown"
+        self.notes.append(f"dropped the {device.name} figures measured under driver {driver} for {node.node_id}, "
+                          f"which runs driver {node.driver_version}: probe it again (`archipelago topology --local "
+                          "--json`) to plan it on measured figures")
 
 
 def _catalog_figure(gpu: Gpu, dtype: str) -> Figure | None:

@@ -648,7 +648,8 @@ def _unknown_gpus_error(unknown: dict[str, int]) -> PlacementError:
     if not named:
         return PlacementError(f"the cluster's {unknown['']} GPUs have no model name: the nvidia-smi text has no "
                               "`nvidia-smi -L` lines", where="topology",
-                              fix="save `nvidia-smi -L; nvidia-smi topo -m` together, so the names come with the matrix")
+                              fix="save `nvidia-smi -L; nvidia-smi topo -m` together, so the names come with "
+                                  "the matrix")
     example = sorted(named)[0]
     return PlacementError(
         f"the cluster's GPUs are of models the device catalog lacks, with no measured or declared figures: "
