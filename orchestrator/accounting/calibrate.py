@@ -13,9 +13,9 @@ measured, the exposed communication measured (DDP's timers), and what the plan p
 with the figures and calibration it recorded (Plan.device_bases, Plan.bottleneck_*). Compute
 efficiency of a device model is the geometric mean, over the runs that ran on that model alone, of
 its predicted compute at efficiency 1 over the compute measured (step less exposed communication).
-A link class's bandwidth is the geometric mean over its runs of the costed bandwidth scaled by
-exposed communication predicted over measured; a sweep's row (alpha and bus bandwidth from an
-all-reduce sweep) takes precedence. A run is predicted again by scaling its plan's own compute and
+A link class's bandwidth is the geometric mean, over its runs whose plans waited on the wire for 5 % of
+the step or more, of the costed bandwidth scaled by exposed communication predicted over measured; a
+sweep's row (alpha and bus bandwidth from an all-reduce sweep) takes precedence. A run is predicted again by scaling its plan's own compute and
 exposed communication: a heterogeneous plan's compute by the rate its devices' new efficiencies give
 its split (a re-balanced split), its communication by the bandwidth ratio (exact where nothing of it
 hid behind backward).
@@ -37,6 +37,10 @@ from orchestrator.planning.collectives import DEFAULT_CALIBRATION, LinkCalibrati
 
 SWEEP_FILES = ("multigpu.json", "calibration.json")
 """What benchmarks/multigpu.py writes into its --out folder: the sweep's calibration is in either."""
+LINK_SHARE_MIN = 0.05
+"""A run tells about its link only when its plan had it wait at least this share of the step on the
+wire: below, what DDP's timers call exposed is mostly ranks waiting for a slower rank (on the CPU
+demo, a core another process took), and the ratio would scale the link by noise."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +129,8 @@ def fit(runs: list[FinishedRun], sweeps: dict[LinkClass, LinkCalibration]) -> Ca
     links = dict(sweeps)
     bandwidths: dict[LinkClass, list[tuple[float, float]]] = {}
     for run in runs:
-        if run.link is not None and run.link not in sweeps and run.exposed_seconds > 0:
+        waits = run.plan.predicted.exposed_communication_seconds >= LINK_SHARE_MIN * run.plan.predicted.step_seconds
+        if run.link is not None and run.link not in sweeps and run.exposed_seconds > 0 and waits:
             scale = run.plan.predicted.exposed_communication_seconds / run.exposed_seconds
             bandwidths.setdefault(run.link, []).append((run.plan.bottleneck_gb_per_s * scale,
                                                         run.plan.bottleneck_alpha_us))

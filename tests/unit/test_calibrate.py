@@ -94,6 +94,13 @@ def test_a_link_is_fitted_from_what_the_runs_waited_and_a_sweep_takes_precedence
     assert calibrate.predict(run, fitted) == pytest.approx(run.step_seconds, rel=0.01)
     sweep = calibrate.load_sweeps([TOPOLOGIES / "h200x2-nvswitch.calibration.json"])
     assert calibrate.fit([run], sweep).links[LinkClass.NVSWITCH].bus_gb_per_s == 323.1
+    # Over NVSwitch at its default figures the plan barely waits on the wire: what a run then measures
+    # as exposed is ranks waiting for each other, and says nothing about the link.
+    fast = plan_on("8xH200:1", gpus=2)
+    assert fast.predicted.exposed_communication_seconds < calibrate.LINK_SHARE_MIN * fast.predicted.step_seconds
+    straggled = calibrate.FinishedRun.load(finished(tmp_path / "fast", fast, 2 * fast.predicted.step_seconds,
+                                                    fast.predicted.step_seconds))
+    assert calibrate.fit([straggled], {}).links == {}
 
 
 def test_the_command_writes_the_runs_directorys_calibration_and_reports_the_error(capsys, tmp_path, monkeypatch):
