@@ -17,11 +17,13 @@ bf16 as benchmarks/step.py's engine row runs it, measured over timed steps; besi
 predicted step on this machine's probed map (its measured figures), and the step predicted by a
 calibration fitted on the *other* model's row (`archipelago calibrate`'s leave-one-out). The
 acceptance: within 5 % after calibration.
-CPU row: the probe's fp32 product rate of one core, beside the examples/cpu-tiny.toml model's training
-step on that core (the worker engine, micro-batch 16, one thread): the share of the product rate the
-step reaches beyond the compute model's fixed overhead, which is what
-orchestrator/planning/compute.py's CPU_UTILISATION_OF_MEASURED holds. Rounds alternate between the two
-and the median of the rounds' shares is reported, so a machine other work slows for a while slows both.
+CPU row: the probe's fp32 product rate per core (measured as the probe measures it, every core at
+work), beside the examples/cpu-tiny.toml model's training step on one core (the worker engine,
+micro-batch 16, one thread): the share of the product rate the step reaches beyond the compute
+model's fixed overhead, which is what orchestrator/planning/compute.py's CPU_UTILISATION_OF_MEASURED
+holds. Rounds alternate between the two and the median of the rounds' shares is reported. Run it on
+an idle machine: other work slows a product far more than it slows a small model's step (on this
+project's 2-core machine, under two other test suites, the share read 0.47 against 0.35 idle).
 Needs no Ray (the GPU machines have none).
 """
 
@@ -47,7 +49,7 @@ from orchestrator.planning import make_plan  # noqa: E402
 from orchestrator.planning.compute import CPU_UTILISATION_OF_MEASURED, ComputeModel  # noqa: E402
 from orchestrator.planning.resolve import uniform_spec  # noqa: E402
 from topology import ClusterTopology  # noqa: E402
-from topology.device_bench import CPU_MATMUL_SIZE, gpus_to_measure, matmul_tflops, measure_gpu  # noqa: E402
+from topology.device_bench import gpus_to_measure, measure_cpu, measure_gpu  # noqa: E402
 from topology.device_figures import DeviceBench  # noqa: E402
 from topology.probe import probe_local_node  # noqa: E402
 from workers.engine import Engine  # noqa: E402
@@ -77,7 +79,8 @@ def cpu_row(rounds: int, steps: int, seconds: float) -> dict:
     engine([batch], 1e-3)  # warm-up: allocator, first kernels
     shares, rates, step_times = [], [], []
     for _ in range(rounds):
-        rate = matmul_tflops(torch.device("cpu"), torch.float32, CPU_MATMUL_SIZE, seconds)
+        rate = measure_cpu(seconds).fp32_tflops  # the probe's own figure: every core at work, per core
+        torch.set_num_threads(1)
         begin = time.perf_counter()
         for _ in range(steps):
             engine([batch], 1e-3)

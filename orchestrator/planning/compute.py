@@ -60,11 +60,14 @@ column), so its cost follows the matrices, not the bytes: 15.4 ms a step for GPT
 H200 host (28.6 ms in an earlier call on another host)."""
 
 
-CPU_UTILISATION_OF_MEASURED = 0.49
+CPU_UTILISATION_OF_MEASURED = 0.35
 """Share of the probe's measured product rate per core (topology/device_bench.py: 1024³ fp32, one thread
 on every core) that a CPU worker's training step reaches beyond its fixed overhead: the demo model
-(examples/cpu-tiny.toml, micro-batch 16) on one core of this project's 2-core Intel Xeon, 0.49 (rounds
-0.44–0.55; benchmarks/device_probe.py --cpu-only, benchmarks/RESULTS.md, 2026-12-03)."""
+(examples/cpu-tiny.toml, two workers of micro-batch 16) on this project's 2-core Intel Xeon, idle: the
+probe read 203 GFLOP/s a core and a step took 178 ms, 4 % of it exposed communication (`make demo`,
+benchmarks/RESULTS.md, 2026-12-03). Measured under other work the share reads higher (0.47): a busy
+core slows a large product more than a small model's step; `archipelago calibrate` corrects a
+machine's own figure from its runs."""
 
 
 @dataclass(frozen=True, slots=True)
