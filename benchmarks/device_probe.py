@@ -23,7 +23,8 @@ micro-batch 16, one thread): the share of the product rate the step reaches beyo
 model's fixed overhead, which is what orchestrator/planning/compute.py's CPU_UTILISATION_OF_MEASURED
 holds. Rounds alternate between the two and the median of the rounds' shares is reported. Run it on
 an idle machine: other work slows a product far more than it slows a small model's step (on this
-project's 2-core machine, under two other test suites, the share read 0.47 against 0.35 idle).
+project's 2-core machine, under two other test suites, the share read 0.47 to 1.14 against 0.28-0.35
+from idle demo runs).
 Needs no Ray (the GPU machines have none).
 """
 

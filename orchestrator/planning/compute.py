@@ -60,14 +60,15 @@ column), so its cost follows the matrices, not the bytes: 15.4 ms a step for GPT
 H200 host (28.6 ms in an earlier call on another host)."""
 
 
-CPU_UTILISATION_OF_MEASURED = 0.35
+CPU_UTILISATION_OF_MEASURED = 0.31
 """Share of the probe's measured product rate per core (topology/device_bench.py: 1024³ fp32, one thread
 on every core) that a CPU worker's training step reaches beyond its fixed overhead: the demo model
-(examples/cpu-tiny.toml, two workers of micro-batch 16) on this project's 2-core Intel Xeon, idle: the
-probe read 203 GFLOP/s a core and a step took 178 ms, 4 % of it exposed communication (`make demo`,
-benchmarks/RESULTS.md, 2026-12-03). Measured under other work the share reads higher (0.47): a busy
-core slows a large product more than a small model's step; `archipelago calibrate` corrects a
-machine's own figure from its runs."""
+(examples/cpu-tiny.toml, two workers of micro-batch 16) on this project's 2-core Intel Xeon, nearly
+idle, in two `make demo` runs on fresh caches: the probe read 203 and 214 GFLOP/s a core and a step
+took 178 and 205 ms (3-4 % of it waiting on gloo), shares 0.35 and 0.28 (benchmarks/RESULTS.md,
+2026-12-03). Read under other work the share comes out higher (0.47): a busy core slows a large
+product more than a small model's step. `archipelago calibrate` corrects a machine's own figure from
+its runs."""
 
 
 @dataclass(frozen=True, slots=True)
