@@ -20,7 +20,7 @@ acceptance: within 5 % after calibration.
 CPU row: the probe's fp32 product rate per core (measured as the probe measures it, every core at
 work), beside the examples/cpu-tiny.toml model's training step on one core (the worker engine,
 micro-batch 16, one thread): the share of the product rate the step reaches beyond the compute
-model's fixed overhead, which is what orchestrator/planning/compute.py's CPU_UTILISATION_OF_MEASURED
+model's fixed overhead, which is what planning/compute.py's CPU_UTILISATION_OF_MEASURED
 holds. Rounds alternate between the two and the median of the rounds' shares is reported. Run it on
 an idle machine: other work slows a product far more than it slows a small model's step (on this
 project's 2-core machine, under two other test suites, the share read 0.47 to 1.14 against 0.28-0.35
@@ -46,9 +46,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from core.config import JobConfig  # noqa: E402
 from orchestrator.accounting import calibrate  # noqa: E402
-from orchestrator.planning import make_plan  # noqa: E402
-from orchestrator.planning.compute import CPU_UTILISATION_OF_MEASURED, ComputeModel  # noqa: E402
-from orchestrator.planning.resolve import uniform_spec  # noqa: E402
+from planning import make_plan  # noqa: E402
+from planning.compute import CPU_UTILISATION_OF_MEASURED, ComputeModel  # noqa: E402
+from planning.model_size import model_facts  # noqa: E402
+from planning.resolve import uniform_spec  # noqa: E402
 from topology import ClusterTopology  # noqa: E402
 from topology.device_bench import gpus_to_measure, measure_cpu, measure_gpu  # noqa: E402
 from topology.device_figures import DeviceBench  # noqa: E402
@@ -71,12 +72,13 @@ def cpu_row(rounds: int, steps: int, seconds: float) -> dict:
     torch.set_num_threads(1)
     config = JobConfig.from_toml(ROOT / "examples/cpu-tiny.toml")
     micro = config.train.micro_batch_size
-    engine = Engine(uniform_spec(config, world_size=1, micro_batch_size=micro, grad_accum_steps=1), 0,
-                    torch.device("cpu"))
+    spec = uniform_spec(config, world_size=1, micro_batch_size=micro, grad_accum_steps=1)
+    engine = Engine(spec, 0, torch.device("cpu"))
     batch = torch.randint(0, config.model.vocab_size, (micro, config.model.seq_len + 1),
                           generator=torch.Generator().manual_seed(0))
-    flops = engine.model.flops_per_token() * micro * config.model.seq_len
-    overhead = ComputeModel().overhead_s(config.model.n_layer, cpu=True)
+    flops = spec.flops_per_token * micro * config.model.seq_len
+    # The planner's per-block overhead, over the blocks it counts (planning/costing.py's n_layer).
+    overhead = ComputeModel().overhead_s(model_facts(spec.workload, config.model.seq_len).blocks, cpu=True)
     engine([batch], 1e-3)  # warm-up: allocator, first kernels
     shares, rates, step_times = [], [], []
     for _ in range(rounds):

@@ -50,15 +50,16 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import planning  # noqa: E402
 from core.config import JobConfig  # noqa: E402
 from core.spec import WorkerSpec  # noqa: E402
-from orchestrator import planning  # noqa: E402
-from orchestrator.planning.resolve import uniform_spec  # noqa: E402
+from planning.model_size import model_facts  # noqa: E402
+from planning.resolve import uniform_spec  # noqa: E402
 from topology import catalog  # noqa: E402
 from topology.cluster import ClusterTopology  # noqa: E402
 from topology.probe import probe_local_node  # noqa: E402
 from workers.engine import Engine  # noqa: E402
-from workers.models.gpt import GPT  # noqa: E402
+from workers.models import make_workload  # noqa: E402
 
 # name: (model section, micro-batch per GPU)
 GPU_MODELS = {
@@ -178,7 +179,7 @@ def calibration_row(rows: list[dict], world: int) -> dict:
 
 
 def measured_ddp_compute_slowdown(rows: list[dict]) -> float | None:
-    """The calibration's ddp_compute_slowdown (orchestrator/planning/collectives.py) from the train section: the
+    """The calibration's ddp_compute_slowdown (planning/collectives.py) from the train section: the
     engine's DDPOptimizer rows' compute_slowdown_vs_1gpu, averaged over the models; None without one."""
     shares = [max(0.0, row["compute_slowdown_vs_1gpu"]) for row in rows
               if row["config"] == ENGINE_CONFIGS["ddp_optimizer"][0] and "compute_slowdown_vs_1gpu" in row]
@@ -214,7 +215,7 @@ def engine_run(rank: int, world: int, cpu: bool, model: dict, micro: int, sectio
     metrics = engine.window_metrics()
     if rank == 0:
         Path(out_path).write_text(json.dumps({
-            "step_s": seconds, "warmup_s": warm, "flops_per_token": engine.model.flops_per_token(),
+            "step_s": seconds, "warmup_s": warm, "flops_per_token": spec.flops_per_token,
             "exposed_comm_s": metrics.get("exposed_comm_s"), "comm_s": metrics.get("comm_s"),
             "overlap_ratio": metrics.get("overlap_ratio"),
             "peak_mem_GiB": None if cpu else torch.cuda.max_memory_allocated() / 2**30}))
@@ -227,7 +228,8 @@ def plain_ddp_run(rank: int, world: int, cpu: bool, model: dict, micro: int, war
     config = _job(model, micro, world, cpu)
     device = _device(rank, cpu)
     torch.manual_seed(0)
-    net = GPT(config.model).to(device)
+    workload = make_workload(config.model)
+    net = workload.build().to(device)
     ddp = torch.nn.parallel.DistributedDataParallel(net, device_ids=None if cpu else [rank])
     forward = ddp if cpu else torch.compile(ddp)
     optimizer = torch.optim.AdamW(net.parameters(), lr=3e-4, fused=not cpu)
@@ -243,7 +245,7 @@ def plain_ddp_run(rank: int, world: int, cpu: bool, model: dict, micro: int, war
     seconds, warm = _median_step(step, warmup, steps, cpu)
     if rank == 0:
         Path(out_path).write_text(json.dumps({"step_s": seconds, "warmup_s": warm,
-                                              "flops_per_token": net.flops_per_token()}))
+                                              "flops_per_token": model_facts(workload, config.model.seq_len).flops_per_token}))
 
 
 def _row(what: str, name: str, result: dict, world: int, tokens_per_step_per_rank: int, peak: float | None) -> dict:
@@ -307,7 +309,7 @@ def plan_section(args, world: int, topology: ClusterTopology, calibration: dict 
                 continue
             kwargs = {}
             if table is not None:
-                from orchestrator.planning.collectives import CollectiveCostModel, parse_calibration
+                from planning.collectives import CollectiveCostModel, parse_calibration
                 kwargs["collectives"] = CollectiveCostModel(parse_calibration(table, where="sweep"))
             try:
                 plan = planning.make_plan(topology, config, **kwargs)
@@ -540,7 +542,7 @@ def main() -> None:
 
 def _link_class(topology: ClusterTopology) -> str:
     """The class of the slowest link between this machine's GPUs (the ring's bottleneck)."""
-    from orchestrator.planning.collectives import LinkClass
+    from planning.collectives import LinkClass
     links = [link for node in topology.nodes for link in node.links]
     kinds = {getattr(link.kind, "value", link.kind) for link in links}
     if not links or kinds - {"nvlink", "nvswitch"}:

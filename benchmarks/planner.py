@@ -32,8 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 from core.config import JobConfig  # noqa: E402
-from orchestrator.planning import memory  # noqa: E402
-from orchestrator.planning.planner import Planner  # noqa: E402
+from planning import memory  # noqa: E402
+from planning.planner import Planner  # noqa: E402
 from topology import machines  # noqa: E402
 
 LARGE_CLUSTER = "8xH100-SXM:512,8xA100-SXM:256,8xL40S:256"

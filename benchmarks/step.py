@@ -1,16 +1,21 @@
 """Worker step throughput on one GPU: plain PyTorch (eager, torch.compile) against the archipelago engine.
 
     python3 benchmarks/step.py                                  # GPT-2 124M (B=32, T=1024) and 1.3B (B=8, T=2048)
+    python3 benchmarks/step.py --models llama3-1b llama3-3b --skip-eager --variants "bf16 weights" fp8
+                                                                # Llama-3.2-1B (B=4) and 3B (B=2) shapes, T=2048,
+                                                                # with torchtitan's Llama where it imports
     python3 benchmarks/step.py --models gpt2-124m --steps 20 --json step.json
     python3 benchmarks/step.py --models gpt-1.3b --curve-steps 200      # engine bf16 and fp8, loss curves compared
     python3 benchmarks/step.py --models gpt-1.3b --curve-steps 200 --skip-plain --variants fp8 "seed 1"
     python3 benchmarks/step.py --variants "chunked loss" "cudnn attention+plain loss" --profile --json step.json
     python3 benchmarks/step.py --models gpt2-124m --ddp-modes           # compile + DDP on a 1-rank NCCL group
 
-Every configuration trains the same model (workers.models.gpt.GPT: pre-norm, tied embeddings, vocab
-50304) in bf16 autocast with fused AdamW on the same real text: the bytes of the Python standard
-library's source files as token ids, a fresh window every step. The baselines drive the model from a
-plain PyTorch loop (eager, then torch.compile) with the plain full-logits loss; the engine is
+Every configuration of a model trains the same model (the built-in GPT, pre-norm with tied embeddings
+and vocab 50304, or the built-in Llama at a preset's shape) in bf16 autocast with fused AdamW on the
+same real text: the bytes of the Python standard library's source files as token ids, a fresh window
+every step. The baselines drive the model from a plain PyTorch loop (eager, then torch.compile) with
+the plain full-logits loss; for a Llama, torchtitan's own Llama-3 model too (its per-block compile,
+its loss, tied like ours where the preset ties) when the torchtitan package imports; the engine is
 workers.engine.Engine with its defaults and torch.compile; "engine fp8" adds precision = "fp8"
 (torchao, where installed; the default for the 1.3B model). A variant ("+"-joined names from VARIANTS)
 is the engine with those settings changed. Each row prints tokens/s, MFU against the GPU's dense bf16
@@ -48,18 +53,22 @@ import torch._dynamo.utils as dynamo_utils
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core.config import JobConfig, ModelConfig  # noqa: E402
-from orchestrator.planning.resolve import uniform_spec  # noqa: E402
+from core.schedule import LrSchedule  # noqa: E402
+from planning.model_size import ModelFacts, model_facts  # noqa: E402
+from planning.resolve import uniform_spec  # noqa: E402
 from topology import catalog  # noqa: E402
 from topology.nvml import Nvml  # noqa: E402
 from workers.comm.stats import CommStats  # noqa: E402
 from workers.engine import Engine  # noqa: E402
-from workers.models.gpt import GPT  # noqa: E402
-from workers.optim import lr_at  # noqa: E402
+from workers.models import make_workload  # noqa: E402
 
-MODELS = {  # vocab, seq_len, width, layers, heads, micro-batch
-    "gpt2-124m": (50304, 1024, 768, 12, 12, 32),
-    "gpt-1.3b": (50304, 2048, 2048, 24, 16, 8),
+MODELS = {  # name: ([model] table, micro-batch)
+    "gpt2-124m": ({"n_layer": 12, "n_head": 12, "n_embd": 768, "seq_len": 1024, "vocab_size": 50304}, 32),
+    "gpt-1.3b": ({"n_layer": 24, "n_head": 16, "n_embd": 2048, "seq_len": 2048, "vocab_size": 50304}, 8),
+    "llama3-1b": ({"preset": "llama3-1b", "seq_len": 2048}, 4),
+    "llama3-3b": ({"preset": "llama3-3b", "seq_len": 2048}, 2),
 }
+DEFAULT_MODELS = ("gpt2-124m", "gpt-1.3b")
 
 LR = 3e-4
 VARIANTS = {  # name: (JobConfig sections to override, SDPA backends in priority order or None)
@@ -83,8 +92,13 @@ DEVICE = "cuda"  # a CPU smoke run of this file (fake CUDA events) sets "cpu"
 
 
 def model_config(name: str) -> ModelConfig:
-    vocab, seq_len, d, layers, heads, _ = MODELS[name]
-    return ModelConfig(n_layer=layers, n_head=heads, n_embd=d, seq_len=seq_len, vocab_size=vocab)
+    return JobConfig.from_dict({"model": MODELS[name][0]}).model
+
+
+def facts(name: str) -> ModelFacts:
+    """Parameters and FLOPs per token, counted as the planner and the bill count them."""
+    cfg = model_config(name)
+    return model_facts(make_workload(cfg), cfg.seq_len)
 
 
 def peak_bf16_flops() -> float:
@@ -182,9 +196,9 @@ def time_steps(step, data: TextBatches, warmup: int, steps: int) -> dict:
 
 
 def plain(name: str, compiled: bool, data: TextBatches, args, repeat: bool = False) -> tuple[dict, object]:
-    """The baseline: the same GPT in a loop a user writes in plain PyTorch (full fp32 logits for the loss)."""
+    """The baseline: the same model in a loop a user writes in plain PyTorch (full fp32 logits for the loss)."""
     torch.manual_seed(0)
-    model = GPT(model_config(name)).to(DEVICE)
+    model = make_workload(model_config(name)).build().to(DEVICE)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=DEVICE == "cuda")
     forward = torch.compile(model) if compiled else model
 
@@ -198,7 +212,91 @@ def plain(name: str, compiled: bool, data: TextBatches, args, repeat: bool = Fal
 
     timing = time_steps(step, data, args.warmup, args.steps)
     label = f"plain {'compile' if compiled else 'eager'}{' (repeat)' if repeat else ''}"
-    return result(label, name, model, timing, data), step
+    return result(label, name, timing, data), step
+
+
+def torchtitan(name: str, data: TextBatches, args) -> tuple[dict, object]:
+    """torchtitan's Llama-3 (its model, init, per-block compile and loss) at the preset's shape, in the
+    loop its trainer runs on one GPU: bf16 autocast, fused AdamW. Its head is tied to the embedding
+    where the preset ties it (torchtitan 0.2 has no switch for that)."""
+    without_its_data_stack()
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.config.job_config import Compile
+    from torchtitan.models.llama3.infra.parallelize import apply_compile
+    from torchtitan.models.llama3.model.args import RoPEScalingArgs, TransformerModelArgs
+    from torchtitan.models.llama3.model.model import Transformer
+
+    cfg = model_config(name)
+    hidden = int(2 * 4 * cfg.n_embd / 3)
+    model_args = TransformerModelArgs(
+        dim=cfg.n_embd, n_layers=cfg.n_layer, n_heads=cfg.n_head, n_kv_heads=cfg.kv_heads, vocab_size=cfg.vocab_size,
+        multiple_of=256, ffn_dim_multiplier=cfg.hidden_dim / hidden, norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
+        rope_scaling_args=RoPEScalingArgs(scaling_factor=cfg.rope_scaling or 1.0), max_seq_len=cfg.seq_len)
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = Transformer(model_args)
+    with torch.no_grad():  # as torchtitan's trainer calls it
+        model.init_weights()
+    if cfg.tie_embeddings:  # with its N(0, 1) embedding rows a tied head's logits start at std ~sqrt(width)
+        torch.nn.init.normal_(model.tok_embeddings.weight, std=0.02)
+        model.output.weight = model.tok_embeddings.weight
+    apply_compile(model, Compile(enable=True))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+    tokens_per_step = data.tokens.shape[1] * (data.tokens.shape[2] - 1)
+
+    def step(tokens, _):
+        with torch.autocast(DEVICE, torch.bfloat16):
+            loss = cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:]) / tokens_per_step
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    timing = time_steps(step, data, args.warmup, args.steps)
+    import torchtitan as package
+    row = result(f"torchtitan {getattr(package, '__version__', '')}".strip(), name, timing, data)
+    row["params_M"] = round(sum(p.numel() for p in model.parameters()) / 1e6, 1)
+    return row, step
+
+
+def liger(name: str, data: TextBatches, args, everything: bool) -> tuple[dict, object]:
+    """The plain compiled loop on the built-in Llama with liger-kernel's fused linear cross-entropy in
+    place of the full-logits loss; `everything` adds its RMSNorm and SwiGLU kernels. What a user would
+    reach for to speed up the plain loop; the engine's own fused loss is the alternative."""
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    from workers.models.llama import FeedForward
+
+    torch.manual_seed(0)
+    model = make_workload(model_config(name)).build().to(DEVICE)
+    fused_loss = LigerFusedLinearCrossEntropyLoss()
+
+    def head(x, targets, loss_kernel):
+        x = model.norm(x)
+        return fused_loss(model.output_weight(), x.reshape(-1, x.size(-1)), targets.reshape(-1))
+
+    model.head = head
+    if everything:
+        for norm in [model.norm, *(n for layer in model.layers for n in (layer.attention_norm, layer.ffn_norm))]:
+            norm.forward = lambda x, norm=norm: LigerRMSNormFunction.apply(x, norm.weight, norm.eps)
+        for ff in (m for m in model.modules() if isinstance(m, FeedForward)):
+            ff.forward = lambda x, ff=ff: ff.w2(LigerSiLUMulFunction.apply(*ff.w13(x).chunk(2, dim=-1)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+    forward = torch.compile(model)
+
+    def step(tokens, _):
+        with torch.autocast(DEVICE, torch.bfloat16):
+            loss = forward(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    timing = time_steps(step, data, args.warmup, args.steps)
+    label = "plain compile + liger loss" + (", norm, swiglu" if everything else "")
+    return result(label, name, timing, data), step
 
 
 def engine_config(name: str, B: int, overrides: dict, steps: int) -> JobConfig:
@@ -258,13 +356,15 @@ def _engine(name: str, label: str, data: TextBatches, args, steps: int, extra: d
             raise ValueError('"unfused step" is a variant of "bf16 weights": write "bf16 weights+unfused step"')
         eng.fused_bf16_step = False  # the path before kernels.adamw, for comparison
 
+    schedule = LrSchedule.for_train(config.train)
+
     def step(tokens, i):
-        return eng([tokens], lr_at(i, config.train))[0]
+        return eng([tokens], schedule.lr_at(i))[0]
 
     with attention_backends(backend):
         timing = time_steps(step, data, args.warmup, steps)
     stats = eng.window_metrics().get("compile", {})
-    row = result(f"engine {label}".strip(), name, eng.model, timing, data)
+    row = result(f"engine {label}".strip(), name, timing, data)
     row.update(graph_breaks=stats.get("graph_breaks"), recompilations=stats.get("recompilations"),
                float8_layers=eng.float8_layers or None, compile_check=eng.compile_check)
     return row, lambda tokens, i: _with(attention_backends(backend), step, tokens, i)
@@ -282,7 +382,7 @@ def ddp_engine(name: str, mode: str, data: TextBatches, args) -> tuple[dict, obj
     config = engine_config(name, B, {"compile": {"ddp_mode": mode}}, args.warmup + args.steps)
     spec = uniform_spec(config, world_size=1, micro_batch_size=B, grad_accum_steps=1, use_gpu=DEVICE == "cuda")
     torch.manual_seed(0)
-    model = GPT(config.model).to(DEVICE)
+    model = make_workload(config.model).build().to(DEVICE)
     wrapped = _wrap_ddp(model, spec, torch.device(DEVICE, 0), 1, CommStats())
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=DEVICE == "cuda")
 
@@ -296,19 +396,21 @@ def ddp_engine(name: str, mode: str, data: TextBatches, args) -> tuple[dict, obj
         return loss.detach()
 
     timing = time_steps(step, data, args.warmup, args.steps)
-    row = result(f"ddp(1 rank) {mode}", name, model, timing, data)
+    row = result(f"ddp(1 rank) {mode}", name, timing, data)
     breaks = dynamo_utils.counters["graph_break"]
     row.update(graph_breaks=sum(breaks.values()),
                compiled_autograd_compiles=dynamo_utils.counters["compiled_autograd"].get("compiles", 0))
     return row, step
 
 
-def result(what: str, name: str, model: GPT, timing: dict, data: TextBatches) -> dict:
+def result(what: str, name: str, timing: dict, data: TextBatches) -> dict:
+    """A row: MFU from the FLOPs per token the planner and the bill count (planning/model_size.py)."""
     tokens = data.tokens.shape[1] * (data.tokens.shape[2] - 1)
     tok_s = tokens / timing["seconds"]
-    return {"config": what, "model": name, "params_M": round(model.num_params() / 1e6, 1),
+    counted = facts(name)
+    return {"config": what, "model": name, "params_M": round(counted.parameters / 1e6, 1),
             "step_ms": round(timing["seconds"] * 1e3, 2), "host_ms": round(timing["host_seconds"] * 1e3, 2),
-            "tokens_per_s": round(tok_s), "mfu": round(tok_s * model.flops_per_token() / peak_bf16_flops(), 4),
+            "tokens_per_s": round(tok_s), "mfu": round(tok_s * counted.flops_per_token / peak_bf16_flops(), 4),
             "warmup_s": round(timing["warm"], 1), "peak_mem_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2),
             **timing.get("clocks", {}), **loss_summary(timing["losses"]),
             "losses": [round(x, 4) for x in timing["losses"]]}
@@ -342,7 +444,7 @@ def kernel_group(name: str) -> str:
     return "elementwise/reduce (eager)"
 
 
-def profile_row(step, data: TextBatches, model: GPT, start: int, steps: int = 2) -> dict:
+def profile_row(step, data: TextBatches, name: str, start: int, steps: int = 2) -> dict:
     """Device time per step by kernel group, idle time between kernels, and the top kernels."""
     from torch.profiler import ProfilerActivity, profile
     step(data[start], start)
@@ -383,9 +485,9 @@ def profile_row(step, data: TextBatches, model: GPT, start: int, steps: int = 2)
         by_name.setdefault(e["name"], []).append(e["dur"])
     ms = lambda us: round(us / 1e3 / steps, 3)  # noqa: E731  per step
     tokens = data.tokens.shape[1] * (data.tokens.shape[2] - 1)
-    cfg = model.cfg
-    matmul_flops = 6 * (model.num_params() - cfg.seq_len * cfg.n_embd) * tokens
+    cfg = model_config(name)
     attention_flops = 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len * tokens  # PaLM's count (causal work is half)
+    matmul_flops = facts(name).flops_per_token * tokens - attention_flops
     top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:15]
     summary = {
         "span_ms": ms(span), "busy_ms": ms(busy), "idle_ms": ms(span - busy),
@@ -478,6 +580,51 @@ def compare_curves(rows: list[dict]) -> list[dict]:
     return out
 
 
+def without_its_data_stack() -> None:
+    """torchtitan's Llama package imports its training recipe's data loaders and metrics writer (the
+    `datasets`, `torchdata` and `tensorboard` packages) beside the model. A step that times the model
+    alone uses none of them, and the GPU machine has none: stand-ins whose every attribute is an inert
+    class take their place where they are missing. torchtitan's model, init, compile and loss code
+    run as shipped."""
+    import importlib.util
+    import types
+
+    class Inert:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __class_getitem__(cls, item):
+            return cls
+
+    missing = [name for name in ("datasets", "torchdata") if name not in sys.modules and importlib.util.find_spec(name) is None]
+    if "tensorboard" not in sys.modules and importlib.util.find_spec("tensorboard") is None:
+        missing.append("torch.utils.tensorboard")  # torch's writer needs the tensorboard package
+    for name in missing + [f"{name}.{sub}" for name, sub in (("datasets", "distributed"),
+                                                             ("torchdata", "stateful_dataloader")) if name in missing]:
+        module = types.ModuleType(name)
+        module.__getattr__ = _inert_attribute(Inert)
+        module.__path__ = []
+        sys.modules[name] = module
+
+
+def _inert_attribute(inert: type):
+    def attribute(name: str):
+        if name.startswith("__"):  # what introspection asks a module for is not there
+            raise AttributeError(name)
+        return inert
+    return attribute
+
+
+def torchtitan_available() -> bool:
+    try:
+        without_its_data_stack()
+        import torchtitan.models.llama3.model.model  # noqa: F401
+    except Exception as e:  # not installed, or a torchtitan built for another torch
+        print(f"torchtitan row skipped: its Llama-3 does not import ({type(e).__name__}: {e})", flush=True)
+        return False
+    return True
+
+
 def torchao_available() -> bool:
     try:
         import torchao.float8  # noqa: F401
@@ -488,8 +635,7 @@ def torchao_available() -> bool:
 
 
 def run_model(name: str, args, out: list[dict]) -> None:
-    *_, B = MODELS[name]
-    seq_len = MODELS[name][1]
+    B, seq_len = MODELS[name][1], model_config(name).seq_len
     engine_steps = max(args.steps, args.curve_steps)
     data = TextBatches(B, seq_len, args.warmup + engine_steps + 4)
     labels = args.variants if args.variants is not None else (["fp8"] if name == "gpt-1.3b" else [])
@@ -497,18 +643,24 @@ def run_model(name: str, args, out: list[dict]) -> None:
         labels = [v for v in labels if "fp8" not in v]
     runs = [] if args.skip_plain or args.skip_eager else [("plain eager", lambda: plain(name, False, data, args))]
     runs += [] if args.skip_plain else [("plain compile", lambda: plain(name, True, data, args))]
+    if model_config(name).kind == "llama" and not args.skip_plain and torchtitan_available():
+        runs += [("torchtitan", lambda: torchtitan(name, data, args))]
+    if model_config(name).kind == "llama" and args.liger:
+        runs += [(f"liger {everything}", lambda everything=everything: liger(name, data, args, everything))
+                 for everything in (False, True)]
     runs += [(f"engine {v}".strip(), lambda v=v: engine(name, v, data, args, engine_steps))
              for v in ([""] if not args.skip_engine else []) + labels]
     runs += [(f"ddp {m}", lambda m=m: ddp_engine(name, m, data, args))
              for m in (("ddp_optimizer", "compiled_autograd") if args.ddp_modes else ())]
     # Clocks drift as the GPU warms over a run: the baseline again at the end brackets the engine rows.
-    runs += [] if args.skip_plain else [("plain compile (repeat)", lambda: plain(name, True, data, args, repeat=True))]
+    runs += [] if args.skip_plain or args.no_repeat else [("plain compile (repeat)",
+                                                             lambda: plain(name, True, data, args, repeat=True))]
     group = []
     for what, run in runs:
         try:
             row, step = run()
             if args.profile:
-                row["profile"] = profile_row(step, data, _counted(name), args.warmup + engine_steps - 4)
+                row["profile"] = profile_row(step, data, name, args.warmup + engine_steps - 4)
         except Exception as e:  # one failing configuration must not hide the others' numbers
             row = {"model": name, "config": what, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:400]}",
                    "tokens_per_s": float("nan"), "mfu": float("nan")}
@@ -526,8 +678,10 @@ def run_model(name: str, args, out: list[dict]) -> None:
     for label, ours in by.items():
         if not label.startswith("engine") and not label.startswith("ddp"):
             continue
+        baselines = ["plain eager", "plain compile", "plain compile (repeat)",
+                     *(label for label in by if label.startswith(("torchtitan", "plain compile + liger")))]
         ratios = ", ".join(f"/ {base} = {ours['tokens_per_s'] / by[base]['tokens_per_s']:.2f}x"
-                           for base in ("plain eager", "plain compile", "plain compile (repeat)") if base in by)
+                           for base in baselines if base in by)
         print(f"{name}: {label}: {ours['tokens_per_s']:,} tok/s, MFU {ours['mfu']:.1%} {ratios}"
               f"{training_warning(ours, best)}", flush=True)
     for curve in compare_curves(group):
@@ -537,20 +691,9 @@ def run_model(name: str, args, out: list[dict]) -> None:
         Path(args.json).write_text(json.dumps(out, indent=1))
 
 
-_COUNTED: dict[str, GPT] = {}
-
-
-def _counted(name: str) -> GPT:
-    """The model on the meta device (no memory), for the parameter counts in the profile's rates."""
-    if name not in _COUNTED:
-        with torch.device("meta"):
-            _COUNTED[name] = GPT(model_config(name))
-    return _COUNTED[name]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), choices=list(MODELS))
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--curve-steps", type=int, default=0,
@@ -562,6 +705,8 @@ def main() -> None:
     parser.add_argument("--skip-engine", action="store_true", help="no default engine row")
     parser.add_argument("--ddp-modes", action="store_true", help="also DDP (1 rank, NCCL) with each compile mode")
     parser.add_argument("--profile", action="store_true", help="add a torch.profiler summary to every row")
+    parser.add_argument("--liger", action="store_true", help="Llama models: also the plain loop with liger-kernel")
+    parser.add_argument("--no-repeat", action="store_true", help="no second plain compile row after the engine's")
     parser.add_argument("--json", help="write the rows here too")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True

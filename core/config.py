@@ -33,32 +33,100 @@ def _positive(section: str, **values: int | float) -> None:
         _check(value > 0, f"[{section}] {name}", f"must be positive, got {value}", f"set {name} to a number above 0")
 
 
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "llama3-1b": dict(kind="llama", n_layer=16, n_embd=2048, n_head=32, n_kv_head=8, ffn_dim=8192,
+                      vocab_size=128256, rope_theta=500000.0, rope_scaling=32.0, tie_embeddings=True),
+    "llama3-3b": dict(kind="llama", n_layer=28, n_embd=3072, n_head=24, n_kv_head=8, ffn_dim=8192,
+                      vocab_size=128256, rope_theta=500000.0, rope_scaling=32.0, tie_embeddings=True),
+    "llama3-8b": dict(kind="llama", n_layer=32, n_embd=4096, n_head=32, n_kv_head=8, ffn_dim=14336,
+                      vocab_size=128256, rope_theta=500000.0, rope_scaling=8.0, tie_embeddings=False),
+}
+"""Published shapes (the config.json of Llama-3.2-1B, Llama-3.2-3B and Llama-3.1-8B): a [model] table
+naming a preset starts from these, and the keys it gives itself win (seq_len is always the table's)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
+    kind: Literal["gpt", "llama", "custom"] = "gpt"
+    """gpt: the built-in GPT-2-style transformer (workers/models/gpt.py); llama: the built-in Llama-3
+    family (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU; workers/models/llama.py);
+    custom: the nn.Module (or workload) that `factory` returns."""
+    preset: str = ""
+    """A named shape to start from: llama3-1b, llama3-3b or llama3-8b (MODEL_PRESETS)."""
     n_layer: int = 4
     """Transformer blocks."""
     n_head: int = 4
     """Attention heads per block; must divide n_embd."""
+    n_kv_head: int = 0
+    """llama: key/value heads (grouped-query attention); must divide n_head. 0 = n_head."""
     n_embd: int = 128
     """Width of the residual stream."""
+    ffn_dim: int = 0
+    """llama: width of the SwiGLU hidden layer. 0 = 8/3 of n_embd rounded up to a multiple of 64 (a
+    SwiGLU with as many weights as GPT's 4x MLP)."""
     seq_len: int = 128
     """Tokens per training sample (the model's context length)."""
     vocab_size: int = 257
     """Embedding rows; at least the dataset tokenizer's vocabulary (257 for bytes + end-of-document).
     Rounding up to a multiple of 64 is faster on GPUs."""
     dropout: float = 0.0
-    """Dropout probability in attention and MLP outputs."""
+    """gpt: dropout probability in attention and MLP outputs."""
     bias: bool = False
-    """Bias terms in linear layers and layer norms."""
+    """gpt: bias terms in linear layers and layer norms."""
+    rope_theta: float = 500000.0
+    """llama: base of the rotary embeddings' frequencies."""
+    rope_scaling: float = 0.0
+    """llama: Llama-3.1's frequency scaling factor for long contexts (8 for Llama-3.1, 32 for -3.2;
+    low/high frequency factors 1 and 4 over an original context of 8192, as published); 0 = none."""
+    tie_embeddings: bool = True
+    """The output projection shares the token embedding's weight (always for gpt)."""
+    norm_eps: float = 1e-5
+    """llama: RMSNorm epsilon."""
+    factory: str = ""
+    """custom: "package.module:function" called with this [model] table (a dict); it returns an
+    nn.Module whose forward takes token ids (batch, seq) and returns logits (batch, seq, vocab), or a
+    workload (core/workload.py) when the model needs its own loss or block list."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """custom: the [model] keys archipelago does not know, passed to the factory as they are."""
 
     def __post_init__(self) -> None:
         _positive("model", n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd,
-                  seq_len=self.seq_len, vocab_size=self.vocab_size)
+                  seq_len=self.seq_len, vocab_size=self.vocab_size, norm_eps=self.norm_eps)
+        _check(not self.preset or self.preset in MODEL_PRESETS, "[model] preset", f"{self.preset!r} is not a preset",
+               f"use one of {', '.join(MODEL_PRESETS)}, or size the model with n_layer, n_embd, …")
         _check(self.n_embd % self.n_head == 0, "[model] n_head",
                f"n_embd = {self.n_embd} is not divisible by n_head = {self.n_head}",
                "pick n_head so that n_embd / n_head is a whole number (e.g. 64 per head)")
         _check(0.0 <= self.dropout < 1.0, "[model] dropout", f"must be in [0, 1), got {self.dropout}",
                "set dropout = 0.0 for pretraining")
+        _check(self.n_kv_head >= 0 and self.ffn_dim >= 0 and self.rope_scaling >= 0 and self.rope_theta > 0,
+               "[model]", "n_kv_head, ffn_dim and rope_scaling must be 0 or more, rope_theta above 0",
+               "leave them out for the defaults")
+        if self.kind == "gpt":
+            _check(self.tie_embeddings, "[model] tie_embeddings", "the gpt model always ties its head to the embedding",
+                   'leave tie_embeddings out, or use kind = "llama" for an untied head')
+        if self.kind == "llama":
+            _check(self.n_head % self.kv_heads == 0, "[model] n_kv_head",
+                   f"n_head = {self.n_head} is not a multiple of n_kv_head = {self.kv_heads}",
+                   "pick n_kv_head dividing n_head (8 in the Llama-3 presets)")
+            _check((self.n_embd // self.n_head) % 2 == 0, "[model] n_head", "rotary embeddings need an even head "
+                   f"size; n_embd / n_head = {self.n_embd // self.n_head}", "pick n_head so that each head is even")
+            _check(not self.bias and self.dropout == 0, "[model]", "the llama model has no bias terms and no dropout",
+                   "set bias = false and dropout = 0.0")
+        _check(self.kind == "custom" or (not self.factory and not self.options), "[model] factory",
+               f'kind = "{self.kind}" builds its own model', 'set kind = "custom" to train the factory\'s model')
+        _check(self.kind != "custom" or bool(self.factory), "[model] factory", 'kind = "custom" needs a factory',
+               'set factory = "package.module:function" (a function of the [model] table returning an nn.Module)')
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_head, or n_head when it is 0."""
+        return self.n_kv_head or self.n_head
+
+    @property
+    def hidden_dim(self) -> int:
+        """The SwiGLU's hidden width: ffn_dim, or 8/3 · n_embd rounded up to a multiple of 64."""
+        return self.ffn_dim or -(-8 * self.n_embd // 3 // 64) * 64
 
 
 @dataclass(kw_only=True, slots=True)
@@ -66,9 +134,10 @@ class DataConfig:
     path: str = "data/stdlib-bytes"
     """Directory of a prepared token dataset (manifest.parquet + shards), relative to the working directory,
     or a pyarrow.fs URI ("s3://bucket/datasets/web?region=us-east-1") read with byte-range requests."""
-    prepare_from: str = "stdlib"
-    """When `path` holds no dataset yet, prepare it from this source first: "stdlib" (the .py files of
-    the running Python's standard library), a directory of files, or "" to require a prepared one."""
+    prepare_from: str = ""
+    """When `path` holds no dataset yet, prepare it from this source first: a directory of files, or
+    "stdlib" (the .py files of the running Python's standard library: the demo's corpus). Empty (the
+    default) requires a prepared dataset at `path`: a path that holds none is an error naming it."""
     source_format: Literal["text", "jsonl", "parquet", "arrow"] = "text"
     """What `prepare_from` holds: text files (one document each), JSON Lines (one document per line),
     or a Parquet / Arrow IPC dataset (one document per row)."""
@@ -86,6 +155,11 @@ class DataConfig:
     """Tokens per shard file."""
     prepare_workers: int = 0
     """Processes tokenizing in parallel during prepare; 0 uses every core."""
+    shard_checksums_percent: float = 100.0
+    """Share of the shards whose payload each worker checks (crc32 against the manifest, every token id below the
+    vocabulary size) the first time it reads from them, chosen by a hash of the name; 100 checks every one. A bad
+    shard stops the run at once with one line naming it. Each batch's token ids are checked against the
+    vocabulary whatever this says (host readers)."""
     verify_checksums: bool = False
     """Before training, check every shard's crc32 on the driver (reads the whole dataset once);
     `archipelago verify DIR` does the same on its own."""
@@ -100,16 +174,29 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _check(bool(self.path), "[data] path", "is empty", 'set path to a dataset directory, e.g. "data/stdlib-bytes"')
-        _check(0.0 < self.val_percent < 100.0, "[data] val_percent", f"must be in (0, 100), got {self.val_percent}",
-               "set val_percent = 5.0")
         _check(self.tokenizer == "bytes" or (self.tokenizer.startswith("hf:") and len(self.tokenizer) > 3),
                "[data] tokenizer", f"{self.tokenizer!r} is not a tokenizer",
                'use "bytes" or "hf:path/to/tokenizer.json"')
-        _check(bool(self.text_column), "[data] text_column", "is empty", 'name the text field, e.g. "text"')
-        _check(self.prepare_workers >= 0, "[data] prepare_workers", f"must be 0 or more, got {self.prepare_workers}",
-               "set prepare_workers = 0 to use every core")
-        _positive("data", shard_tokens=self.shard_tokens, reader_threads=self.reader_threads,
-                  prefetch_steps=self.prefetch_steps)
+        check_prepare_settings(shard_tokens=self.shard_tokens, workers=self.prepare_workers,
+                               val_percent=self.val_percent, text_column=self.text_column, as_flags=False)
+        _positive("data", reader_threads=self.reader_threads, prefetch_steps=self.prefetch_steps)
+        _check(0.0 <= self.shard_checksums_percent <= 100.0, "[data] shard_checksums_percent",
+               f"must be in [0, 100], got {self.shard_checksums_percent}", "set shard_checksums_percent = 100.0")
+
+
+def check_prepare_settings(*, shard_tokens: int, workers: int, val_percent: float, text_column: str,
+                           as_flags: bool) -> None:
+    """The preparation settings, as [data] keys of a job or as flags of `archipelago prepare`: one set of
+    rules for both, checked before anything is read or written. `as_flags` names the flags in the error."""
+    checks = [(shard_tokens >= 1, "shard_tokens", "shard-tokens", f"must be 1 or more, got {shard_tokens}",
+               "give the tokens per shard file, e.g. 16777216"),
+              (workers >= 0, "prepare_workers", "workers", f"must be 0 or more, got {workers}",
+               "give a number of processes, or 0 for every core"),
+              (0.0 < val_percent < 100.0, "val_percent", "val-percent", f"must be in (0, 100), got {val_percent}",
+               "hold out a share of the documents, e.g. 5"),
+              (bool(text_column), "text_column", "text-column", "is empty", 'name the text field, e.g. "text"')]
+    for ok, key, flag, problem, fix in checks:
+        _check(ok, f"--{flag} / [data] {key}" if as_flags else f"[data] {key}", problem, fix)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -232,7 +319,7 @@ class ParallelConfig:
     auto lets the plan pick bf16 where it predicts a step at least 5 % shorter than plain
     all-reduce's (not with bf16_weights or compiled autograd), allreduce otherwise; the plan says
     which (Plan.comm_hook).
-    The planner costs each hook's bytes on the wire and its own compute (orchestrator/planning/
+    The planner costs each hook's bytes on the wire and its own compute (planning/
     comm_hooks.py), and where plain all-reduce leaves the step waiting, its notes say what each
     compressing hook would do. Over a 3.4 GB/s link between two H200s, GPT-2 124M's step went from
     174 ms (allreduce) to 116 (bf16), 85 (powersgd) and 62 (topk), but only bf16 reached allreduce's
@@ -319,9 +406,14 @@ class ClusterConfig:
     """Give each worker one GPU."""
     cpus_per_worker: int = 1
     """CPU cores reserved per worker (and torch threads on CPU workers)."""
+    connect_timeout_s: float = 30.0
+    """How long joining the cluster at `address` may take before fit stops with one line saying so
+    (`--connect-timeout` on the command line)."""
 
     def __post_init__(self) -> None:
         _positive("cluster", num_workers=self.num_workers, cpus_per_worker=self.cpus_per_worker)
+        _check(math.isfinite(self.connect_timeout_s) and self.connect_timeout_s > 0, "[cluster] connect_timeout_s",
+               f"must be a number of seconds above 0, got {self.connect_timeout_s:g}", "set connect_timeout_s = 30.0")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -345,15 +437,15 @@ class PlacementConfig:
     """Which price column the dollars are computed from."""
     prices: dict[str, float] = field(default_factory=dict)
     """Dollars per device-hour in the chosen pricing column, by GPU model as the topology names it
-    (e.g. "H100-SXM5-80GB" = 2.10), or per core-hour for "cpu"; overrides orchestrator/planning/prices.py's table.
+    (e.g. "H100-SXM5-80GB" = 2.10), or per core-hour for "cpu"; overrides planning/prices.py's table.
     A MIG slice costs its parent's price times its share of the SMs."""
     calibration_file: str = ""
     """A JSON table of measured collective costs by link class, {"nvswitch": {"alpha_us": 30.1,
     "bus_gb_per_s": 323.1}}, as benchmarks/multigpu.py writes it (calibration.json) from an all-reduce
     sweep, and of compute efficiency by device model, "compute_efficiency": {"cpu": 0.94}, as
-    `archipelago calibrate RUN...` fits it from finished runs (orchestrator/planning/calibration.py);
-    rows it gives replace the cost model's defaults. A link row may also give ddp_compute_slowdown
-    (a share; the link class's figure when left out). Empty: `fit` and `plan` read
+    `archipelago calibrate RUN...` fits it from finished runs (planning/calibration.py); rows it gives
+    replace planning/collectives.py's and planning/compute.py's defaults. A link row may also give
+    ddp_compute_slowdown (a share; the link class's figure when left out). Empty: `fit` and `plan` read
     <runs_dir>/calibration.json when there is one. Relative paths are from the working directory."""
 
     def __post_init__(self) -> None:
@@ -424,6 +516,11 @@ class ElasticConfig:
     sample_ledger: bool = False
     """Record, in every checkpoint, the global sample ids of every committed step (8 bytes per sample
     trained so far), so a test can prove each sample was used exactly once (storage/ledger.py)."""
+    health_check_timeout_s: float = 120.0
+    """Seconds a worker may leave Ray Train's health check unanswered (a process frozen or stopped, a
+    machine swapping) before it counts as failed and the group restarts from the newest committed
+    checkpoint; its peers wait in their collectives meanwhile. Ray's own default is 600 s
+    (RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S, which this sets for the run)."""
 
     def __post_init__(self) -> None:
         _check(self.min_workers >= 0, "[elastic] min_workers", f"must be 0 or more, got {self.min_workers}",
@@ -437,6 +534,7 @@ class ElasticConfig:
         _positive("elastic", preemption_check_steps=self.preemption_check_steps)
         _check(self.resize_check_s >= 0, "[elastic] resize_check_s", f"must be 0 or more, got {self.resize_check_s}",
                "set resize_check_s = 60.0")
+        _positive("elastic", health_check_timeout_s=self.health_check_timeout_s)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -487,7 +585,7 @@ class BillConfig:
     """Validation losses to price, e.g. [3.0, 2.5, 2.2]: the report gives the dollars and GPU-hours at
     which the run first reached each, and projects the cost of the first one not reached yet."""
     prices_file: str = ""
-    """A TOML or JSON file of device prices per hour that replaces rows of orchestrator/planning/prices.py's table:
+    """A TOML or JSON file of device prices per hour that replaces rows of planning/prices.py's table:
     "H100-SXM5-80GB" = { on_demand = 2.49, spot = 1.25 } (a column left out keeps the default);
     `[placement] prices` override it in turn. Relative paths are from the working directory."""
     tensorboard: bool = True
@@ -564,7 +662,7 @@ class JobConfig:
         if parallel.overlap == "next_forward":
             yield rules.overlap_refusal(strategy=parallel.strategy, hook=parallel.comm_hook, grad_clip=train.grad_clip,
                                         precision=train.precision, bf16_weights=train.bf16_weights,
-                                        compiled_autograd=compiled_autograd)
+                                        compiled_autograd=compiled_autograd, builtin_model=self.model.kind != "custom")
 
     def _check_devices(self) -> None:
         """Every [devices."NAME"] table gives every figure, each a finite number ≥ 0 (a figure above 0
@@ -647,6 +745,8 @@ _RENAMED = {"train.chunked_loss": 'it is now loss_kernel: write loss_kernel = "c
 def _build(cls: type, data: dict[str, Any], section: str) -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
+    if cls is ModelConfig:
+        data = _model_table(data, names)
     kwargs = {}
     for key, value in data.items():
         where = f"[{section}] {key}" if section else key
@@ -657,6 +757,19 @@ def _build(cls: type, data: dict[str, Any], section: str) -> Any:
             raise ConfigError("unknown key", where=where, fix=fix)
         kwargs[key] = _convert(value, hints[key], where, key, f"{section}.{key}" if section else key)
     return cls(**kwargs)
+
+
+def _model_table(data: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """The [model] table with its preset's shape under the keys it gives, and, for kind = "custom",
+    the keys archipelago does not know gathered into `options` for the factory."""
+    preset = data.get("preset")
+    if isinstance(preset, str) and preset in MODEL_PRESETS:
+        data = {**MODEL_PRESETS[preset], **data}
+    if data.get("kind") == "custom":
+        unknown = {key: value for key, value in data.items() if key not in names}
+        data = {key: value for key, value in data.items() if key in names}
+        data["options"] = {**data.get("options", {}), **unknown}
+    return data
 
 
 def _convert(value: Any, hint: Any, where: str, key: str, path: str) -> Any:
@@ -685,6 +798,8 @@ def _convert(value: Any, hint: Any, where: str, key: str, path: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"must be a list, got {value!r}", where=where, fix=f"write it as {key} = [ ... ]")
         return [_convert(item, typing.get_args(hint)[0], f"{where}[{i}]", key, path) for i, item in enumerate(value)]
+    if hint is Any:  # a custom model's own keys: the factory judges them
+        return value
     expected = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[hint]
     ok = isinstance(value, hint) and not (hint is int and isinstance(value, bool))
     if hint is float and isinstance(value, int) and not isinstance(value, bool):

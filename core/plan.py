@@ -231,7 +231,7 @@ class Plan:
                 seq_len: int, intra_island_groups: list[list[int]] | None = None, data_parallel: str = "ddp",
                 **choices) -> Plan:
         """A plan of identical workers with equal micro-batches and no predictions: what benchmarks and
-        tests hand the worker engine when they run it without the planner (orchestrator.planning.
+        tests hand the worker engine when they run it without the planner (planning.
         uniform_spec resolves `choices` from a config the planner's way). The caller binds the
         devices, so the entries name none (device_model "unplanned")."""
         workers = [WorkerPlacement(rank=r, node_id="local", device_uuid=None, device_kind=DeviceKind.CPU,

@@ -55,10 +55,13 @@ def comm_hook_refusal(hook: str, *, backend: str, strategy: str = "ddp", bf16_we
 
 
 def overlap_refusal(*, strategy: str, hook: str, precision: str, grad_clip: float = 0.0, bf16_weights: bool = False,
-                    compiled_autograd: bool = False) -> Refusal | None:
+                    compiled_autograd: bool = False, builtin_model: bool = True) -> Refusal | None:
     """Whether the next-forward overlap can run with these choices (precision as configured or resolved;
-    a plan, which holds no clipping or compile settings, asks with the defaults)."""
+    a plan, which holds no clipping, compile or model settings, asks with the defaults)."""
     where, fix = "[parallel] overlap", 'or set overlap = "off"'
+    if not builtin_model:
+        return Refusal("applies updates between a model's blocks, which only the built-in gpt and llama models "
+                       "let it do", where, f'use [model] kind = "gpt" or "llama", {fix}')
     if strategy != "ddp":
         return Refusal("reorders DDP's buckets; FSDP2 reduce-scatters its own", where, f'use strategy = "ddp", {fix}')
     if hook not in ("allreduce", "bf16"):

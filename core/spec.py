@@ -1,6 +1,7 @@
 """What one worker is told: the plan and the settings it needs, resolved on the driver.
 
-    spec = WorkerSpec.for_plan(config, plan, data_location="data/stdlib-bytes", tokenizer="bytes")
+    spec = WorkerSpec.for_plan(config, plan, workload=workload, flops_per_token=facts.flops_per_token,
+                               data_location="data/stdlib-bytes", tokenizer="bytes")
     Engine(spec, rank, device)          # workers/engine.py; the Ray Train loop gets one per worker group
 
 One plain object crosses from the driver to the workers. It holds no [parallel], [placement] or
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 
 from core.config import CheckpointConfig, CompileConfig, JobConfig, ModelConfig, TrainConfig
 from core.plan import Plan
+from core.schedule import LrSchedule
+from core.workload import Workload
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -31,6 +34,8 @@ class DataSpec:
     reader: str = "auto"
     reader_threads: int = 8
     prefetch_steps: int = 2
+    shard_checksums_percent: float = 100.0
+    """Share of shards whose payload a worker checks on first read ([data] shard_checksums_percent)."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -38,11 +43,18 @@ class WorkerSpec:
     plan: Plan
     """Where each worker runs, its micro-batch and accumulation, the strategy, backend, precision,
     comm hook, bucket size, overlap and activation checkpointing."""
+    workload: Workload
+    """The model: how to build it, its loss, its blocks (core/workload.py). A factory's callable travels
+    inside it (pickled by value where the workers cannot import it)."""
+    flops_per_token: float
+    """Training FLOPs per token, counted on the driver (the bill's MFU)."""
     model: ModelConfig
     train: TrainConfig
     """Steps, schedule, seed, clipping, loss kernel, bf16 weights; `precision` is the plan's."""
     compile: CompileConfig
     checkpoint: CheckpointConfig
+    lr_schedule: LrSchedule
+    """The learning rate of every step: the config's for a new run, continued from the checkpoint's on a resume."""
     data: DataSpec = DataSpec()
     preemption_check_steps: int = 10
     """Steps between reads of Ray's preemption notice ([elastic] preemption_check_steps)."""
@@ -50,13 +62,18 @@ class WorkerSpec:
     """Record the sample ids of every committed step in each checkpoint ([elastic] sample_ledger)."""
 
     @classmethod
-    def for_plan(cls, config: JobConfig, plan: Plan, *, data_location: str = "", tokenizer: str = "bytes") -> WorkerSpec:
-        """The spec for the workers that run `plan` of the job `config`, reading the prepared dataset at
-        `data_location` (its tokenizer identity `tokenizer`)."""
+    def for_plan(cls, config: JobConfig, plan: Plan, *, workload: Workload, flops_per_token: float,
+                 data_location: str = "", tokenizer: str = "bytes", lr_schedule: LrSchedule | None = None) -> WorkerSpec:
+        """The spec for the workers that run `plan` of the job `config` (its model `workload`), reading
+        the prepared dataset at `data_location` (its tokenizer identity `tokenizer`); `lr_schedule` is
+        [train]'s when None (a new run)."""
         data = DataSpec(location=data_location, tokenizer=tokenizer, reader=config.data.reader,
-                        reader_threads=config.data.reader_threads, prefetch_steps=config.data.prefetch_steps)
-        return cls(plan=plan, model=config.model, train=dataclasses.replace(config.train, precision=plan.precision),
+                        reader_threads=config.data.reader_threads, prefetch_steps=config.data.prefetch_steps,
+                        shard_checksums_percent=config.data.shard_checksums_percent)
+        return cls(plan=plan, workload=workload, flops_per_token=flops_per_token, model=config.model,
+                   train=dataclasses.replace(config.train, precision=plan.precision),
                    compile=config.compile, checkpoint=config.checkpoint, data=data,
+                   lr_schedule=lr_schedule or LrSchedule.for_train(config.train),
                    preemption_check_steps=config.elastic.preemption_check_steps,
                    sample_ledger=config.elastic.sample_ledger)
 

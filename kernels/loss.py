@@ -2,6 +2,7 @@
 
     loss = linear_cross_entropy(hidden, weight, targets)         # mean of CE(hidden @ weight.T, targets)
     loss = linear_cross_entropy(hidden, weight, targets, norm)   # the same of norm(hidden), norm inside
+                                                                 # (a LayerNorm or an RMSNorm)
 
 The logits are made by one matmul in the autocast dtype (bf16; the op casts its fp32 inputs itself,
 and runs the final layer norm when given one, see below). One kernel then writes each row's loss and
@@ -27,7 +28,7 @@ from kernels.backend import use_triton
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         norm: torch.nn.LayerNorm | None = None) -> torch.Tensor:
+                         norm: torch.nn.LayerNorm | torch.nn.RMSNorm | None = None) -> torch.Tensor:
     """Mean cross-entropy of `norm(hidden) @ weight.T` against `targets` (no norm when None); hidden
     is (rows, C), weight (vocab, C), targets (rows,) class indices. Matches
     `F.cross_entropy((norm(hidden) @ weight.T).float(), targets)` and its gradients, the matmuls in the
@@ -45,10 +46,12 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         # unscaled (probabilities / rows fall below its range): fp16 takes the plain loss.
         return F.cross_entropy(_logits(hidden, weight, dtype).float(), targets)
     if norm is not None and norm.weight is None:
-        raise ValueError("linear_cross_entropy runs a LayerNorm with a weight (elementwise_affine=True); "
+        raise ValueError("linear_cross_entropy runs a LayerNorm or RMSNorm with a weight (elementwise_affine=True); "
                          "apply one without it before the call and pass norm=None")
-    norm_weight, norm_bias, eps = ((norm.weight, norm.bias, norm.eps) if norm is not None else (None, None, 0.0))
-    return _linear_cross_entropy(hidden, weight, targets, dtype or hidden.dtype, norm_weight, norm_bias, eps)[0]
+    rms = isinstance(norm, torch.nn.RMSNorm)
+    norm_weight, norm_bias = (norm.weight, getattr(norm, "bias", None)) if norm is not None else (None, None)
+    eps = 0.0 if norm is None else norm.eps if norm.eps is not None else torch.finfo(hidden.dtype).eps
+    return _linear_cross_entropy(hidden, weight, targets, dtype or hidden.dtype, norm_weight, norm_bias, eps, rms)[0]
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -70,11 +73,12 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype | Non
 # tests/gpu/test_inductor_configs_gpu.py runs every candidate block size of every kernel.
 @torch.library.custom_op("archipelago::linear_cross_entropy", mutates_args=())
 def _linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype,
-                          norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None,
-                          eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                          norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None, eps: float,
+                          rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(mean loss, gradient of the mean loss with respect to the logits in dtype, the normed hidden
-    in dtype for backward (see _kept_for_backward), the norm's mean and 1/std: empty without a norm)."""
-    normed, mean, rstd = _norm(hidden, norm_weight, norm_bias, eps)
+    in dtype for backward (see _kept_for_backward), the norm's mean and 1/std: empty without a norm;
+    an RMSNorm (rms) has no mean)."""
+    normed, mean, rstd = _norm(hidden, norm_weight, norm_bias, eps, rms)
     low_hidden = normed.to(dtype)
     logits = low_hidden @ weight.to(dtype).t()
     scale = 1.0 / logits.shape[0]
@@ -83,12 +87,25 @@ def _linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
 
 
 def _norm(hidden: torch.Tensor, norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None,
-          eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(layer norm of hidden's rows, their mean, their 1/std); hidden itself and empty statistics
-    without a norm."""
+          eps: float, rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(layer norm of hidden's rows, their mean, their 1/std); for an RMSNorm (rms), no mean and
+    1/root-mean-square; hidden itself and empty statistics without a norm."""
     if norm_weight is None:
         return hidden, hidden.new_empty(0), hidden.new_empty(0)
+    if rms:  # in fp32, as nn.RMSNorm computes low-precision inputs
+        rstd = torch.rsqrt(hidden.float().square().mean(-1, keepdim=True) + eps)
+        return (hidden.float() * rstd * norm_weight.float()).to(hidden.dtype), hidden.new_empty(0), rstd
     return torch.ops.aten.native_layer_norm(hidden, [hidden.shape[-1]], norm_weight, norm_bias, eps)
+
+
+def _rms_norm_backward(grad: torch.Tensor, hidden: torch.Tensor, rstd: torch.Tensor,
+                       norm_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of hidden and of the weight of y = hidden · rstd · weight, in fp32 then their dtypes."""
+    normalised = hidden.float() * rstd
+    grad_weight = (grad.float() * normalised).sum(0)
+    grad_normalised = grad.float() * norm_weight.float()
+    grad_hidden = rstd * (grad_normalised - normalised * (grad_normalised * normalised).mean(-1, keepdim=True))
+    return grad_hidden.to(hidden.dtype), grad_weight.to(norm_weight.dtype)
 
 
 def _kept_for_backward(hidden: torch.Tensor, low_hidden: torch.Tensor) -> torch.Tensor:
@@ -99,20 +116,21 @@ def _kept_for_backward(hidden: torch.Tensor, low_hidden: torch.Tensor) -> torch.
 
 @_linear_cross_entropy.register_fake
 def _(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype,
-      norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None,
-      eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    # The op's own norm, casts and matmul on fake tensors: the memory estimator (orchestrator/planning/memory.py),
+      norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None, eps: float,
+      rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # The op's own norm, casts and matmul on fake tensors: the memory estimator (planning/memory.py),
     # which runs this, sees them alive beside the logits as they are in the op.
-    normed, mean, rstd = _norm(hidden, norm_weight, norm_bias, eps)
+    normed, mean, rstd = _norm(hidden, norm_weight, norm_bias, eps, rms)
     low_hidden = _kept_for_backward(hidden, normed.to(dtype))
     return hidden.new_empty((), dtype=torch.float32), _logits(normed, weight, dtype), low_hidden, mean, rstd
 
 
 def _save_for_backward(ctx, inputs, output) -> None:
-    hidden, weight, _, _, norm_weight, norm_bias, _ = inputs
+    hidden, weight, _, _, norm_weight, norm_bias, _, rms = inputs
     _, grad_logits, low_hidden, mean, rstd = output
     ctx.hidden_dtype = hidden.dtype
     ctx.normed = norm_weight is not None
+    ctx.rms = rms
     # The fp32 weight is a parameter, alive anyway: casting it again in backward keeps no copy.
     ctx.save_for_backward(low_hidden if low_hidden.numel() else hidden, weight, grad_logits,
                           *((hidden, mean, rstd, norm_weight, norm_bias) if ctx.normed else ()))
@@ -125,12 +143,15 @@ def _backward(ctx, grad_loss: torch.Tensor, *_grads_of_the_other_outputs: torch.
     grad_normed = ((grad_logits @ weight.to(grad_logits.dtype)).float() * grad_loss).to(ctx.hidden_dtype)
     grad_weight = ((grad_logits.t() @ low_hidden).float() * grad_loss).to(weight.dtype)
     if not ctx.normed:
-        return grad_normed, grad_weight, None, None, None, None, None
+        return grad_normed, grad_weight, None, None, None, None, None, None
     hidden, mean, rstd, norm_weight, norm_bias = norm_saved
+    if ctx.rms:
+        grad_hidden, grad_norm_weight = _rms_norm_backward(grad_normed, hidden, rstd, norm_weight)
+        return grad_hidden, grad_weight, None, None, grad_norm_weight, None, None, None
     grad_hidden, grad_norm_weight, grad_norm_bias = torch.ops.aten.native_layer_norm_backward(
         grad_normed, hidden, [hidden.shape[-1]], mean, rstd, norm_weight, norm_bias,
         [True, True, norm_bias is not None])
-    return grad_hidden, grad_weight, None, None, grad_norm_weight, grad_norm_bias, None
+    return grad_hidden, grad_weight, None, None, grad_norm_weight, grad_norm_bias, None, None
 
 
 _linear_cross_entropy.register_autograd(_backward, setup_context=_save_for_backward)

@@ -36,6 +36,7 @@ from typing import Literal
 
 import numpy as np
 
+from core.config import check_prepare_settings
 from core.errors import DataError
 from storage.shards import ShardInfo, has_dataset, write_manifest, write_shard
 from storage.tokenizers import Tokenizer, load_tokenizer
@@ -303,7 +304,11 @@ def prepare_dataset(source: str, out: str | Path, *, pattern: str | None = None,
 
     `workers` = 0 uses every core; 1 tokenizes in this process.
     """
+    check_prepare_settings(shard_tokens=shard_tokens, workers=workers, val_percent=val_percent,
+                           text_column=text_column, as_flags=True)
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise DataError("is a file, not a dataset directory", where=str(out), fix="choose another --out")
     if has_dataset(out) and not overwrite:
         raise DataError("a prepared dataset is already here", where=str(out),
                         fix="use it as is, pass --overwrite to replace it, or choose another --out")

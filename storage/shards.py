@@ -53,6 +53,8 @@ MANIFEST_SCHEMA = pa.schema([
 ])
 
 PREPARE_AGAIN = "prepare the dataset again with `archipelago prepare`"
+CHECK_CHUNK_BYTES = 16 * 2**20
+"""Bytes read at a time when a shard's payload is checked."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,9 +148,11 @@ def check_shard(location: Location, shard: ShardInfo, header: bytes, size: int) 
                         fix=PREPARE_AGAIN)
     try:
         fields = json.loads(header[len(MAGIC):].rstrip(b"\0"))
-    except json.JSONDecodeError:
-        raise DataError("shard header is not valid JSON", where=f"{location}, offset {len(MAGIC)}",
-                        fix=PREPARE_AGAIN) from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        fields = None
+    if not isinstance(fields, dict):
+        raise DataError("shard header is not a JSON object", where=f"{location}, offset {len(MAGIC)}",
+                        fix=PREPARE_AGAIN)
     if fields.get("dtype") != shard.dtype:
         raise DataError(f"dtype mismatch: the shard header says {fields.get('dtype')!r}, the manifest {shard.dtype!r}",
                         where=f"{location}, offset {len(MAGIC)}",
@@ -179,6 +183,30 @@ def open_shard(location: Location, shard: ShardInfo) -> Iterator[pa.NativeFile]:
         yield f
 
 
+def payload_problem(f: pa.NativeFile, shard: ShardInfo, vocab_size: int) -> str | None:
+    """What is wrong with an open shard's tokens, read once in chunks: a token id at or above the vocabulary
+    size (and its byte offset), or a crc32 of the payload that is not the manifest's; None when both hold."""
+    crc = 0
+    dtype = np.dtype(shard.dtype).newbyteorder("<")
+    for start in range(HEADER_BYTES, shard.file_bytes, CHECK_CHUNK_BYTES):
+        chunk = f.read_at(min(CHECK_CHUNK_BYTES, shard.file_bytes - start), start)
+        crc = zlib.crc32(chunk, crc)
+        tokens = np.frombuffer(chunk, dtype=dtype)
+        if tokens.size and int(tokens.max()) >= vocab_size:
+            first = int(np.argmax(tokens >= vocab_size))
+            return f"token id {int(tokens[first])} ≥ vocabulary size {vocab_size} at offset {start + first * dtype.itemsize}"
+    if crc != shard.crc32:
+        return (f"crc32 mismatch: payload (offsets {HEADER_BYTES}–{shard.file_bytes}) has {crc:#010x}, "
+                f"the manifest says {shard.crc32:#010x}")
+    return None
+
+
+def sampled_for_checksum(shard: ShardInfo, percent: float) -> bool:
+    """Whether a worker checks this shard's payload when it first reads from it: `percent` of the shards, chosen
+    by a hash of the name, so that every worker (and every run) checks the same ones."""
+    return zlib.crc32(shard.path.encode()) % 10_000 < percent * 100
+
+
 def check_files(location: Location, shards: list[ShardInfo]) -> None:
     """Every shard exists with the size the manifest gives: one directory listing, no reads."""
     sizes = {info.base_name: info.size for info in location.listing() if info.type == pafs.FileType.File}
@@ -200,8 +228,11 @@ class TokenDataset:
     (the training loop reads through `storage.loader.BatchLoader`, which can read into the GPU).
     """
 
-    def __init__(self, directory: str | Path | Location, split: str, seq_len: int, *, manifest: Manifest | None = None):
-        """`manifest`: the directory's manifest when the caller has read it already (read here otherwise)."""
+    def __init__(self, directory: str | Path | Location, split: str, seq_len: int, *, manifest: Manifest | None = None,
+                 checksum_percent: float = 0.0):
+        """`manifest`: the directory's manifest when the caller has read it already (read here otherwise).
+        `checksum_percent`: the share of shards whose payload (crc32, token ids) is checked the first time a batch
+        reads from them ([data] shard_checksums_percent); every shard's header and size are checked then anyway."""
         self.location = Location.parse(directory, error=DataError)
         self.split = split
         self.seq_len = seq_len
@@ -225,6 +256,7 @@ class TokenDataset:
         self._starts = np.cumsum([0] + [s.num_tokens for s in self.shards])
         self._paths = [(self.location / s.path).path for s in self.shards]
         self._checked = [False] * len(self.shards)
+        self._checksummed = [sampled_for_checksum(s, checksum_percent) for s in self.shards]
         self._lock = threading.Lock()
         self._host_reader = None
 
@@ -276,8 +308,22 @@ class TokenDataset:
     def batch(self, sample_ids: np.ndarray) -> np.ndarray:
         """A (len(sample_ids), seq_len + 1) int64 array: inputs are [:, :-1], targets [:, 1:]."""
         ids = np.asarray(sample_ids, dtype=np.int64)
-        flat = self._read_host(self.extents(ids), ids.size * self.sample_bytes)
+        extents = self.extents(ids)
+        flat = self._read_host(extents, ids.size * self.sample_bytes)
+        self.check_token_ids(extents, flat)
         return flat.reshape(ids.size, self.seq_len + 1)
+
+    def check_token_ids(self, extents: list[Extent], tokens: np.ndarray) -> None:
+        """Every token id read into `tokens` (laid out as `extents` say) is below the vocabulary size: a larger one
+        would index past the model's embedding. DataError naming the shard and offset of the first one otherwise."""
+        if not tokens.size or int(tokens.max()) < self.vocab_size:
+            return
+        position = int(np.argmax(tokens >= self.vocab_size))
+        byte = position * self.dtype.itemsize
+        extent = next(e for e in extents if e.buffer_offset <= byte < e.buffer_offset + e.nbytes)
+        raise DataError(f"token id {int(tokens[position])} ≥ vocabulary size {self.vocab_size}: the shard is damaged",
+                        where=f"{extent.path}, offset {extent.file_offset + byte - extent.buffer_offset}",
+                        fix=f"run `archipelago verify {self.location}` for every bad shard, then {PREPARE_AGAIN}")
 
     def _read_host(self, extents: list[Extent], nbytes: int) -> np.ndarray:
         with self._lock:
@@ -288,9 +334,16 @@ class TokenDataset:
         return buffer.view(self.dtype).astype(np.int64)
 
     def _check(self, shard: int) -> None:
+        """The first read from a shard checks its header and size, and for the sampled shards its payload."""
         if self._checked[shard]:
             return
         with self._lock:
-            if not self._checked[shard]:
-                with open_shard(self.location, self.shards[shard]):
-                    self._checked[shard] = True
+            if self._checked[shard]:
+                return
+            info = self.shards[shard]
+            with open_shard(self.location, info) as f:
+                problem = payload_problem(f, info, self.vocab_size) if self._checksummed[shard] else None
+            if problem:
+                raise DataError(problem, where=str(self.location / info.path),
+                                fix=f"run `archipelago verify {self.location}` for every bad shard, then {PREPARE_AGAIN}")
+            self._checked[shard] = True

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 from core.config import JobConfig
 from core.spec import WorkerSpec
-from orchestrator.planning.resolve import uniform_spec
+from planning.resolve import uniform_spec
 
 
 def engine_spec(config: JobConfig, world: int, micro_batch_size: int, accum: int, *,

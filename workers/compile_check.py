@@ -12,21 +12,24 @@ across workers whose tokens differ, so with several workers only the loss is com
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from core.errors import CompileError
-from workers.models.gpt import GPT
+from workers.activation_checkpointing import activation_checkpointing, set_activation_checkpointing
 
 
 class CompileCheck:
     """Compares one micro-batch of the compiled step with the same micro-batch run eagerly."""
 
-    def __init__(self, model: GPT, *, loss_tolerance: float, gradient_tolerance: float, compare_gradients: bool):
+    def __init__(self, model: torch.nn.Module, blocks: Sequence[torch.nn.Module], *, loss_tolerance: float,
+                 gradient_tolerance: float, compare_gradients: bool):
         self.model = model
         """The module whose parameters the training step's backward fills."""
+        self.blocks = blocks
+        """Its blocks, recomputed in the eager pass."""
         self.loss_tolerance = loss_tolerance
         self.gradient_tolerance = gradient_tolerance
         self.compare_gradients = compare_gradients
@@ -47,7 +50,7 @@ class CompileCheck:
                 with torch.no_grad():
                     return forward().detach()
             # Recomputing every block keeps the eager pass below the compiled step's memory.
-            with _full_activation_checkpointing(self.model):
+            with _full_activation_checkpointing(self.blocks):
                 loss = forward()
                 backward(loss)
         for name, p in self.model.named_parameters():
@@ -82,14 +85,14 @@ class CompileCheck:
 
 
 @contextlib.contextmanager
-def _full_activation_checkpointing(model: GPT):
-    modes = [block.activation_checkpointing for block in model.blocks]
-    model.set_activation_checkpointing("full")
+def _full_activation_checkpointing(blocks: Sequence[torch.nn.Module]):
+    modes = [activation_checkpointing(block) for block in blocks]
+    set_activation_checkpointing(blocks, "full")
     try:
         yield
     finally:
-        for block, mode in zip(model.blocks, modes):
-            block.activation_checkpointing = mode
+        for block, mode in zip(blocks, modes):
+            set_activation_checkpointing([block], mode)
 
 
 def relative_difference(compiled: torch.Tensor, eager: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """bf16 weights with fp32 masters: forward and backward on a bf16 copy of the model.
 
     # model: the fp32 master that the optimizer steps, checkpoints save and evaluation runs
-    copy = Bf16ComputeCopy(model, GPT(config.model).to(device, torch.bfloat16))
+    copy = Bf16ComputeCopy(model, workload.build().to(device, torch.bfloat16))
     copy.pull_weights()               # before the step's first forward: bf16(master) into the copy
     ... forward and backward on copy.model, outside autocast ...
     copy.push_gradients()             # after the last backward: the copy's gradients, as fp32, onto the master

@@ -5,7 +5,7 @@
     engine.window_metrics()                            # comm bytes, exposed comm, overlap, skips, compile
     engine.settle()                                    # every update applied (next-forward overlap)
 
-It needs no Ray: benchmarks and GPU tests build one directly (orchestrator.planning.uniform_spec
+It needs no Ray: benchmarks and GPU tests build one directly (planning.uniform_spec
 makes them a spec); the Ray Train loop builds one per worker. It decides nothing itself: the spec's
 plan says how the model is spread and in which precision, its train and compile settings the rest.
 """
@@ -16,15 +16,16 @@ import contextlib
 import functools
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from core.errors import ConfigError
 from core.spec import WorkerSpec
 from kernels.backend import use_triton
 from workers.comm.stats import CommStats
 from workers.compile_check import CompileCheck
 from workers.compiler import compile_stats
 from workers.compute_copy import Bf16ComputeCopy
-from workers.models.gpt import GPT
 from workers.optim import build_optimizer, set_lr
 from workers.parallel import attach_overlap, wrap
 from workers.precision import LossScaler, convert_to_float8, precision_on
@@ -37,9 +38,11 @@ class Engine:
         self.device = device
         self.worker = plan.worker(rank)
         self.precision = precision_on(plan.precision, device)
+        self.workload = spec.workload
         torch.manual_seed(train.seed)  # every rank builds identical weights
         # The model the optimizer updates, checkpoints save and evaluation runs.
-        self.model = GPT(spec.model).to(device)
+        self.model = self.workload.build().to(device)
+        check_same_weights(self.model, spec.model.kind)
         self.float8_layers = (convert_to_float8(self.model, train.float8_recipe)
                               if self.precision.name == "fp8" else 0)
         self.compute_copy = self._compute_copy()
@@ -75,7 +78,8 @@ class Engine:
         self.eval_batch_size = min(plan.replica_micro_batch_sizes())
         # The first micro-batch's compiled step is checked against eager PyTorch's (workers/compile_check.py).
         compile_config = spec.compile
-        self.compile_checker = (CompileCheck(trained, loss_tolerance=compile_config.check_tolerance,
+        self.compile_checker = (CompileCheck(trained, self.workload.blocks(trained),
+                                             loss_tolerance=compile_config.check_tolerance,
                                              gradient_tolerance=compile_config.gradient_tolerance,
                                              compare_gradients=self.wrapped.ddp is None and not self.wrapped.fsdp)
                                 if compile_config.enable and compile_config.check_tolerance > 0
@@ -114,7 +118,7 @@ class Engine:
     def _forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One micro-batch's mean loss (collective under DDP and FSDP: every rank makes it)."""
         with self._training_autocast():
-            return self.wrapped.forward(inputs, targets, loss_kernel=self.spec.train.loss_kernel)
+            return self.workload.loss(self.wrapped.forward, inputs, targets, loss_kernel=self.spec.train.loss_kernel)
 
     def _backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's mean loss, weighted by its share of the global batch (and scaled with fp16)."""
@@ -130,7 +134,7 @@ class Engine:
         """The bf16 copy that trains under [train] bf16_weights (the rules let it run only in bf16)."""
         if not self.spec.train.bf16_weights:
             return None
-        return Bf16ComputeCopy(self.model, GPT(self.spec.model).to(self.device, torch.bfloat16))
+        return Bf16ComputeCopy(self.model, self.workload.build().to(self.device, torch.bfloat16))
 
     def _training_autocast(self):
         """Autocast for the training forward; none on a bf16 compute copy: its weights are bf16
@@ -181,7 +185,7 @@ class Engine:
         for batch in batches:
             inputs, targets = batch[:, :-1], batch[:, 1:]
             with self.precision.autocast(self.device):
-                loss = forward(inputs, targets, loss_kernel=self.spec.train.loss_kernel)
+                loss = self.workload.loss(forward, inputs, targets, loss_kernel=self.spec.train.loss_kernel)
             loss_sum += float(loss) * targets.numel()
             tokens += targets.numel()
         self.model.train()
@@ -209,6 +213,29 @@ class Engine:
         if self.float8_layers:
             metrics["float8_layers"] = self.float8_layers
         return metrics
+
+
+SAME_WEIGHTS_TOLERANCE = 1e-6
+"""Relative difference between two ranks' weight fingerprints taken as the same weights (sums in
+float64 over different GPU models may round differently; different initialisations differ by ~1e-3)."""
+
+
+def check_same_weights(model: torch.nn.Module, kind: str) -> None:
+    """Every rank built the same weights: FSDP2 shards whatever each rank built (DDP would broadcast
+    rank 0's and hide it). Compares each rank's sum and sum of squares of its weights, in float64."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    with torch.no_grad():
+        mine = torch.stack([torch.stack([p.sum(dtype=torch.float64), p.square().sum(dtype=torch.float64)])
+                            for p in model.parameters()]).sum(0)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    apart = max(float(((other - gathered[0]).abs() / gathered[0].abs().clamp_min(1e-30)).max()) for other in gathered)
+    if apart > SAME_WEIGHTS_TOLERANCE:
+        where = "[model] factory" if kind == "custom" else "[model]"
+        raise ConfigError(f"the workers built different initial weights (their fingerprints are {apart:.2e} apart)",
+                          where=where, fix="draw the initial weights from torch's random generator only (archipelago "
+                                           "seeds it with [train] seed on every worker), not random, numpy or the clock")
 
 
 def _ddp_timing(ddp) -> dict:

@@ -43,7 +43,6 @@ from storage.shards import TokenDataset
 from workers import binding, checkpoint
 from workers.elastic import LedgerKeeper, PreemptionWatch, join_group, preemption_row
 from workers.engine import Engine
-from workers.optim import lr_at
 
 
 @dataclass(kw_only=True)
@@ -149,7 +148,8 @@ def train(job: WorkerJob, ctx, started_at: float) -> dict:
     window = MetricsWindow()
     send(job, rank, [{"event": "start", "step": progress.step, "world_size": world, "device": str(device),
                       "device_model": plan.worker(rank).device_model, "precision": engine.precision.name,
-                      "params": engine.model.num_params(), "flops_per_token": engine.model.flops_per_token(),
+                      "params": sum(p.numel() for p in engine.model.parameters()),
+                      "flops_per_token": spec.flops_per_token, "model": spec.workload.name,
                       "micro_batch_sizes": list(layout.micro_batch_sizes), "grad_accum_steps": plan.grad_accum_steps,
                       "reader": train_loader.reader_choice, "checkpoint_readers": sorted(checkpoint_readers)}])
 
@@ -158,7 +158,7 @@ def train(job: WorkerJob, ctx, started_at: float) -> dict:
         waiting = time.perf_counter()
         batches = next(steps)
         data_wait_s = time.perf_counter() - waiting
-        lr = lr_at(progress.step, train_cfg)
+        lr = spec.lr_schedule.lr_at(progress.step)
         loss, grad_norm = engine(batches, lr)
         progress.step += 1
         progress.consumed_samples += layout.global_batch
@@ -250,8 +250,9 @@ def restore(job: WorkerJob, checkpoints: checkpoint.RunCheckpoints, model: torch
 def open_loaders(spec: WorkerSpec, device: torch.device) -> tuple[BatchLoader, BatchLoader]:
     """Train and validation loaders; the reader is chosen once (and reported in the start event)."""
     data = spec.data
-    train = TokenDataset(data.location, "train", spec.model.seq_len)  # reads the manifest, once
-    val = TokenDataset(data.location, "val", spec.model.seq_len, manifest=train.manifest)
+    checks = data.shard_checksums_percent
+    train = TokenDataset(data.location, "train", spec.model.seq_len, checksum_percent=checks)  # reads the manifest
+    val = TokenDataset(data.location, "val", spec.model.seq_len, manifest=train.manifest, checksum_percent=checks)
     choice = choose_reader(data.reader, train.location, device, threads=data.reader_threads, small_reads=True)
     train_loader = BatchLoader(train, choice, device, depth=data.prefetch_steps)
     val_reader = choose_reader(choice.reader.kind, val.location, device, threads=data.reader_threads)

@@ -9,6 +9,7 @@ blocks; FSDP2 compiles each block before sharding it (the torchtitan recipe).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,12 +22,13 @@ from torch.nn.parallel import DistributedDataParallel
 from core.config import CompileConfig
 from core.plan import DataParallel, Plan
 from core.spec import WorkerSpec
+from workers.activation_checkpointing import set_activation_checkpointing
 from workers.comm.groups import build_island_groups
 from workers.comm.hooks import HookState, make_hook
 from workers.comm.overlap import NextForwardOverlap
 from workers.comm.stats import CommStats
 from workers.compiler import compile_options, maybe_compile
-from workers.models.gpt import GPT
+from workers.models.stack import BlockStack
 from workers.precision import Precision
 
 
@@ -58,19 +60,19 @@ class WrappedModel:
         return contextlib.nullcontext()
 
 
-def wrap(model: GPT, spec: WorkerSpec, precision: Precision, device: torch.device,
+def wrap(model: torch.nn.Module, spec: WorkerSpec, precision: Precision, device: torch.device,
          comm_stats: CommStats) -> WrappedModel:
-    plan = spec.plan
-    model.set_activation_checkpointing(plan.activation_checkpointing)
+    plan, blocks = spec.plan, spec.workload.blocks(model)
+    set_activation_checkpointing(blocks, plan.activation_checkpointing)
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1:
         return WrappedModel(maybe_compile(model, spec.compile, fullgraph=spec.compile.fullgraph), None, False, None)
     if plan.data_parallel == DataParallel.FSDP:
-        return _wrap_fsdp(model, spec.compile, precision)
+        return _wrap_fsdp(model, blocks, spec.compile, precision)
     return _wrap_ddp(model, spec, device, world, comm_stats)
 
 
-def attach_overlap(wrapped: WrappedModel, model: GPT, optimizer: torch.optim.Optimizer, plan: Plan,
+def attach_overlap(wrapped: WrappedModel, model: BlockStack, optimizer: torch.optim.Optimizer, plan: Plan,
                    comm_stats: CommStats) -> NextForwardOverlap | None:
     """The next-forward overlap, hooked into DDP, when the plan runs it and there is DDP to hook (one
     worker alone has nothing to reduce); None otherwise."""
@@ -84,13 +86,14 @@ def attach_overlap(wrapped: WrappedModel, model: GPT, optimizer: torch.optim.Opt
     return overlap
 
 
-def _wrap_ddp(model: GPT, spec: WorkerSpec, device: torch.device, world: int, comm_stats: CommStats) -> WrappedModel:
+def _wrap_ddp(model: torch.nn.Module, spec: WorkerSpec, device: torch.device, world: int,
+              comm_stats: CommStats) -> WrappedModel:
     plan, hooks = spec.plan, spec.plan.hook_settings
     compiled_autograd = spec.compile.uses_compiled_autograd
-    # The next-forward overlap runs Python between blocks (GPT.before_stage): compile block by block.
+    # The next-forward overlap runs Python between blocks (BlockStack.before_stage): compile block by block.
     by_block = plan.overlap == "next_forward"
     if by_block:
-        _compile_by_block(model, spec.compile)
+        _compile_by_block(model, spec.workload.blocks(model), spec.compile)
     # DDP reads optimize_ddp once, in its constructor; both flags are process-wide, so every wrap
     # sets them either way (a later engine in the same process must not inherit them).
     # With compiled autograd, DDP's C++ reducer is replaced by the Python one, whose all-reduces
@@ -118,22 +121,24 @@ def _wrap_ddp(model: GPT, spec: WorkerSpec, device: torch.device, world: int, co
     return WrappedModel(forward, ddp, False, state, compiled_autograd=compiled_autograd)
 
 
-def _wrap_fsdp(model: GPT, compile_config: CompileConfig, precision: Precision) -> WrappedModel:
+def _wrap_fsdp(model: torch.nn.Module, blocks: Sequence[torch.nn.Module], compile_config: CompileConfig,
+               precision: Precision) -> WrappedModel:
     # Parameters are gathered in the autocast dtype and gradients reduced in fp32.
     policy = MixedPrecisionPolicy(param_dtype=precision.autocast_dtype, reduce_dtype=torch.float32)
-    _compile_by_block(model, compile_config)
-    for block in model.blocks:
+    _compile_by_block(model, blocks, compile_config)
+    for block in blocks:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)  # in place: the model itself is now the FSDP module
     return WrappedModel(model, None, True, None)
 
 
-def _compile_by_block(model: GPT, compile_config: CompileConfig) -> None:
-    """Compiles each block and the head in place (names unchanged, so checkpoints load either way);
-    what runs between them, embeddings included, stays eager (the torchtitan recipe)."""
+def _compile_by_block(model: torch.nn.Module, blocks: Sequence[torch.nn.Module], compile_config: CompileConfig) -> None:
+    """Compiles each block, and a built-in model's head, in place (names unchanged, so checkpoints load
+    either way); what runs between them, embeddings included, stays eager (the torchtitan recipe)."""
     if not compile_config.enable:
         return
     options = compile_options(compile_config, fullgraph=compile_config.fullgraph)
-    for block in model.blocks:
+    for block in blocks:
         block.compile(**options)
-    model.head = torch.compile(model.head, **options)
+    if isinstance(model, BlockStack):
+        model.head = torch.compile(model.head, **options)

@@ -51,18 +51,20 @@ def precision_on(name: str, device: torch.device) -> Precision:
 def convert_to_float8(model: torch.nn.Module, recipe: str) -> int:
     """Swaps eligible nn.Linear layers for torchao's Float8Linear; returns how many were converted.
 
-    The tied lm_head is skipped: its weight is also the embedding table, which float8 cannot share."""
+    A linear layer whose weight another module shares (a head tied to the embedding) is skipped: the
+    embedding table cannot be float8."""
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:
         raise ConfigError("float8 training needs torchao", where="[train] precision = \"fp8\"",
                           fix="pip install 'archipelago[fp8]' (torchao), or use bf16") from None
     config = Float8LinearConfig.from_recipe_name(recipe)
+    shared = _shared_parameters(model)
     converted: list[str] = []
 
     def keep(module: torch.nn.Module, fqn: str) -> bool:
-        # fp8 matmuls need both dimensions divisible by 16; the head shares the embedding weight.
-        ok = (isinstance(module, torch.nn.Linear) and fqn != "lm_head"
+        # fp8 matmuls need both dimensions divisible by 16.
+        ok = (isinstance(module, torch.nn.Linear) and id(module.weight) not in shared
               and module.in_features % 16 == 0 and module.out_features % 16 == 0)
         if ok:
             converted.append(fqn)
@@ -70,6 +72,15 @@ def convert_to_float8(model: torch.nn.Module, recipe: str) -> int:
 
     convert_to_float8_training(model, config=config, module_filter_fn=keep)
     return len(converted)
+
+
+def _shared_parameters(model: torch.nn.Module) -> set[int]:
+    """ids of the parameters that more than one module holds (tied weights)."""
+    holders: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            holders[id(p)] = holders.get(id(p), 0) + 1
+    return {key for key, count in holders.items() if count > 1}
 
 
 class LossScaler:

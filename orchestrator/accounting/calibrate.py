@@ -32,8 +32,8 @@ from pathlib import Path
 from core.errors import ConfigError
 from core.plan import Plan
 from orchestrator.accounting.report import RunReport
-from orchestrator.planning.calibration import Calibration
-from orchestrator.planning.collectives import DEFAULT_CALIBRATION, LinkCalibration, LinkClass, parse_calibration
+from planning.calibration import Calibration
+from planning.collectives import DEFAULT_CALIBRATION, LinkCalibration, LinkClass, parse_calibration
 
 SWEEP_FILES = ("multigpu.json", "calibration.json")
 """What benchmarks/multigpu.py writes into its --out folder: the sweep's calibration is in either."""

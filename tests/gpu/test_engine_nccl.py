@@ -5,7 +5,7 @@ import torch
 import torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook as powersgd_module
 
 from core.config import JobConfig
-from orchestrator.planning.hook_costs import CommHookCost
+from planning.hook_costs import CommHookCost
 from tests.engine_support import engine_spec, run_ranks
 from workers.engine import Engine
 

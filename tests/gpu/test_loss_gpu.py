@@ -10,7 +10,7 @@ pytest.importorskip("triton", reason="triton is not installed: it comes with CUD
 from core.config import ModelConfig  # noqa: E402
 from kernels import triton_loss  # noqa: E402
 from kernels.loss import cross_entropy_rows_twin, linear_cross_entropy  # noqa: E402
-from workers.models.gpt import GPT  # noqa: E402
+from workers.models import make_workload  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -39,10 +39,12 @@ def test_out_of_range_target_gives_a_nan_loss():
 # (n_embd, n_head, seq_len, batch): small, and the 1.3B model's width, at which Inductor's final-norm
 # kernel once fed the op a wrong input under one of its block sizes (kernels/loss.py says how;
 # test_inductor_configs_gpu.py tries every block size).
+@pytest.mark.parametrize("kind", ["gpt", "llama"])  # a LayerNorm and an RMSNorm inside the op
 @pytest.mark.parametrize("width, heads, seq_len, batch", [(256, 4, 256, 8), (2048, 16, 1024, 16)])
-def test_compiled_model_with_the_fused_loss_matches_the_plain_loss(width, heads, seq_len, batch):
+def test_compiled_model_with_the_fused_loss_matches_the_plain_loss(width, heads, seq_len, batch, kind):
     torch.manual_seed(0)
-    model = GPT(ModelConfig(n_layer=2, n_head=heads, n_embd=width, seq_len=seq_len, vocab_size=50304)).cuda()
+    config = ModelConfig(kind=kind, n_layer=2, n_head=heads, n_embd=width, seq_len=seq_len, vocab_size=50304)
+    model = make_workload(config).build().cuda()
     tokens = torch.randint(0, 50304, (batch, seq_len + 1), device="cuda")
     results = {}
     for kernel in ("plain", "fused"):

@@ -15,9 +15,9 @@ from core.plan import Plan
 from orchestrator.accounting import calibrate
 from orchestrator.accounting.report import RunReport
 from orchestrator.cli import main
-from orchestrator.planning.calibration import Calibration
-from orchestrator.planning.collectives import LinkClass
-from orchestrator.planning.planner import Planner
+from planning.calibration import Calibration
+from planning.collectives import LinkClass
+from planning.planner import Planner
 from topology import machines
 
 TOPOLOGIES = Path(__file__).parents[2] / "examples/topologies"

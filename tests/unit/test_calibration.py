@@ -9,10 +9,10 @@ import pytest
 
 from core.config import JobConfig
 from core.errors import ConfigError
-from orchestrator.planning.calibration import Calibration
-from orchestrator.planning.collectives import LinkCalibration, LinkClass
-from orchestrator.planning.compute import ComputeModel
-from orchestrator.planning.planner import Planner
+from planning.calibration import Calibration
+from planning.collectives import LinkCalibration, LinkClass
+from planning.compute import ComputeModel
+from planning.planner import Planner
 from topology import machines
 
 TINY_MODEL = {"n_layer": 4, "n_head": 4, "n_embd": 128, "seq_len": 128, "vocab_size": 257}

@@ -8,19 +8,19 @@ import pytest
 from core.config import JobConfig
 from core.errors import ConfigError, PlacementError
 from core.plan import Plan
-from orchestrator.planning import planner as planner_module
-from orchestrator.planning.calibration import Calibration
-from orchestrator.planning.collectives import (
+from planning import planner as planner_module
+from planning.calibration import Calibration
+from planning.collectives import (
     NVLINK_DDP_COMPUTE_SLOWDOWN,
     CollectiveCostModel,
     LinkCalibration,
     LinkClass,
     parse_calibration,
 )
-from orchestrator.planning.compute import POWERSGD_HOST_SECONDS_PER_MATRIX
-from orchestrator.planning.devices import DeviceType
-from orchestrator.planning.hook_costs import CommHookCost
-from orchestrator.planning.planner import AUTO_BF16_MIN_GAIN, Planner
+from planning.compute import POWERSGD_HOST_SECONDS_PER_MATRIX
+from planning.devices import DeviceType
+from planning.hook_costs import CommHookCost
+from planning.planner import AUTO_BF16_MIN_GAIN, Planner
 from topology import machines
 from topology.cluster import ClusterTopology
 

@@ -18,7 +18,8 @@ def compile_check(monkeypatch):
     if not was_set:  # the script turns the caches off for its own process, not for the test session's
         os.environ.pop(CACHES_OFF, None)
     monkeypatch.setattr(module.step, "DEVICE", "cpu")
-    monkeypatch.setitem(module.step.MODELS, "tiny", (257, 32, 32, 2, 2, 4))  # vocab, T, width, layers, heads, B
+    monkeypatch.setitem(module.step.MODELS, "tiny", ({"n_layer": 2, "n_head": 2, "n_embd": 32, "seq_len": 32,
+                                                     "vocab_size": 257}, 4))
     monkeypatch.setattr(module, "PRECISIONS", {"fp32": {"train": {"precision": "fp32"},
                                                         "cluster": {"use_gpu": False, "num_workers": 1}}})
     return module

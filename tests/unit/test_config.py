@@ -138,3 +138,9 @@ def test_compiled_ddp_refuses_buckets_below_a_mebibyte():
     JobConfig.from_dict(small)  # eager DDP takes any size
     JobConfig.from_dict({**small, "compile": {"enable": True}, "train": {"grad_clip": 0.0},
                          "parallel": {"bucket_mb": 0.25, "overlap": "next_forward"}})  # compiled block by block
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.glob("*.toml")))
+def test_every_example_config_loads(example):
+    config = JobConfig.from_toml(EXAMPLES / example)
+    assert config.name == Path(example).stem

@@ -7,8 +7,8 @@ import pytest
 
 from core.errors import ConfigError
 from core.plan import AllReduce
-from orchestrator.planning.calibration import Calibration
-from orchestrator.planning.collectives import (
+from planning.calibration import Calibration
+from planning.collectives import (
     DEFAULT_CALIBRATION,
     CollectiveCostModel,
     Hop,
@@ -17,8 +17,8 @@ from orchestrator.planning.collectives import (
     Reduction,
     bucketing,
 )
-from orchestrator.planning.compute import ComputeModel
-from orchestrator.planning.prices import PriceTable
+from planning.compute import ComputeModel
+from planning.prices import PriceTable
 
 GIB = 2**30
 
@@ -203,8 +203,8 @@ def test_a_missing_price_file_says_where_it_was_looked_for(tmp_path):
 
 
 def test_a_mig_slice_is_priced_and_peaked_as_its_share_of_the_card():
-    from orchestrator.planning.devices import DevicePool
-    from orchestrator.planning.figures import FigureBook
+    from planning.devices import DevicePool
+    from planning.figures import FigureBook
     from topology import catalog, machines
     cluster = machines.cluster("1xH100-MIG7:1")
     pool = DevicePool.gpus(cluster, CollectiveCostModel(), dtype="bf16", use_mig=True, figures=FigureBook(cluster, {}))

@@ -2,14 +2,15 @@
 
 import pytest
 
+import planning
 from core.config import JobConfig
-from core.spec import WorkerSpec
 from core.errors import ConfigError, PlacementError
-from orchestrator import planning
+from core.spec import WorkerSpec
 from orchestrator.coordinator import ElasticState, config_for_world, granted_topology, matches, ray_cpu_slots
-from orchestrator.planning.memory import profile
+from planning.memory import profile
 from topology.cluster import ClusterTopology, NodeTopology, NumaNode
 from workers.elastic import WorkerReport
+from workers.models import make_workload
 
 JOB = {"model": {"n_layer": 1, "n_head": 2, "n_embd": 32, "seq_len": 32},
        "train": {"global_batch_size": 8, "micro_batch_size": 2},
@@ -72,7 +73,8 @@ def state_and_nodes():
     plan_for = lambda topology, cfg: planning.make_plan(topology, cfg, memory=memory)  # noqa: E731
     first = plan_for(granted_topology(nodes, reports(*nodes), cpus_per_worker=1, use_gpu=False), config)
     clock = iter(float(t) for t in range(2000, 3000))
-    spec = WorkerSpec.for_plan(config, first, data_location="data/tiny", tokenizer="bytes")
+    spec = WorkerSpec.for_plan(config, first, workload=make_workload(config.model), flops_per_token=1e6,
+                               data_location="data/tiny", tokenizer="bytes")
     state = ElasticState(config, spec, nodes, plan_for=plan_for, discover=lambda: ClusterTopology(nodes=nodes),
                          clock=lambda: next(clock))
     return state, nodes

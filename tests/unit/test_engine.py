@@ -35,6 +35,15 @@ def job(**parallel) -> JobConfig:
     })
 
 
+def llama_job(**parallel) -> JobConfig:
+    """The same job with a tiny Llama: grouped-query attention (4 heads, 2 key/value heads), rotary
+    embeddings with Llama-3.1's scaling, SwiGLU, an untied head."""
+    raw = job(**parallel).to_dict()
+    raw["model"] = {"kind": "llama", "n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 32, "seq_len": 32,
+                    "rope_scaling": 8.0, "tie_embeddings": False}
+    return JobConfig.from_dict(raw)
+
+
 def batches_for(step: int, replica: int, replicas: int, accum: int) -> list[torch.Tensor]:
     """Token windows for one step, the same global batch whatever the split; three batches cycle,
     so the model can learn them and the loss falls."""
@@ -78,6 +87,9 @@ def distributed_runs(rank: int, world: int, data_dir: str) -> dict:
         config = job(**parallel)
         engine = Engine(engine_spec(config, world, MICRO, 1), rank, torch.device("cpu"))
         results[name] = {"losses": train(engine, rank, world, 1), **_plain(engine.window_metrics())}
+    for name, parallel in {"llama_ddp": {}, "llama_fsdp": {"strategy": "fsdp"}}.items():
+        engine = Engine(engine_spec(llama_job(**parallel), world, MICRO, 1), rank, torch.device("cpu"))
+        results[name] = {"losses": train(engine, rank, world, 1)}
     # comm_hook = "auto": the engine runs the hook the plan names (the planner resolves auto)
     spec = engine_spec(job(comm_hook="auto"), world, MICRO, 1)
     engine = Engine(spec.with_plan(dataclasses.replace(spec.plan, comm_hook="bf16")), rank, torch.device("cpu"))
@@ -85,13 +97,22 @@ def distributed_runs(rank: int, world: int, data_dir: str) -> dict:
     text_job = {"model": {"n_layer": 2, "n_head": 2, "n_embd": 64, "seq_len": 32},
                 "train": {"global_batch_size": 16, "micro_batch_size": 8, "lr": 3e-3, "min_lr": 3e-3,
                           "warmup_steps": 0}, "cluster": {"num_workers": 2}}
-    for name, parallel in {"text_allreduce": {}, "text_topk": {"comm_hook": "topk", "topk_ratio": 0.07,
-                                                                "topk_ramp_steps": 80, "comm_warmup_steps": 0}}.items():
+    topk = {"comm_hook": "topk", "topk_ratio": 0.07, "topk_ramp_steps": 80, "comm_warmup_steps": 0}
+    for name, parallel in {"text_allreduce": {}, "text_topk": topk, "text_topk_no_feedback": topk}.items():
         engine = Engine(engine_spec(JobConfig.from_dict({**text_job, "parallel": parallel}), world, 8, 1), rank,
                         torch.device("cpu"))
+        if name == "text_topk_no_feedback":
+            engine.wrapped.hook_state.residuals = Forgetful()
         results[name] = {"losses": text_losses(engine, data_dir, rank, world, TEXT_STEPS),
                          **_plain(engine.window_metrics())}
     return results
+
+
+class Forgetful(dict):
+    """Error feedback off: the top-k hook's residuals, never kept, so every step starts from zeros."""
+
+    def __setitem__(self, key, value) -> None:
+        pass
 
 
 def _plain(metrics: dict) -> dict:
@@ -103,6 +124,8 @@ def runs(dataset_dir):
     results = run_ranks(2, distributed_runs, str(dataset_dir))
     single = Engine(engine_spec(job(), 1, MICRO, 2), 0, torch.device("cpu"))
     results["single"] = {"losses": train(single, 0, 1, 2)}
+    llama = Engine(engine_spec(llama_job(), 1, MICRO, 2), 0, torch.device("cpu"))
+    results["llama_single"] = {"losses": train(llama, 0, 1, 2)}
     return results
 
 
@@ -117,6 +140,14 @@ def test_fsdp2_tracks_a_single_process_run(runs):
         assert ours == pytest.approx(theirs, rel=1e-4)
 
 
+def test_a_llama_under_ddp_and_fsdp2_tracks_a_single_process_run(runs):
+    single = runs["llama_single"]["losses"]
+    for name in ("llama_ddp", "llama_fsdp"):
+        for ours, theirs in zip(runs[name]["losses"], single):
+            assert ours == pytest.approx(theirs, rel=1e-4)
+    assert single[-1] < single[0] - 0.5 and len(single) == STEPS
+
+
 def test_the_engine_runs_the_hook_the_plan_picked_for_auto(runs):
     plain_step = runs["ddp"]["comm_bytes"] / STEPS
     assert runs["auto_bf16"]["comm_bytes"] / 2 == plain_step / 2  # bf16 on the wire: half the bytes
@@ -126,7 +157,10 @@ def test_ddp_reports_communication(runs):
     ddp = runs["ddp"]
     params = sum(p.numel() for p in GPT(job().model).parameters())
     assert ddp["comm_bytes"] == STEPS * params * 4  # every step all-reduces every fp32 gradient once
-    assert ddp["comm_s"] > 0 and 0.0 <= ddp["overlap_ratio"] <= 1.0 and ddp["exposed_comm_s"] >= 0
+    assert ddp["comm_s"] > 0 and 0.0 <= ddp["overlap_ratio"] <= 1.0
+    # Exposed is the communication that did not overlap backward (the ratio is rounded to 4 places).
+    assert ddp["exposed_comm_s"] == pytest.approx(ddp["comm_s"] * (1 - ddp["overlap_ratio"]),
+                                                  abs=1e-4 * ddp["comm_s"])
 
 
 def test_topk_with_error_feedback_tracks_uncompressed_training(runs):
@@ -230,6 +264,10 @@ def test_topk_with_error_feedback_tracks_uncompressed_training(runs):
     topk, plain = runs["text_topk"], runs["text_allreduce"]
     final = lambda losses: sum(losses[-10:]) / 10  # noqa: E731
     assert final(topk["losses"]) <= 1.05 * final(plain["losses"])
+    # Error feedback is what buys most of that: the same run with the residual forgotten every step
+    # ends further above plain all-reduce (+3.6 % against +0.9 % at this seed, measured).
+    gap = lambda run: final(run["losses"]) / final(plain["losses"]) - 1  # noqa: E731
+    assert gap(topk) < 0.5 * gap(runs["text_topk_no_feedback"])
     assert final(plain["losses"]) < plain["losses"][0] - 2.0
     assert topk["comm_bytes"] <= 0.05 * plain["comm_bytes"]
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from core.config import JobConfig
-from orchestrator.planning.memory import profile
-from orchestrator.planning.planner import Planner
+from planning.memory import profile
+from planning.planner import Planner
 from topology import LinkKind, load_files
 
 EXAMPLES = Path(__file__).parents[2] / "examples/topologies"

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from core.config import ModelConfig, TrainConfig
-from orchestrator.planning import memory
+from planning import memory
 from workers.compute_copy import Bf16ComputeCopy
 from workers.models.gpt import GPT
 from workers.optim import build_optimizer

@@ -8,9 +8,8 @@ import torch
 
 from core.config import JobConfig
 from core.errors import ConfigError
-from orchestrator.planning.resolve import overlap_backward_share
+from planning.resolve import overlap_backward_share
 from tests.engine_support import engine_spec, run_ranks
-from workers.comm.overlap import forward_stages
 from workers.engine import Engine
 from workers.models.gpt import GPT
 
@@ -60,7 +59,7 @@ def stage_order(rank: int, world: int) -> dict:
     overlap = engine.overlap
     needs = [r.need for r in overlap.unapplied]
     overlap.before_stage(1)
-    stages = forward_stages(engine.model)
+    stages = engine.model.forward_stages()
     applied_needs = sorted({stages[id(p)] for p in engine.model.parameters() if p.grad is None})
     pending_needs = sorted({stages[id(p)] for p in engine.model.parameters() if p.grad is not None})
     return {"needs": needs, "applied": applied_needs, "pending": pending_needs, "left": len(overlap.unapplied)}
@@ -104,11 +103,10 @@ def test_overlap_trains_exactly_as_plain_ddp(runs, overlapped, plain):
     assert theirs["losses"][-1] < theirs["losses"][0]
 
 
-def test_overlap_counts_bytes_and_the_time_the_forward_waited(runs):
+def test_overlap_counts_bytes_and_leaves_out_ddps_overlap_ratio(runs):
     params = sum(p.numel() for p in GPT(job().model).parameters())
     assert runs["overlap"]["metrics"]["comm_bytes"] == STEPS * params * 4
     assert runs["overlap_bf16"]["metrics"]["comm_bytes"] == STEPS * params * 2
-    assert runs["overlap"]["metrics"]["exposed_comm_s"] >= 0
     assert "overlap_ratio" not in runs["overlap"]["metrics"]  # DDP's timers would see every bucket done at once
 
 
@@ -124,7 +122,7 @@ def test_buckets_wait_in_the_order_the_forward_needs_them(runs):
 
 def test_forward_stages_follow_the_model():
     model = GPT(job().model)
-    stages = forward_stages(model)
+    stages = model.forward_stages()
     assert stages[id(model.tok_emb.weight)] == stages[id(model.lm_head.weight)] == 0  # tied
     assert stages[id(model.blocks[0].attn.qkv.weight)] == 1
     assert stages[id(model.blocks[2].mlp.proj.weight)] == 3

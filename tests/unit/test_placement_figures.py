@@ -8,9 +8,9 @@ import pytest
 from core.config import JobConfig
 from core.errors import ConfigError, PlacementError
 from core.plan import DeviceBasis
-from orchestrator.planning.compute import ComputeModel
-from orchestrator.planning.figures import MEASURED_MATMUL_SHARE_OF_PEAK
-from orchestrator.planning.planner import Planner
+from planning.compute import ComputeModel
+from planning.figures import MEASURED_MATMUL_SHARE_OF_PEAK
+from planning.planner import Planner
 from topology import ClusterTopology, machines
 from topology.cluster import MeasuredDevice
 from topology.nvidia_smi import parse_node

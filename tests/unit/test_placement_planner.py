@@ -7,9 +7,9 @@ import pytest
 from core.config import JobConfig
 from core.errors import ConfigError, PlacementError
 from core.plan import DataParallel, DeviceKind, Plan
-from orchestrator.planning import memory
-from orchestrator.planning.compute import ComputeModel
-from orchestrator.planning.planner import Planner
+from planning import memory
+from planning.compute import ComputeModel
+from planning.planner import Planner
 from topology import machines
 from topology.cluster import ClusterTopology, Nic, NicKind, NodeTopology, NumaNode
 
@@ -201,7 +201,7 @@ def unpriced(cluster: str) -> ClusterTopology:
 def test_refusals_that_need_no_memory_profile_come_before_it(monkeypatch, cluster, config, where):
     def no_profile(*args, **kwargs):
         raise AssertionError("profiled the model's memory for a job the cluster cannot hold")
-    monkeypatch.setattr("orchestrator.planning.planner.profile", no_profile)
+    monkeypatch.setattr("planning.planner.profile", no_profile)
     with pytest.raises(PlacementError) as refused:
         planner(cluster, config)
     assert refused.value.where == where

@@ -131,3 +131,11 @@ def test_a_version_1_map_reads_and_measured_figures_print(capsys, tmp_path, monk
     assert code == 0
     assert re.search(r"NVIDIA H200\s+781\.4\s+-\s+-\s+4287\s+-\s+-\s+-\s+driver 580\.159\.04", text)
     assert re.search(r"cpu \(per core of 16\)\s+-\s+-\s+0\.0512", text)
+
+
+def test_the_map_reads_at_80_columns_leaving_out_uuids_first(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    code, text = run(capsys, "topology", "--generate", "8xH100-SXM:1,1xH100-MIG7:1")
+    assert code == 0 and max(len(line) for line in text.splitlines()) <= 80 and "…" not in text
+    assert "H100-SXM5-80GB" in text and "8xh100-sxm-0-nvl0" in text and "bf16 TFLOP/s" in text
+    assert "(UUID, SMs, CPUs, NUMA left out at 80 columns" in text and "GPU-" not in text

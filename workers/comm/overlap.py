@@ -1,7 +1,7 @@
 """Gradient reduction that runs on into the next step's forward ([parallel] overlap = "next_forward").
 
     overlap = NextForwardOverlap(model, optimizer, world_size=2, stats=stats, wire="fp32", backward_share=0.3)
-    overlap.register(ddp)                     # DDP's comm hook, and GPT's call before each stage
+    overlap.register(ddp)                     # DDP's comm hook, and the model's call before each stage
     overlap.begin_step(lr); forward; backward; grad_norm = overlap.end_step()
     overlap.settle()                          # before reading metrics, evaluating or saving
 
@@ -16,7 +16,8 @@ moved to where each bucket's parameters are next used:
   them in the order the next forward needs them, the first layers' first. The hook's future is
   complete when returned, so DDP does not make the step wait: the gradients stay in the bucket,
   which the all-reduce overwrites in place with their average.
-- **next forward** (`before_stage`, called by GPT before its embeddings and before each block):
+- **next forward** (`before_stage`, called by the built-in models (workers/models/stack.py) before
+  their embeddings and before each block):
   every bucket holding a parameter that stage is the first to use is waited for (on GPUs a stream
   dependency, not a host wait), its optimizer update applied with its own step's learning rate,
   and its gradients released; the later buckets are still on the wire meanwhile.
@@ -26,7 +27,7 @@ sizes alone, never on timing, as NCCL requires. The updates are torch's own opti
 subset of its parameters, so the weights come out as with plain DDP and one step, bit for bit
 (tests/unit/test_overlap.py).
 
-What it cannot do, and the config refuses (JobConfig._check_overlap): clip gradients (a bucket's
+What it cannot do, and the rules refuse (core/rules.py, overlap_refusal): clip gradients (a bucket's
 update would need the global norm of buckets still on the wire), fp16's loss scaling (a step is
 known to be skipped only once every bucket has arrived), bf16_weights, FSDP, compiled autograd,
 and the compressing hooks other than bf16.
@@ -40,7 +41,7 @@ import torch.distributed as dist
 
 from workers.comm.hooks import HookState, start_average
 from workers.comm.stats import CommStats
-from workers.models.gpt import GPT
+from workers.models.stack import BlockStack
 
 WIRES = ("fp32", "bf16")
 
@@ -65,7 +66,7 @@ class _Reduction:
 
 
 class NextForwardOverlap:
-    def __init__(self, model: GPT, optimizer: torch.optim.Optimizer, *, world_size: int, stats: CommStats,
+    def __init__(self, model: BlockStack, optimizer: torch.optim.Optimizer, *, world_size: int, stats: CommStats,
                  wire: str, backward_share: float):
         if wire not in WIRES:
             raise ValueError(f"unknown overlap wire {wire!r}; choose one of {', '.join(WIRES)}")
@@ -75,7 +76,7 @@ class NextForwardOverlap:
         self.optimizer = optimizer
         self.wire = wire
         self.state = HookState(stats=stats, world_size=world_size)
-        self.stage_of = forward_stages(model)
+        self.stage_of = model.forward_stages()
         self.element_bytes = 2 if wire == "bf16" else 4
         step_bytes = sum(p.numel() for p in model.parameters() if p.requires_grad) * self.element_bytes
         self.backward_bytes = backward_share * step_bytes
@@ -141,7 +142,7 @@ class NextForwardOverlap:
         reduction.wire, reduction.work = start_average(self.state, reduction.buffer, bf16=self.wire == "bf16")
 
     def before_stage(self, stage: int) -> None:
-        """Applies every update the forward's stage `stage` needs (GPT calls it; 0 is the embeddings)."""
+        """Applies every update the forward's stage `stage` needs (the model calls it; 0 is the embeddings)."""
         while self.unapplied and self.unapplied[0].need <= stage and self.unapplied[0].work is not None:
             self._apply(self.unapplied.pop(0))
 
@@ -212,17 +213,3 @@ class NextForwardOverlap:
 
 def _by_need(reduction: _Reduction) -> tuple[int, int]:
     return reduction.need, reduction.index
-
-
-def forward_stages(model: GPT) -> dict[int, int]:
-    """id(parameter) -> the forward stage that uses it first: 0 the embeddings, i + 1 block i.
-    The final norm's parameters count as the last block's (the head has no call of its own), and
-    the output projection's weight is the token embedding's (tied)."""
-    stages: dict[int, int] = {}
-    last = len(model.blocks)
-    for module, stage in [(model.tok_emb, 0), (model.pos_emb, 0),
-                          *((block, i + 1) for i, block in enumerate(model.blocks)),
-                          (model.ln_f, last), (model.lm_head, last)]:
-        for p in module.parameters():
-            stages.setdefault(id(p), stage)
-    return stages

@@ -7,30 +7,14 @@ Sized entirely by `ModelConfig`; the same code trains the byte-level CPU demo, G
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from core.config import ModelConfig
-from kernels.loss import linear_cross_entropy
-from workers.models.chunked_loss import chunked_cross_entropy
-
-# Selective activation checkpointing keeps what is expensive to recompute (matmuls, attention)
-# and recomputes the cheap, memory-hungry rest (norms, GELU, residual adds) in backward.
-_SAVE_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-             torch.ops.aten._scaled_dot_product_flash_attention.default,
-             torch.ops.aten._scaled_dot_product_efficient_attention.default,
-             torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
-
-
-def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+from workers.models.stack import BlockStack
 
 
 class CausalSelfAttention(nn.Module):
@@ -67,23 +51,13 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
-        self.activation_checkpointing = "off"
-        """off, selective or full; set through GPT.set_activation_checkpointing."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.activation_checkpointing == "off" or not torch.is_grad_enabled():
-            return self._forward(x)
-        context = (functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
-                   if self.activation_checkpointing == "selective" else None)
-        kwargs = {"context_fn": context} if context else {}
-        return checkpoint(self._forward, x, use_reentrant=False, preserve_rng_state=False, **kwargs)
-
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
 
-class GPT(nn.Module):
+class GPT(BlockStack):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -93,9 +67,6 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.tok_emb.weight  # tied: one matrix embeds tokens and scores them
-        self.before_stage: Callable[[int], None] | None = None
-        """Called with 0 before the embeddings and i + 1 before block i, when set: the next-forward
-        overlap (workers/comm/overlap.py) applies the updates each stage needs there."""
         self.apply(self._init_weights)
         # GPT-2: scale the residual projections so the residual stream's variance does not grow with depth.
         for name, p in self.named_parameters():
@@ -109,48 +80,27 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def set_activation_checkpointing(self, mode: str) -> None:
-        """Recompute block activations in backward: "off", "selective" (keep matmul and attention
-        outputs) or "full". Module names do not change, so checkpoints load either way."""
-        for block in self.blocks:
-            block.activation_checkpointing = mode
-
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
                 loss_kernel: str = "plain") -> torch.Tensor:
-        """Returns the mean cross-entropy over all positions when targets are given, else the logits.
-
-        loss_kernel: "plain" (F.cross_entropy over fp32 logits), "fused" (kernels.loss: the final
-        norm and the logits' gradient made in the forward pass, inside one op) or "chunked"
-        (workers.models.chunked_loss: the (tokens × vocab) logits never exist whole)."""
+        """Returns the mean cross-entropy over all positions when targets are given, else the logits
+        (loss_kernel: see BlockStack.head)."""
         T = idx.shape[1]
-        if self.before_stage is not None:
-            self.before_stage(0)
+        self.stage(0)
         x = self.tok_emb(idx) + self.pos_emb(torch.arange(T, device=idx.device))
         for i, block in enumerate(self.blocks):
-            if self.before_stage is not None:
-                self.before_stage(i + 1)
+            self.stage(i + 1)
             x = block(x)
         return self.head(x, targets, loss_kernel)
 
-    def head(self, x: torch.Tensor, targets: torch.Tensor | None, loss_kernel: str) -> torch.Tensor:
-        """Final norm, output projection and loss: a separate method so that FSDP2, which compiles
-        block by block, can compile it too (eager, its fp32 logits cost time and memory)."""
-        if targets is not None and loss_kernel == "fused":  # the op runs the final norm itself (kernels/loss.py)
-            return linear_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1), self.ln_f)
-        x = self.ln_f(x)
-        if targets is None:
-            return self.lm_head(x)
-        if loss_kernel == "chunked":
-            return chunked_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1))
-        if loss_kernel != "plain":
-            raise ValueError(f"loss_kernel must be 'fused', 'chunked' or 'plain', got {loss_kernel!r}")
-        logits = self.lm_head(x)
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.ln_f
 
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+    def output_weight(self) -> torch.Tensor:
+        return self.lm_head.weight
 
-    def flops_per_token(self) -> int:
-        """Training FLOPs per token: 6N for the matmuls plus attention scores (PaLM appendix B)."""
-        cfg = self.cfg
-        return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len
+    def embedding_modules(self) -> list[nn.Module]:
+        return [self.tok_emb, self.pos_emb]
+
+    def head_modules(self) -> list[nn.Module]:
+        return [self.ln_f, self.lm_head]

@@ -5,7 +5,7 @@
     profile.max_micro_batch(capacity_bytes=80 * 2**30, data_parallel="ddp", world_size=8)
     memory.measure_step(spec, micro_batch_size=16)            # one exact fake step
 
-How: the worker's training step (workers/engine.py: build GPT, AdamW, micro-batches under
+How: the worker's training step (workers/engine.py: build the workload's model, AdamW, micro-batches under
 autocast, backward, clip, step) runs on fake tensors (`FakeTensorMode`: shapes and dtypes, no
 data, no allocation) under a dispatch-level tracker that adds every new tensor storage's bytes
 when an op creates it and subtracts them when the storage dies — what
@@ -20,7 +20,7 @@ Where this is exact and where it is a model:
   blocks for GPU targets. Scratch space a kernel allocates inside itself (flash-attention's
   backward accumulators, cuBLAS workspaces) is invisible; `KERNEL_WORKSPACE_BYTES` covers it.
 - The fake step runs CPU kernels' shapes: SDPA saves output and log-sum-exp on CPU as flash
-  attention does on CUDA, and CPU autocast casts the same GPT ops to bf16.
+  attention does on CUDA, and CPU autocast casts the same ops to bf16.
 - DDP is the fake step's timeline with every gradient alive from the start (bucket views).
 - FSDP2 and tensor parallelism are analytic on top of the measured breakdown (see `peak_bytes`).
 - Between the measured micro-batches the peak is interpolated linearly (it is a maximum of
@@ -32,6 +32,7 @@ Where this is exact and where it is a model:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import weakref
 from dataclasses import dataclass
@@ -43,8 +44,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 from core.config import JobConfig, ModelConfig, TrainConfig
+from core.workload import Workload
+from planning.resolve import resolve_precision
+from workers.activation_checkpointing import set_activation_checkpointing
 from workers.compute_copy import Bf16ComputeCopy
-from workers.models.gpt import GPT
+from workers.models import make_workload
 from workers.optim import build_optimizer
 
 DeviceType = Literal["cuda", "cpu"]
@@ -77,9 +81,7 @@ class StepSpec:
 
     @classmethod
     def for_job(cls, config: JobConfig, *, device_type: DeviceType) -> StepSpec:
-        precision = config.train.precision
-        if precision == "auto":
-            precision = "bf16" if device_type == "cuda" else "fp32"
+        precision = resolve_precision(config.train.precision, use_gpu=device_type == "cuda")
         return cls(model=config.model, precision=precision, device_type=device_type,
                    activation_checkpointing=config.parallel.activation_checkpointing,
                    loss_kernel=config.train.loss_kernel, bf16_weights=config.train.bf16_weights)
@@ -183,17 +185,18 @@ def _measure(spec: StepSpec, micro_batch_sizes: tuple[int, ...]) -> list[StepMem
     dtype = None if spec.precision == "fp32" else torch.bfloat16
     round_to = CUDA_BLOCK_BYTES if spec.device_type == "cuda" else 1
     results = []
+    workload = make_workload(spec.model)
     with FakeTensorMode(allow_non_fake_inputs=False), torch.device("cpu"):
-        model = GPT(spec.model)
-        if spec.activation_checkpointing != "off":
-            model.set_activation_checkpointing(spec.activation_checkpointing)
+        model = workload.build()
         # Same optimizer as the worker builds for the target device (fused AdamW on CUDA).
         optimizer = build_optimizer(model, TrainConfig(), torch.device(spec.device_type))
-        compute = Bf16ComputeCopy(model, _bf16_model(spec.model)) if spec.bf16_weights else None
+        compute = Bf16ComputeCopy(model, _bf16_model(workload)) if spec.bf16_weights else None
         trained = compute.model if compute is not None else model  # the one whose gradients backward makes
+        set_activation_checkpointing(workload.blocks(trained), spec.activation_checkpointing)
         params = list(trained.parameters())
-        _train_step(model, optimizer, _batch(spec, 1), spec, dtype, compute, one_pass=False)  # makes AdamW's states
-        sizes = _parameter_sizes(trained, round_to)
+        step = functools.partial(_train_step, workload, model, optimizer, spec=spec, dtype=dtype, compute=compute)
+        step(_batch(spec, 1), one_pass=False)  # makes AdamW's states
+        sizes = _parameter_sizes(trained, workload.blocks(trained), round_to)
         for micro_batch_size in micro_batch_sizes:
             timeline = _StorageTimeline(round_to)
             for p in (*model.parameters(), *(compute.params if compute is not None else ())):
@@ -204,19 +207,19 @@ def _measure(spec: StepSpec, micro_batch_sizes: tuple[int, ...]) -> list[StepMem
                         timeline.add(value, "optimizer")
             hooks = [p.register_post_accumulate_grad_hook(lambda p: timeline.add(p.grad, "grad")) for p in params]
             with timeline:
-                _train_step(model, optimizer, _batch(spec, micro_batch_size), spec, dtype, compute)
+                step(_batch(spec, micro_batch_size))
             for hook in hooks:
                 hook.remove()
             results.append(_summarise(timeline, spec, micro_batch_size, *sizes))
     return results
 
 
-def _bf16_model(config: ModelConfig):
-    """A GPT made in bf16 (converting a fake model's parameters with .to() would swap them)."""
+def _bf16_model(workload: Workload) -> torch.nn.Module:
+    """The workload's model made in bf16 (converting a fake model's parameters with .to() would swap them)."""
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        return GPT(config)
+        return workload.build()
     finally:
         torch.set_default_dtype(default)
 
@@ -225,17 +228,17 @@ def _batch(spec: StepSpec, micro_batch_size: int) -> torch.Tensor:
     return torch.randint(0, spec.model.vocab_size, (micro_batch_size, spec.model.seq_len + 1))
 
 
-def _parameter_sizes(model, round_to: int) -> tuple[int, int, int]:
+def _parameter_sizes(model, blocks, round_to: int) -> tuple[int, int, int]:
     """(all gradients, the largest block's parameters, the parameters outside the blocks), in bytes."""
     size = lambda p: math.ceil(p.untyped_storage().nbytes() / round_to) * round_to  # noqa: E731
     total = sum(size(p) for p in model.parameters())
-    largest_block = max((sum(size(p) for p in block.parameters()) for block in model.blocks), default=0)
-    root = total - sum(size(p) for p in model.blocks.parameters())
+    largest_block = max((sum(size(p) for p in block.parameters()) for block in blocks), default=0)
+    root = total - sum(size(p) for block in blocks for p in block.parameters())
     return total, largest_block, root
 
 
-def _train_step(model, optimizer, batch: torch.Tensor, spec: StepSpec, dtype: torch.dtype | None,
-                compute=None, one_pass: bool = True) -> None:
+def _train_step(workload: Workload, model, optimizer, batch: torch.Tensor, *, spec: StepSpec,
+                dtype: torch.dtype | None, compute=None, one_pass: bool = True) -> None:
     """What workers/engine.py Engine.__call__ does for one optimizer step, minus the collectives.
     With a bf16 compute copy on CUDA the engine steps the masters from the copy's bf16 gradients in
     one kernel (kernels.adamw), in place, making nothing the size of a parameter; elsewhere, and
@@ -246,7 +249,7 @@ def _train_step(model, optimizer, batch: torch.Tensor, spec: StepSpec, dtype: to
     if compute is not None:
         compute.pull_weights()
     with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None and compute is None):
-        loss = (compute.model if compute else model)(inputs, targets, loss_kernel=spec.loss_kernel)
+        loss = workload.loss(compute.model if compute else model, inputs, targets, loss_kernel=spec.loss_kernel)
     loss.backward()
     if compute is not None and one_pass and spec.device_type == "cuda":
         compute.gradient_norm()

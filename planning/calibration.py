@@ -24,8 +24,8 @@ from pathlib import Path
 
 from core.atomic import read_text, write_text_atomically
 from core.errors import ConfigError
-from orchestrator.planning.collectives import CollectiveCostModel, LinkCalibration, LinkClass, parse_calibration
-from orchestrator.planning.compute import ComputeModel
+from planning.collectives import CollectiveCostModel, LinkCalibration, LinkClass, parse_calibration
+from planning.compute import ComputeModel
 
 COMPUTE_KEY = "compute_efficiency"
 DEFAULT_FILE = "calibration.json"

@@ -19,15 +19,16 @@ import numpy as np
 from core import rules
 from core.config import JobConfig
 from core.plan import AllReduce, DataParallel, DeviceKind, Objective
-from orchestrator.planning.collectives import Bucketing, CollectiveCostModel, Hop, LinkClass, Reduction, bucketing
-from orchestrator.planning.compute import ComputeModel
-from orchestrator.planning.devices import DevicePool, DeviceType, Domain
-from orchestrator.planning.figures import Source
-from orchestrator.planning.hook_costs import CommHookCost, gradient_element_bytes
-from orchestrator.planning.memory import ALLOCATOR_SLACK, MemoryProfile
-from orchestrator.planning.model_size import model_size
-from orchestrator.planning.prices import PriceTable
-from orchestrator.planning.split import ReplicaGroup, Split, feasible_accum_steps, split_batch
+from planning.collectives import Bucketing, CollectiveCostModel, Hop, LinkClass, Reduction, bucketing
+from planning.compute import ComputeModel
+from planning.devices import DevicePool, DeviceType, Domain
+from planning.figures import Source
+from planning.hook_costs import CommHookCost, gradient_element_bytes
+from planning.memory import ALLOCATOR_SLACK, MemoryProfile
+from planning.model_size import model_facts
+from planning.prices import PriceTable
+from planning.split import ReplicaGroup, Split, feasible_accum_steps, split_batch
+from workers.models import make_workload
 
 DDP_DEFAULT_BUCKET_BYTES = 25 * 2**20
 """torch DDP's bucket_cap_mb default: what an unplanned run uses."""
@@ -76,7 +77,9 @@ class PlanningJob:
     flops_per_sample: float
     parameters: int
     n_layer: int
+    """The model's repeated blocks (workload.blocks)."""
     n_embd: int
+    """The residual stream's width (model_size.ModelFacts.width)."""
     compute_dtype: str
     """Key of the devices' peak_tflops: bf16 or fp32."""
     parameter_bytes_compute: int
@@ -103,15 +106,16 @@ class PlanningJob:
 
     @classmethod
     def from_config(cls, config: JobConfig) -> PlanningJob:
-        parameters, flops_per_token = model_size(config.model)
+        facts = model_facts(make_workload(config.model), config.model.seq_len)
+        parameters = facts.parameters
         placement = config.placement
         precision = config.train.precision
         dtype = "fp32" if precision == "fp32" or (precision == "auto" and not config.cluster.use_gpu) else "bf16"
         workers = config.cluster.num_workers
         return cls(name=config.name, global_batch_size=config.train.global_batch_size, seq_len=config.model.seq_len,
                    steps=config.train.steps, micro_batch_limit=config.train.micro_batch_size,
-                   flops_per_sample=float(flops_per_token * config.model.seq_len),
-                   parameters=parameters, n_layer=config.model.n_layer, n_embd=config.model.n_embd,
+                   flops_per_sample=float(facts.flops_per_token * config.model.seq_len),
+                   parameters=parameters, n_layer=facts.blocks, n_embd=facts.width,
                    compute_dtype=dtype, parameter_bytes_compute=parameters * (4 if dtype == "fp32" else 2),
                    objective=Objective(placement.objective), deadline_hours=placement.deadline_hours,
                    min_devices=placement.min_gpus if config.cluster.use_gpu else workers,

@@ -10,7 +10,7 @@ layout and kernels.wire's encoding, workers/comm/hooks.py's PowerSGD rule): on G
 1 % is costed at 3,294,000 bytes a step and the hook sent 3,294,752 on two H200s (4,620,560 and
 4,621,248 with topk_wire = "offsets"). PowerSGD's count over NCCL is checked
 against the all-reduces torch's hook issues (tests/gpu/test_engine_nccl.py). The compute rates are
-fitted to measured runs (orchestrator/planning/compute.py, HOOK_COMPUTE). The warm-up steps (plain all-reduce)
+fitted to measured runs (planning/compute.py, HOOK_COMPUTE). The warm-up steps (plain all-reduce)
 are not costed: the prediction is the steady state. What a hook keeps between steps (top-k's
 residual, PowerSGD's error feedback) counts against each worker's memory.
 """
@@ -24,16 +24,17 @@ from core.config import JobConfig
 from core.plan import DeviceKind
 from kernels.compression import payload_layout
 from kernels.wire import wire_nbytes
-from orchestrator.planning.compute import (
+from planning.compute import (
     ELIAS_FANO_CPU_CORE_NS_PER_ELEMENT,
     ELIAS_FANO_DECODE_TRAFFIC,
     ELIAS_FANO_LAUNCH_SECONDS_PER_ELEMENT,
     HOOK_COMPUTE,
     POWERSGD_HOST_SECONDS_PER_MATRIX,
 )
-from orchestrator.planning.devices import DeviceType
-from orchestrator.planning.model_size import model_shapes
+from planning.devices import DeviceType
+from planning.model_size import model_facts
 from workers.comm.hooks import powersgd_wire
+from workers.models import make_workload
 
 COMPRESSING_HOOKS = ("bf16", "powersgd", "topk")
 """The hooks that send fewer bytes than the gradient buckets hold."""
@@ -86,7 +87,7 @@ class CommHookCost:
     def for_job(cls, config: JobConfig, name: str | None = None, *, topk_wire: str | None = None) -> CommHookCost:
         """The job's [parallel] comm_hook, or the hook `name` on the same job (topk_wire: the other
         way of sending topk's places)."""
-        shapes = model_shapes(config.model)
+        shapes = model_facts(make_workload(config.model), config.model.seq_len).shapes
         elements = sum(math.prod(shape) for shape in shapes)
         buffer = elements * gradient_element_bytes(config)
         name = name or config.parallel.comm_hook

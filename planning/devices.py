@@ -17,8 +17,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from core.plan import DeviceKind
-from orchestrator.planning.collectives import CollectiveCostModel, Hop, LinkClass
-from orchestrator.planning.figures import Figure, FigureBook, Source
+from planning.collectives import CollectiveCostModel, Hop, LinkClass
+from planning.figures import Figure, FigureBook, Source
 from topology import catalog
 from topology.cluster import ClusterTopology, Gpu, MigSlice, NicKind, NodeTopology
 from topology.links import PCIE_PATHS, LinkKind

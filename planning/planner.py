@@ -40,10 +40,10 @@ from core.plan import (
     WorkerPlacement,
     cross_island_groups,
 )
-from orchestrator.planning.calibration import Calibration
-from orchestrator.planning.collectives import CollectiveCostModel
-from orchestrator.planning.compute import ComputeModel
-from orchestrator.planning.costing import (
+from planning.calibration import Calibration
+from planning.collectives import CollectiveCostModel
+from planning.compute import ComputeModel
+from planning.costing import (
     DDP_DEFAULT_BUCKET_BYTES,
     Costing,
     Footprint,
@@ -52,12 +52,12 @@ from orchestrator.planning.costing import (
     Refusal,
     Selection,
 )
-from orchestrator.planning.devices import Device, DevicePool, DeviceType, Domain
-from orchestrator.planning.figures import FigureBook
-from orchestrator.planning.hook_costs import COMPRESSING_HOOKS, CommHookCost
-from orchestrator.planning.memory import MemoryProfile, measure_steps, profile, usable_bytes
-from orchestrator.planning.prices import PriceTable
-from orchestrator.planning.resolve import plan_choices
+from planning.devices import Device, DevicePool, DeviceType, Domain
+from planning.figures import FigureBook
+from planning.hook_costs import COMPRESSING_HOOKS, CommHookCost
+from planning.memory import MemoryProfile, measure_steps, profile, usable_bytes
+from planning.prices import PriceTable
+from planning.resolve import plan_choices
 from topology import catalog
 from topology.cluster import ClusterTopology
 from topology.sysfs import format_cpu_list, parse_cpu_list

@@ -14,6 +14,8 @@ from __future__ import annotations
 from core.config import JobConfig
 from core.plan import DataParallel, HookSettings, Plan, Prediction
 from core.spec import WorkerSpec
+from planning.model_size import model_facts
+from workers.models import make_workload
 
 
 def resolve_precision(requested: str, *, use_gpu: bool) -> str:
@@ -74,4 +76,7 @@ def uniform_spec(config: JobConfig, *, world_size: int, micro_batch_size: int, g
     plan = Plan.uniform(job_name=config.name, world_size=world_size, micro_batch_size=micro_batch_size,
                         grad_accum_steps=grad_accum_steps, seq_len=config.model.seq_len,
                         intra_island_groups=intra_island_groups, data_parallel=data_parallel.value, **choices)
-    return WorkerSpec.for_plan(config, plan, data_location=data_location, tokenizer=tokenizer)
+    workload = make_workload(config.model)
+    facts = model_facts(workload, config.model.seq_len)
+    return WorkerSpec.for_plan(config, plan, workload=workload, flops_per_token=facts.flops_per_token,
+                               data_location=data_location, tokenizer=tokenizer)

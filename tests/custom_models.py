@@ -1,0 +1,47 @@
+"""Models a user might bring, for the tests of [model] kind = "custom": a small LSTM language model
+(not a transformer: no blocks the engine knows of), and factories that go wrong in each way a
+factory can."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.nn as nn
+
+
+class LstmLanguageModel(nn.Module):
+    def __init__(self, vocab_size: int, width: int, layers: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, width)
+        self.lstm = nn.LSTM(width, width, num_layers=layers, batch_first=True)
+        self.out = nn.Linear(width, vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden, _ = self.lstm(self.embed(tokens))
+        return self.out(hidden)
+
+
+def lstm(table: dict) -> nn.Module:
+    """The factory: [model] vocab_size, and the table's own keys `width` and `lstm_layers`."""
+    return LstmLanguageModel(table["vocab_size"], table.get("width", 32), table.get("lstm_layers", 1))
+
+
+def not_a_module(table: dict) -> dict:
+    return {"weights": [1, 2, 3]}
+
+
+def wrong_vocabulary(table: dict) -> nn.Module:
+    return LstmLanguageModel(table["vocab_size"] - 1, 16, 1)
+
+
+def raises(table: dict) -> nn.Module:
+    raise KeyError("hidden_size")
+
+
+def unseeded(table: dict) -> nn.Module:
+    """Draws its initial weights from Python's random module: every worker would start elsewhere."""
+    model = LstmLanguageModel(table["vocab_size"], 8, 1)
+    with torch.no_grad():
+        model.out.bias.fill_(random.random())
+    return model

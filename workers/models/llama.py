@@ -1,0 +1,158 @@
+"""The Llama-3 family: RMSNorm, rotary embeddings (Llama-3.1 frequency scaling optional), grouped-query
+attention through SDPA, SwiGLU, a tied or untied head.
+
+Sized by `ModelConfig` (kind = "llama"), or a preset: llama3-1b, llama3-3b and llama3-8b are the shapes
+of Llama-3.2-1B, Llama-3.2-3B and Llama-3.1-8B. Names follow Meta's reference (tok_embeddings, layers,
+attention, feed_forward, norm, output); the query, key and value projections are one matrix (wqkv),
+and SwiGLU's gate and up projections another (w13), so each is one matmul. Rotary embeddings rotate
+interleaved pairs (x0, x1), (x2, x3), … as Meta's reference does.
+
+Initialisation: every projection N(0, 0.02), the ones writing into the residual stream (wo, w2)
+scaled by 1/sqrt(2 · n_layer) so its variance does not grow with depth, embeddings N(0, 0.02), and
+an untied output projection N(0, 1/sqrt(n_embd)) (torchtitan's Llama-3 recipe, with GPT-2's
+embedding std, which a tied head needs).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from core.config import ModelConfig
+from workers.models.stack import BlockStack
+
+ROPE_LOW_FREQ_FACTOR = 1.0
+ROPE_HIGH_FREQ_FACTOR = 4.0
+ROPE_ORIGINAL_CONTEXT = 8192
+"""Llama-3.1's frequency scaling, as published (its config.json's rope_scaling)."""
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: float, device: torch.device | None = None) -> torch.Tensor:
+    """Each rotated pair's angular frequency (head_dim / 2 of them), in fp32; with scaling > 0 the
+    low frequencies are divided by it and the middle band blended (Llama-3.1)."""
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    if not scaling:
+        return freqs
+    wavelengths = 2 * math.pi / freqs
+    low_freq_wavelength = ROPE_ORIGINAL_CONTEXT / ROPE_LOW_FREQ_FACTOR
+    high_freq_wavelength = ROPE_ORIGINAL_CONTEXT / ROPE_HIGH_FREQ_FACTOR
+    smooth = (ROPE_ORIGINAL_CONTEXT / wavelengths - ROPE_LOW_FREQ_FACTOR) / (ROPE_HIGH_FREQ_FACTOR - ROPE_LOW_FREQ_FACTOR)
+    blended = (1 - smooth) * freqs / scaling + smooth * freqs
+    return torch.where(wavelengths < high_freq_wavelength, freqs,
+                       torch.where(wavelengths > low_freq_wavelength, freqs / scaling, blended))
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (batch, seq, heads, head_dim) with each interleaved pair rotated by its position's angle;
+    cos and sin are (seq, head_dim / 2)."""
+    cos, sin = cos[None, :, None, :].to(x.dtype), sin[None, :, None, :].to(x.dtype)
+    x1, x2 = x[..., ::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.n_embd // cfg.n_head
+        self.wqkv = nn.Linear(cfg.n_embd, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_head * self.head_dim, cfg.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        kv_width = self.n_kv_head * self.head_dim
+        q, k, v = self.wqkv(x).split([self.n_head * self.head_dim, kv_width, kv_width], dim=-1)
+        q = apply_rope(q.view(B, T, self.n_head, self.head_dim), cos, sin).transpose(1, 2)
+        k = apply_rope(k.view(B, T, self.n_kv_head, self.head_dim), cos, sin).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(x w1) * x w3), with w1 and w3 stacked in one matrix (w13)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w13 = nn.Linear(cfg.n_embd, 2 * cfg.hidden_dim, bias=False)
+        self.w2 = nn.Linear(cfg.hidden_dim, cfg.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(BlockStack):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layer))
+        self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.output = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
+        nn.init.normal_(self.tok_embeddings.weight, std=0.02)
+        for layer in self.layers:
+            nn.init.normal_(layer.attention.wqkv.weight, std=0.02)
+            nn.init.normal_(layer.feed_forward.w13.weight, std=0.02)
+            nn.init.normal_(layer.attention.wo.weight, std=residual_std)
+            nn.init.normal_(layer.feed_forward.w2.weight, std=residual_std)
+        if not self.cfg.tie_embeddings:
+            nn.init.normal_(self.output.weight, std=self.cfg.n_embd ** -0.5)
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.layers
+
+    def rotary_tables(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of every position's angles, (seq_len, head_dim / 2) in fp32. Made each forward
+        (a few kernels) rather than kept as buffers, which a bf16 copy of the model would round."""
+        cfg = self.cfg
+        freqs = rope_frequencies(cfg.n_embd // cfg.n_head, cfg.rope_theta, cfg.rope_scaling, device)
+        angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), freqs)
+        return angles.cos(), angles.sin()
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
+                loss_kernel: str = "plain") -> torch.Tensor:
+        """The mean cross-entropy over all positions when targets are given, else the logits
+        (loss_kernel: see BlockStack.head)."""
+        self.stage(0)
+        x = self.tok_embeddings(idx)
+        cos, sin = self.rotary_tables(idx.shape[1], idx.device)
+        for i, layer in enumerate(self.layers):
+            self.stage(i + 1)
+            x = layer(x, cos, sin)
+        return self.head(x, targets, loss_kernel)
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.norm
+
+    def output_weight(self) -> torch.Tensor:
+        return self.output.weight
+
+    def embedding_modules(self) -> list[nn.Module]:
+        return [self.tok_embeddings]
+
+    def head_modules(self) -> list[nn.Module]:
+        return [self.norm, self.output]

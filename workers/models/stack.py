@@ -1,0 +1,86 @@
+"""What the built-in models share: token embeddings, a stack of blocks, a final norm and a head.
+
+The engine reaches into no model class: it talks to workloads (core/workload.py). Two things it can
+do only with a model written for them, which the built-in GPT and Llama are:
+- act between blocks: the next-forward overlap (workers/comm/overlap.py) sets `before_stage`, which
+  the forward calls before the embeddings (0) and before block i (i + 1), and reads which stage first
+  uses each parameter (`forward_stages`);
+- compile the head apart: FSDP2 compiles block by block, and `head` (final norm, output projection
+  and loss) is compiled too, since its logits cost time and memory eagerly.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kernels.loss import linear_cross_entropy
+from workers.models.chunked_loss import chunked_cross_entropy
+
+
+class BlockStack(nn.Module, ABC):
+    blocks: nn.ModuleList
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.before_stage: Callable[[int], None] | None = None
+        """Called with 0 before the embeddings and i + 1 before block i, when set."""
+
+    def stage(self, index: int) -> None:
+        if self.before_stage is not None:
+            self.before_stage(index)
+
+    def head(self, x: torch.Tensor, targets: torch.Tensor | None, loss_kernel: str) -> torch.Tensor:
+        """Final norm, output projection and loss: the mean cross-entropy when targets are given,
+        else the logits. loss_kernel: "plain" (F.cross_entropy over fp32 logits), "fused"
+        (kernels.loss: the final norm and the logits' gradient made in the forward pass, inside one
+        op) or "chunked" (workers.models.chunked_loss: the (tokens × vocab) logits never exist whole)."""
+        weight = self.output_weight()
+        if targets is not None and loss_kernel == "fused":  # the op runs the final norm itself (kernels/loss.py)
+            return linear_cross_entropy(x.reshape(-1, x.size(-1)), weight, targets.reshape(-1), self.final_norm)
+        x = self.final_norm(x)
+        if targets is None:
+            return F.linear(x, weight)
+        if loss_kernel == "chunked":
+            return chunked_cross_entropy(x.reshape(-1, x.size(-1)), weight, targets.reshape(-1))
+        if loss_kernel != "plain":
+            raise ValueError(f"loss_kernel must be 'fused', 'chunked' or 'plain', got {loss_kernel!r}")
+        logits = F.linear(x, weight)
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+    @property
+    @abstractmethod
+    def final_norm(self) -> nn.Module:
+        """The norm before the output projection."""
+
+    @abstractmethod
+    def output_weight(self) -> torch.Tensor:
+        """The output projection's weight (the token embedding's when tied)."""
+
+    @abstractmethod
+    def embedding_modules(self) -> list[nn.Module]:
+        """What the forward uses before the first block."""
+
+    @abstractmethod
+    def head_modules(self) -> list[nn.Module]:
+        """What the forward uses after the last block."""
+
+    def forward_stages(self) -> dict[int, int]:
+        """id(parameter) -> the forward stage that uses it first: 0 the embeddings, i + 1 block i, and
+        the head's parameters with the last block's (the head has no call of its own). A weight the
+        head shares with the embedding (tied) is the embedding's."""
+        stages: dict[int, int] = {}
+        last = len(self.blocks)
+        for module, stage in [*((m, 0) for m in self.embedding_modules()),
+                              *((block, i + 1) for i, block in enumerate(self.blocks)),
+                              *((m, last) for m in self.head_modules())]:
+            for p in module.parameters():
+                stages.setdefault(id(p), stage)
+        return stages
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

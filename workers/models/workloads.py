@@ -1,0 +1,238 @@
+"""The workloads archipelago trains: the built-in GPT and Llama, and the user's own model from a factory.
+
+    workload = make_workload(config.model)                 # [model] kind = "gpt" | "llama" | "custom"
+    reference = register_factory(fn)                       # the Python API: Orchestrator(config, model=fn)
+
+A factory is called with the [model] table (a dict: archipelago's keys and the user's own) and
+returns either an nn.Module whose forward takes token ids (batch, seq) and returns logits
+(batch, seq, vocab), or a workload (core/workload.py) of its own when the model needs its own loss
+or block list. Everything that can be known about a factory before a worker starts is checked
+here, on the driver, with a ConfigError naming `[model] factory` and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import sys
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from core.config import ModelConfig
+from core.errors import ConfigError
+from core.workload import Workload
+from workers.models.gpt import GPT
+from workers.models.llama import Llama
+from workers.models.stack import BlockStack
+
+GPT_IDENTITY = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "dropout", "bias")
+"""What a gpt checkpoint records of its model (the keys every gpt checkpoint has had)."""
+LLAMA_IDENTITY = ("kind", "n_layer", "n_head", "n_kv_head", "n_embd", "ffn_dim", "seq_len", "vocab_size",
+                  "rope_theta", "rope_scaling", "tie_embeddings", "norm_eps")
+FACTORY = "[model] factory"
+DETERMINISM_CHECKED_UP_TO = 50_000_000
+"""Parameters up to which the driver builds a custom model twice to see that one seed gives one model
+(larger ones the workers compare among themselves when they start)."""
+
+
+class BuiltinWorkload:
+    """The gpt and llama kinds: a BlockStack sized by [model]."""
+
+    def __init__(self, config: ModelConfig, model_class: type[BlockStack], identity_keys: Sequence[str]):
+        self.config = config
+        self.name = config.kind
+        self._model_class = model_class
+        self._identity_keys = identity_keys
+
+    def identity(self) -> dict[str, Any]:
+        values = dataclasses.asdict(self.config)
+        values["n_kv_head"], values["ffn_dim"] = self.config.kv_heads, self.config.hidden_dim
+        return {key: values[key] for key in self._identity_keys}
+
+    def build(self) -> BlockStack:
+        return self._model_class(self.config)
+
+    def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *,
+             loss_kernel: str = "plain") -> torch.Tensor:
+        return model(inputs, targets, loss_kernel=loss_kernel)
+
+    def blocks(self, model: nn.Module) -> Sequence[nn.Module]:
+        return list(model.blocks)
+
+    def __repr__(self) -> str:  # the memory estimate's cache key
+        return f"{type(self).__name__}({self.identity()!r})"
+
+
+class ModuleWorkload:
+    """A factory's nn.Module that maps token ids to logits: cross-entropy over them is its loss, and its
+    largest list of same-kind layers its blocks (none: FSDP2 shards it whole, nothing is checkpointed)."""
+
+    def __init__(self, config: ModelConfig, factory: Callable[[dict], Any]):
+        self.config = config
+        self.factory = factory
+        self.name = config.factory or _reference(factory)
+
+    def identity(self) -> dict[str, Any]:
+        return {"kind": "custom", "factory": self.name, "seq_len": self.config.seq_len,
+                "vocab_size": self.config.vocab_size, **self.config.options}
+
+    def build(self) -> nn.Module:
+        return self.factory(factory_table(self.config))
+
+    def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *,
+             loss_kernel: str = "plain") -> torch.Tensor:
+        logits = model(inputs)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def blocks(self, model: nn.Module) -> Sequence[nn.Module]:
+        lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)
+                 and len({type(layer) for layer in m}) == 1]
+        return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=[]))
+
+    def __repr__(self) -> str:
+        return f"ModuleWorkload({self.identity()!r})"
+
+
+def make_workload(config: ModelConfig) -> Workload:
+    """The workload of the [model] table, made once per table. A custom factory is imported (or taken
+    from those the Python API registered) and its model checked here: a ConfigError otherwise."""
+    key = repr(config)
+    if key not in _WORKLOADS:
+        _WORKLOADS[key] = _make(config)
+    return _WORKLOADS[key]
+
+
+_WORKLOADS: dict[str, Workload] = {}
+_REGISTERED: dict[str, Callable[[dict], Any]] = {}
+"""Factories the Python API was handed as callables, by the reference that names them in [model] factory."""
+
+
+def register_factory(factory: Callable[[dict], Any]) -> str:
+    """Makes a callable factory (Orchestrator(config, model=fn)) what [model] factory names: returns the
+    reference to write there. The callable itself reaches the workers inside their spec's workload."""
+    if not callable(factory):
+        raise ConfigError(f"{factory!r} is not callable", where=FACTORY,
+                          fix="pass a function that takes the [model] table and returns an nn.Module")
+    reference = _reference(factory)
+    _REGISTERED[reference] = factory
+    _WORKLOADS.clear()  # a table naming it may have been made with another callable of that name
+    return reference
+
+
+def _make(config: ModelConfig) -> Workload:
+    if config.kind == "gpt":
+        return BuiltinWorkload(config, GPT, GPT_IDENTITY)
+    if config.kind == "llama":
+        return BuiltinWorkload(config, Llama, LLAMA_IDENTITY)
+    factory = _REGISTERED.get(config.factory) or import_factory(config.factory)
+    if not callable(factory):
+        raise ConfigError(f"{config.factory!r} is not callable", where=FACTORY,
+                          fix="name a function that takes the [model] table and returns an nn.Module")
+    return checked(config, factory)
+
+
+def factory_table(config: ModelConfig) -> dict[str, Any]:
+    """What a factory is called with: the [model] table, the user's own keys among archipelago's."""
+    table = dataclasses.asdict(config)
+    options = table.pop("options")
+    return {**table, **options}
+
+
+def import_factory(reference: str) -> Callable[[dict], Any]:
+    """The function "package.module:function" names; ConfigError when it cannot be had."""
+    module_name, _, attribute = reference.partition(":")
+    if not module_name or not attribute:
+        raise ConfigError(f"{reference!r} is not package.module:function", where=FACTORY,
+                          fix='write it as factory = "my_models.lstm:build" (a module the job can import, then ":" '
+                              "and the function)")
+    try:
+        target: Any = _import(module_name)
+    except Exception as e:  # the user's module: anything it raises while importing is theirs to fix
+        raise ConfigError(f"cannot import {module_name!r}: {type(e).__name__}: {e}", where=FACTORY,
+                          fix="install the module or run from the directory that holds it (fit ships it to the "
+                              "workers), and fix the error it raises on import") from None
+    for name in attribute.split("."):
+        if not hasattr(target, name):
+            raise ConfigError(f"{module_name!r} has no {attribute!r}", where=FACTORY,
+                              fix=f"name a function defined in {module_name}")
+        target = getattr(target, name)
+    return target
+
+
+def _import(module_name: str) -> ModuleType:
+    """The module, looked for in the working directory too: `archipelago fit` runs as a console script,
+    whose path starts at its own bin directory, not where the user keeps the job and its model."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name != module_name.split(".")[0] or os.getcwd() in sys.path:
+            raise
+    sys.path.append(os.getcwd())
+    return importlib.import_module(module_name)
+
+
+def checked(config: ModelConfig, factory: Callable[[dict], Any]) -> Workload:
+    """The factory's workload once what it builds is seen to be a model of the table's vocabulary: built
+    on the meta device and run on a meta batch (no weights are made), so a large model costs nothing."""
+    with torch.device("meta"):
+        try:
+            built = factory(factory_table(config))
+        except Exception as e:
+            raise ConfigError(f"{config.factory} raised {type(e).__name__}: {e}", where=FACTORY,
+                              fix="make the factory build its model from the [model] table it is given") from None
+    if isinstance(built, Workload) and not isinstance(built, nn.Module):
+        return built
+    if not isinstance(built, nn.Module):
+        raise ConfigError(f"{config.factory} returned a {type(built).__name__}, not an nn.Module", where=FACTORY,
+                          fix="return the model (an nn.Module mapping token ids to logits), or a workload with "
+                              "build, loss, blocks and identity")
+    _check_output(built, config)
+    if sum(p.numel() for p in built.parameters()) <= DETERMINISM_CHECKED_UP_TO:
+        _check_same_weights(config, factory)
+    return ModuleWorkload(config, factory)
+
+
+def _check_same_weights(config: ModelConfig, factory: Callable[[dict], Any]) -> None:
+    """Every worker builds the model from the same torch seed: the factory must then build the same
+    weights (FSDP2 shards whatever each rank built)."""
+    first, second = (_seeded_weights(config, factory) for _ in range(2))
+    differ = [name for name in first if not torch.equal(first[name], second.get(name, first[name] + 1))]
+    if differ or first.keys() != second.keys():
+        names = ", ".join(differ[:3]) or "different parameter names"
+        raise ConfigError(f"{config.factory} builds different weights from the same torch seed ({names}), so the "
+                          "workers would start from different models", where=FACTORY,
+                          fix="draw the initial weights from torch's random generator (archipelago seeds it with "
+                              "[train] seed on every worker), not random or numpy")
+
+
+def _seeded_weights(config: ModelConfig, factory: Callable[[dict], Any]) -> dict[str, torch.Tensor]:
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return {name: value.detach().clone() for name, value in factory(factory_table(config)).state_dict().items()}
+
+
+def _check_output(model: nn.Module, config: ModelConfig) -> None:
+    tokens = torch.zeros((2, min(config.seq_len, 8)), dtype=torch.long, device="meta")
+    try:
+        logits = model(tokens)
+    except Exception as e:
+        raise ConfigError(f"the model {config.factory} built fails on a batch of token ids (batch 2, seq "
+                          f"{tokens.shape[1]}): {type(e).__name__}: {e}", where=FACTORY,
+                          fix="its forward takes token ids (batch, seq) and returns logits (batch, seq, vocab)") from None
+    expected = (*tokens.shape, config.vocab_size)
+    if not isinstance(logits, torch.Tensor) or tuple(logits.shape) != expected:
+        got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ConfigError(f"the model {config.factory} built returns {got} for token ids of shape "
+                          f"{tuple(tokens.shape)}, not logits of shape {expected}", where=FACTORY,
+                          fix="return logits (batch, seq, [model] vocab_size) from forward, or a workload whose "
+                              "loss reads your model's output")
+
+
+def _reference(factory: Callable) -> str:
+    return f"{getattr(factory, '__module__', '?')}:{getattr(factory, '__qualname__', repr(factory))}"
