@@ -182,8 +182,8 @@ def _prices(args: argparse.Namespace, console: Console) -> int:
 
 
 def _calibrate(args: argparse.Namespace, console: Console) -> int:
+    sweeps = calibrate.load_sweeps(args.sweep or [])  # small files first: a bad one answers before the runs load
     runs = [calibrate.FinishedRun.load(run) for run in args.runs]
-    sweeps = calibrate.load_sweeps(args.sweep or [])
     if len(runs) > 1:
         _print_checks(calibrate.leave_one_out(runs, sweeps), console)
     else:
