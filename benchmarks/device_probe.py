@@ -12,11 +12,11 @@ GPU rows (the probe's micro-benchmark, topology/device_bench.py, run in this pro
   HBM copy      the probe's device copy, beside benchmarks/kernels.py's copy baseline at 1,000 MB buckets
                 (`copy_gbs`: graph replays and back-to-back calls, the faster; 4,211 GB/s on an H200)
   The acceptance for the probe: each within 10 % of its benchmark.
-Plan check (GPU 0): GPT-2 124M (B=32, T=1024) and GPT 1.3B (B=8, T=2048), the worker engine compiled in
-bf16 as benchmarks/step.py's engine row runs it, measured over timed steps; beside each, the planner's
-predicted step on this machine's probed map (its measured figures), and the step predicted by a
-calibration fitted on the *other* model's row (`archipelago calibrate`'s leave-one-out). The
-acceptance: within 5 % after calibration.
+Plan check (GPU 0): GPT-2 124M (B=32, T=1024), GPT 1.3B (B=8, T=2048) and the Llama-3.2-1B shape (B=4,
+T=2048), the worker engine compiled in bf16 as benchmarks/step.py's engine rows run them, measured over
+timed steps; beside each, the planner's predicted step on this machine's probed map (its measured
+figures), and the step predicted by a calibration fitted on the *other* models' rows (`archipelago
+calibrate`'s leave-one-out). The acceptance: within 5 % after calibration.
 CPU row: the probe's fp32 product rate per core (measured as the probe measures it, every core at
 work), beside the examples/cpu-tiny.toml model's training step on one core (the worker engine,
 micro-batch 16, one thread): the share of the product rate the step reaches beyond the compute
@@ -64,6 +64,7 @@ PLAN_TOLERANCE = 0.05
 PLAN_MODELS = {  # name: (model section, micro-batch): benchmarks/step.py's rows and DESIGN.md's anchors
     "gpt2-124m": ({"n_layer": 12, "n_head": 12, "n_embd": 768, "seq_len": 1024, "vocab_size": 50304}, 32),
     "gpt-1.3b": ({"n_layer": 24, "n_head": 16, "n_embd": 2048, "seq_len": 2048, "vocab_size": 50304}, 8),
+    "llama3-1b": ({"preset": "llama3-1b", "seq_len": 2048}, 4),
 }
 
 
