@@ -442,9 +442,11 @@ class PlacementConfig:
     calibration_file: str = ""
     """A JSON table of measured collective costs by link class, {"nvswitch": {"alpha_us": 30.1,
     "bus_gb_per_s": 323.1}}, as benchmarks/multigpu.py writes it (calibration.json) from an all-reduce
-    sweep; rows it gives replace planning/collectives.py's defaults. A row may also give
-    ddp_compute_slowdown (a share; the link class's figure when left out). Relative paths are from
-    the working directory."""
+    sweep, and of compute efficiency by device model, "compute_efficiency": {"cpu": 0.94}, as
+    `archipelago calibrate RUN...` fits it from finished runs (planning/calibration.py); rows it gives
+    replace planning/collectives.py's and planning/compute.py's defaults. A link row may also give
+    ddp_compute_slowdown (a share; the link class's figure when left out). Empty: `fit` and `plan` read
+    <runs_dir>/calibration.json when there is one. Relative paths are from the working directory."""
 
     def __post_init__(self) -> None:
         _positive("placement", min_gpus=self.min_gpus, tensor_parallel_size=self.tensor_parallel_size)
@@ -457,6 +459,29 @@ class PlacementConfig:
         for model, price in self.prices.items():
             _check(price >= 0, f"[placement] prices.{model}", f"must be 0 or more, got {price}",
                    "give dollars per device-hour, e.g. 2.10")
+
+
+@dataclass(kw_only=True, slots=True)
+class DeviceSpec:
+    """A GPU model described by hand, for GPUs the device catalog lacks (or to replace its figures):
+
+        [devices."NVIDIA GeForce RTX 3090"]     # the name `nvidia-smi -L` prints, or a catalog key
+        bf16_tflops = 71.0                       # dense, per GPU (fp16 if it has no bf16; fp32 if neither)
+        memory_gib = 24.0
+        price = 0.35                             # dollars per GPU-hour, in the [placement] pricing column
+
+    The planner uses these over measured and catalog figures; every field is needed."""
+
+    bf16_tflops: float | None = None
+    """Dense bf16 tensor TFLOP/s of one GPU (the rate the planner's utilisation is a share of)."""
+    memory_gib: float | None = None
+    """Memory of one GPU, GiB; replaces what the map says (nvidia-smi texts carry no memory)."""
+    price: float | None = None
+    """Dollars per GPU-hour in the [placement] pricing column; [placement] prices still override it."""
+
+
+DEVICE_FIELDS = ("bf16_tflops", "memory_gib", "price")
+_DEVICE_EXAMPLE = {"bf16_tflops": "bf16_tflops = 71.0", "memory_gib": "memory_gib = 24.0", "price": "price = 0.35"}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -592,11 +617,14 @@ class JobConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     bill: BillConfig = field(default_factory=BillConfig)
+    devices: dict[str, DeviceSpec] = field(default_factory=dict)
+    """GPU models described by hand, by the name nvidia-smi prints: [devices."NVIDIA GeForce RTX 3090"]."""
 
     def __post_init__(self) -> None:
         for refusal in self._refusals():
             if refusal is not None:
                 raise refusal.error()
+        self._check_devices()
         # DDP's first bucket is 1 MiB; Dynamo's DDPOptimizer, which splits the compiled DDP graph at
         # bucket boundaries, asserts that no bucket is smaller (torch 2.11, found on two H200s).
         _check(not (self.compile.enable and self.parallel.strategy == "ddp" and self.parallel.overlap == "off"
@@ -635,6 +663,21 @@ class JobConfig:
             yield rules.overlap_refusal(strategy=parallel.strategy, hook=parallel.comm_hook, grad_clip=train.grad_clip,
                                         precision=train.precision, bf16_weights=train.bf16_weights,
                                         compiled_autograd=compiled_autograd, builtin_model=self.model.kind != "custom")
+
+    def _check_devices(self) -> None:
+        """Every [devices."NAME"] table gives every figure, each a finite number ≥ 0 (a figure above 0
+        for the TFLOP/s and memory)."""
+        for name, spec in self.devices.items():
+            _check(bool(name.strip()), "[devices]", "a device table has an empty name",
+                   'name it as `nvidia-smi -L` prints the GPU, e.g. [devices."NVIDIA GeForce RTX 3090"]')
+            for key in DEVICE_FIELDS:
+                value = getattr(spec, key)
+                where = f'[devices."{name}"] {key}'
+                _check(value is not None, where, "is missing", f"every device table needs {', '.join(DEVICE_FIELDS)}: "
+                       f"add {_DEVICE_EXAMPLE[key]}")
+                _check(math.isfinite(value) and value >= 0 and (value > 0 or key == "price"), where,
+                       f"must be a {'number ≥ 0' if key == 'price' else 'positive number'}, got {value}",
+                       f"give the GPU's figure from its data sheet, e.g. {_DEVICE_EXAMPLE[key]}")
 
     @property
     def gradient_backend(self) -> str:
@@ -747,7 +790,10 @@ def _convert(value: Any, hint: Any, where: str, key: str, path: str) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"must be a table, got {value!r}", where=where, fix=f"write it as {key} = {{ name = value }}")
-        return {name: _convert(item, typing.get_args(hint)[1], f"{where}.{name}", key, path) for name, item in value.items()}
+        item_hint = typing.get_args(hint)[1]
+        # A table of sections ([devices."NAME"]) names each section in its errors.
+        sub = (lambda name: f'{path}."{name}"') if dataclasses.is_dataclass(item_hint) else (lambda name: path)
+        return {name: _convert(item, item_hint, f"{where}.{name}", key, sub(name)) for name, item in value.items()}
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"must be a list, got {value!r}", where=where, fix=f"write it as {key} = [ ... ]")

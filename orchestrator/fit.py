@@ -40,6 +40,7 @@ from orchestrator.accounting.report import RunReport
 from orchestrator.progress import MetricsSink, ProgressDisplay
 from orchestrator.run_dir import RunDirectory, SetAside
 from orchestrator.shipping import modules_to_ship
+from planning.calibration import Calibration
 from planning.memory import MemoryProfile, profile
 from planning.model_size import model_facts
 from storage.fs import Location
@@ -47,6 +48,8 @@ from storage.prepare import prepare_dataset
 from storage.shards import TokenDataset, check_files, has_dataset
 from storage.verify import verify_dataset
 from topology.connect import ray_session
+from topology.device_figures import DeviceBench
+from topology.probe import probe_local_node
 from workers import binding, checkpoint
 from workers.loop import WorkerJob, train_loop
 from workers.models import make_workload, register_factory
@@ -141,10 +144,15 @@ class Orchestrator:
 
     def _train_on_ray(self, data_dir: str, tokenizer: str, start: _Start) -> Plan:
         """Plans the job on the cluster and trains it; returns the plan the last worker group ran."""
+        if not (self.address or ray.is_initialized()):
+            # An embedded cluster runs on this machine: measure its devices (once; cached) while it is
+            # quiet, before Ray's processes start. The probe then reads the figures from the cache.
+            probe_local_node(bench=DeviceBench.from_environment())
         with self._ray():
             cluster = topology.discover_cluster()
             memory = profile(self.config, device_type="cuda" if self.config.cluster.use_gpu else "cpu")
-            plan = self._plan(cluster, memory)
+            calibration = Calibration.for_job(self.config)  # [placement] calibration_file, or <runs_dir>'s
+            plan = self._plan(cluster, memory, calibration)
             if not self.resume:  # a report from the start, so that a run killed at any point can be reported
                 self._save_report("running", plan)
             facts = model_facts(self.workload, self.config.model.seq_len)
@@ -152,7 +160,7 @@ class Orchestrator:
                                        data_location=str(data_dir), tokenizer=tokenizer, lr_schedule=start.lr_schedule)
             sink = MetricsSink.options(scheduling_strategy=coordinator.on_this_node()).remote()  # outlives worker nodes
             plan_coordinator = coordinator.start_coordinator(self.config, spec, cluster, str(self.run.plan_path),
-                                                             sink, memory)
+                                                             sink, memory, calibration)
             try:
                 job = WorkerJob(uses_gpus=plan.uses_gpus, metrics_sink=sink, coordinator=plan_coordinator,
                                 resume_from=str(start.checkpoint) if start.checkpoint else None)
@@ -199,7 +207,7 @@ class Orchestrator:
         report.save(self.run.report_path)
         return report
 
-    def _plan(self, cluster: topology.ClusterTopology, memory: MemoryProfile) -> Plan:
+    def _plan(self, cluster: topology.ClusterTopology, memory: MemoryProfile, calibration: Calibration) -> Plan:
         """Plans the job on the cluster Ray gives us; the plan is saved beside the metrics.
 
         CPU jobs are planned on the worker slots Ray can schedule (each node's Ray CPUs, not its cores:
@@ -211,7 +219,7 @@ class Orchestrator:
             if config.elastic.min_workers:
                 config = coordinator.config_for_world(config, max(config.elastic.min_workers,
                                                               min(slots, config.cluster.num_workers)))
-        plan = planning.make_plan(cluster, config, memory=memory)
+        plan = planning.make_plan(cluster, config, memory=memory, calibration=calibration)
         plan.save(self.run.plan_path)
         predicted = plan.predicted
         self.console.print(f"plan: {plan.world_size} × {plan.workers[0].device_model} workers, "
