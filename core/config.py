@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from core import rules
 from core.errors import ConfigError
+from core.hf_config import CONFIG_FILE, builtin_llama_refusal, read_hf_config, shape_of
 
 
 def _check(ok: bool, key: str, problem: str, fix: str) -> None:
@@ -47,10 +48,16 @@ naming a preset starts from these, and the keys it gives itself win (seq_len is 
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
-    kind: Literal["gpt", "llama", "custom"] = "gpt"
+    kind: Literal["gpt", "llama", "custom", "hf"] = "gpt"
     """gpt: the built-in GPT-2-style transformer (workers/models/gpt.py); llama: the built-in Llama-3
     family (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU; workers/models/llama.py);
-    custom: the nn.Module (or workload) that `factory` returns."""
+    custom: the nn.Module (or workload) that `factory` returns; hf: the transformers causal LM that
+    `hf_dir`'s config.json describes (workers/models/hf.py)."""
+    hf_dir: str = ""
+    """A local directory holding a Hugging Face model's config.json, and its *.safetensors weights when
+    it has any (a sharded model's index too), seen by every node. kind = "hf": that model, from its
+    weights or initialised; kind = "llama": the built-in Llama shaped from it and started from its
+    weights (Llama and Mistral shapes). The shape keys (n_layer, n_embd, vocab_size, …) come from the file."""
     preset: str = ""
     """A named shape to start from: llama3-1b, llama3-3b or llama3-8b (MODEL_PRESETS)."""
     n_layer: int = 4
@@ -94,7 +101,7 @@ class ModelConfig:
                   seq_len=self.seq_len, vocab_size=self.vocab_size, norm_eps=self.norm_eps)
         _check(not self.preset or self.preset in MODEL_PRESETS, "[model] preset", f"{self.preset!r} is not a preset",
                f"use one of {', '.join(MODEL_PRESETS)}, or size the model with n_layer, n_embd, …")
-        _check(self.n_embd % self.n_head == 0, "[model] n_head",
+        _check(self.kind == "hf" or self.n_embd % self.n_head == 0, "[model] n_head",
                f"n_embd = {self.n_embd} is not divisible by n_head = {self.n_head}",
                "pick n_head so that n_embd / n_head is a whole number (e.g. 64 per head)")
         _check(0.0 <= self.dropout < 1.0, "[model] dropout", f"must be in [0, 1), got {self.dropout}",
@@ -113,10 +120,21 @@ class ModelConfig:
                    f"size; n_embd / n_head = {self.n_embd // self.n_head}", "pick n_head so that each head is even")
             _check(not self.bias and self.dropout == 0, "[model]", "the llama model has no bias terms and no dropout",
                    "set bias = false and dropout = 0.0")
+        self._check_hf_dir()
         _check(self.kind == "custom" or (not self.factory and not self.options), "[model] factory",
                f'kind = "{self.kind}" builds its own model', 'set kind = "custom" to train the factory\'s model')
         _check(self.kind != "custom" or bool(self.factory), "[model] factory", 'kind = "custom" needs a factory',
                'set factory = "package.module:function" (a function of the [model] table returning an nn.Module)')
+
+    def _check_hf_dir(self) -> None:
+        _check(self.kind != "hf" or bool(self.hf_dir), "[model] hf_dir", 'kind = "hf" needs a model directory',
+               'set hf_dir = "path/to/model" (a directory holding its config.json)')
+        _check(not self.hf_dir or self.kind in ("hf", "llama"), "[model] hf_dir",
+               f'kind = "{self.kind}" does not load a Hugging Face model',
+               'use kind = "hf" (the transformers model) or kind = "llama" (the built-in, Llama shapes)')
+        if self.kind == "llama" and self.hf_dir:
+            refusal = builtin_llama_refusal(read_hf_config(self.hf_dir), f"{self.hf_dir}/{CONFIG_FILE}", self.seq_len)
+            _check(refusal is None, "[model] hf_dir", refusal or "", "or leave hf_dir out to train the built-in from scratch")
 
     @property
     def kv_heads(self) -> int:
@@ -692,11 +710,23 @@ def _model_table(data: dict[str, Any], names: list[str]) -> dict[str, Any]:
     preset = data.get("preset")
     if isinstance(preset, str) and preset in MODEL_PRESETS:
         data = {**MODEL_PRESETS[preset], **data}
+    if isinstance(data.get("hf_dir"), str) and data["hf_dir"]:
+        data = _with_hf_shape(data)
     if data.get("kind") == "custom":
         unknown = {key: value for key, value in data.items() if key not in names}
         data = {key: value for key, value in data.items() if key in names}
         data["options"] = {**data.get("options", {}), **unknown}
     return data
+
+
+def _with_hf_shape(data: dict[str, Any]) -> dict[str, Any]:
+    """The [model] table with the shape its hf_dir's config.json fixes; a key the table gives too must agree."""
+    shape = shape_of(read_hf_config(data["hf_dir"]))
+    for key, value in shape.items():
+        _check(key not in data or data[key] == value, f"[model] {key}",
+               f"{data.get(key)!r} disagrees with {data['hf_dir']}/{CONFIG_FILE}, which says {value!r}",
+               f"leave {key} out: hf_dir's config.json sizes the model")
+    return {**data, **shape}
 
 
 def _convert(value: Any, hint: Any, where: str, key: str, path: str) -> Any:
