@@ -1,0 +1,48 @@
+"""Hugging Face models through `archipelago fit`: a 2-layer Llama, Qwen2 and Mistral, each from weights
+transformers saved, fine-tune for 5 steps on two gloo workers, and the first step's loss is transformers'
+own loss on that step's batch."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from core.config import JobConfig
+from orchestrator import Orchestrator
+from storage.sampler import DeterministicSampler
+from storage.shards import TokenDataset
+from tests.hf_support import hf_loss, write_model
+from tests.integration.conftest import SEQ_LEN, job
+
+pytestmark = pytest.mark.integration
+STEPS = 5
+GLOBAL_BATCH = 8
+
+
+def hf_job(small_dataset, runs, name: str, table: dict, **sections) -> JobConfig:
+    """The integration job with the [model] `table` alone (the tiny job's shape keys would contradict
+    config.json's) and seq_len."""
+    config = job(small_dataset, runs, name, STEPS, checkpoint={"every_steps": STEPS}, **sections)
+    model = JobConfig.from_dict({"model": {**table, "seq_len": SEQ_LEN}}).model
+    return dataclasses.replace(config, model=model)
+
+
+def first_batch(small_dataset) -> torch.Tensor:
+    """The samples of step 0 (the sampler's first global batch, seed 0)."""
+    data_dir, _ = small_dataset
+    train = TokenDataset(data_dir, "train", SEQ_LEN)
+    ids = DeterministicSampler(train.num_samples, seed=0).permute(0, np.arange(GLOBAL_BATCH))
+    return torch.from_numpy(train.batch(ids))
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "mistral"])
+def test_a_hugging_face_model_fine_tunes_from_its_weights(cluster, small_dataset, tmp_path, architecture):
+    model = write_model(tmp_path / architecture, architecture)
+    config = hf_job(small_dataset, tmp_path / "runs", architecture, {"kind": "hf", "hf_dir": str(tmp_path / architecture)})
+    rows = Orchestrator(config).fit().metrics
+    losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    assert losses[1] == pytest.approx(hf_loss(model, first_batch(small_dataset)), rel=1e-5)
+    assert losses[STEPS] < losses[1]
+    start = next(r for r in rows if r.get("event") == "start")
+    assert start["model"] == f"hf:{architecture}" and start["params"] == sum(p.numel() for p in model.parameters())
