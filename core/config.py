@@ -155,9 +155,11 @@ class DataConfig:
     prepare_from: str = "stdlib"
     """When `path` holds no dataset yet, prepare it from this source first: "stdlib" (the .py files of
     the running Python's standard library), a directory of files, or "" to require a prepared one."""
-    source_format: Literal["text", "jsonl", "parquet", "arrow"] = "text"
+    source_format: Literal["text", "jsonl", "parquet", "arrow", "chat", "instruction"] = "text"
     """What `prepare_from` holds: text files (one document each), JSON Lines (one document per line),
-    or a Parquet / Arrow IPC dataset (one document per row)."""
+    a Parquet / Arrow IPC dataset (one document per row), or fine-tuning JSON Lines: conversations
+    ("chat": {"messages": [{"role", "content"}, …]}) or pairs ("instruction": {"prompt", "response"}),
+    stored with a loss mask over the responses and packed into samples of [model] seq_len (storage/chat.py)."""
     pattern: str = ""
     """Glob (matched recursively) selecting the files of `prepare_from`; empty is *.py for text,
     *.jsonl, *.parquet or *.arrow for the other formats."""

@@ -30,6 +30,9 @@ class DataSpec:
     engine its batches itself: tests and benchmarks)."""
     tokenizer: str = "bytes"
     """The dataset's tokenizer identity (checkpoints record it)."""
+    token_flags: bool = False
+    """The dataset's tokens carry a loss mask and document starts (storage/flags.py: fine-tuning data,
+    `prepare --format chat|instruction`): the engine unpacks them and weights the loss by counted targets."""
     reader: str = "auto"
     reader_threads: int = 8
     prefetch_steps: int = 2
@@ -58,10 +61,11 @@ class WorkerSpec:
 
     @classmethod
     def for_plan(cls, config: JobConfig, plan: Plan, *, workload: Workload, flops_per_token: float,
-                 data_location: str = "", tokenizer: str = "bytes") -> WorkerSpec:
+                 data_location: str = "", tokenizer: str = "bytes", token_flags: bool = False) -> WorkerSpec:
         """The spec for the workers that run `plan` of the job `config` (its model `workload`), reading
-        the prepared dataset at `data_location` (its tokenizer identity `tokenizer`)."""
-        data = DataSpec(location=data_location, tokenizer=tokenizer, reader=config.data.reader,
+        the prepared dataset at `data_location` (its tokenizer identity `tokenizer`; `token_flags`: a
+        fine-tuning dataset's flagged tokens)."""
+        data = DataSpec(location=data_location, tokenizer=tokenizer, token_flags=token_flags, reader=config.data.reader,
                         reader_threads=config.data.reader_threads, prefetch_steps=config.data.prefetch_steps)
         return cls(plan=plan, workload=workload, flops_per_token=flops_per_token, model=config.model, train=dataclasses.replace(config.train, precision=plan.precision),
                    compile=config.compile, checkpoint=config.checkpoint, data=data,

@@ -78,7 +78,7 @@ def _prepare(args: argparse.Namespace, console: Console) -> int:
         summary = prepare_dataset(
             args.source, args.out, pattern=args.pattern, source_format=args.format, text_column=args.text_column,
             val_percent=args.val_percent, shard_tokens=args.shard_tokens, tokenizer=args.tokenizer,
-            workers=args.workers, overwrite=args.overwrite,
+            workers=args.workers, overwrite=args.overwrite, seq_len=args.seq_len,
             on_progress=lambda done, total, tokens: bar.update(task, completed=done, total=total, tokens=tokens))
     console.print(f"{summary.directory}: {summary.documents['train']:,} train documents "
                   f"({summary.tokens['train']:,} tokens), {summary.documents['val']:,} validation documents "
@@ -159,8 +159,12 @@ def _parser() -> argparse.ArgumentParser:
     prepare = commands.add_parser("prepare", help="turn text, JSONL or Parquet/Arrow documents into a token dataset")
     prepare.add_argument("--source", default="stdlib", help='directory of source files, or "stdlib" (default)')
     prepare.add_argument("--out", default="data/stdlib-bytes", help="dataset directory to write")
-    prepare.add_argument("--format", default="text", choices=["text", "jsonl", "parquet", "arrow"],
-                         help="text: one document per file; jsonl: per line; parquet/arrow: per row")
+    prepare.add_argument("--format", default="text", choices=["text", "jsonl", "parquet", "arrow", "chat", "instruction"],
+                         help="text: one document per file; jsonl: per line; parquet/arrow: per row; chat: JSON lines "
+                              "of messages with roles; instruction: JSON lines of prompt and response (the loss "
+                              "counts the responses; samples packed to --seq-len)")
+    prepare.add_argument("--seq-len", type=int, default=0,
+                         help="chat and instruction: tokens per packed sample, the job's [model] seq_len")
     prepare.add_argument("--pattern", default=None,
                          help="glob of files to take, matched recursively (default *.py, *.jsonl, *.parquet, *.arrow)")
     prepare.add_argument("--text-column", default="text", help="JSON field or column holding the text (jsonl, parquet, arrow)")

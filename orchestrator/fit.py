@@ -47,7 +47,7 @@ from storage.shards import TokenDataset, check_files, has_dataset
 from storage.verify import verify_dataset
 from workers import binding, checkpoint
 from workers.loop import WorkerJob, train_loop
-from workers.models import make_workload, register_factory
+from workers.models import check_takes_loss_masks, make_workload, register_factory
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +86,9 @@ class Orchestrator:
         started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         _refuse_before_start(self.config)
         workload = make_workload(self.config.model)  # a factory's errors, before anything starts
-        data_dir, tokenizer = self._dataset()
+        data_dir, tokenizer, token_flags = self._dataset()
+        if token_flags:
+            check_takes_loss_masks(workload)
         resume_from, first_step = self._open_run(workload, tokenizer)
         with self._ray(workload):
             cluster = topology.discover_cluster()
@@ -94,7 +96,7 @@ class Orchestrator:
             plan = self._plan(cluster, memory)
             facts = model_facts(workload, self.config.model.seq_len)
             spec = WorkerSpec.for_plan(self.config, plan, workload=workload, flops_per_token=facts.flops_per_token,
-                                       data_location=str(data_dir), tokenizer=tokenizer)
+                                       data_location=str(data_dir), tokenizer=tokenizer, token_flags=token_flags)
             sink = MetricsSink.options(scheduling_strategy=coordinator.on_this_node()).remote()  # outlives worker nodes
             plan_coordinator = coordinator.start_coordinator(self.config, spec, cluster, str(self.run.plan_path),
                                                              sink, memory)
@@ -144,6 +146,7 @@ class Orchestrator:
         (None for a new run) and the step training starts from."""
         if not self.resume:
             self.run.create(overwrite=self.overwrite)
+            self.run.save_job(self.config.to_dict())
             return None, 0
         latest = self.run.checkpoint_to_resume()
         info = checkpoint.read_info(latest)
@@ -153,10 +156,11 @@ class Orchestrator:
         self.console.print(f"resuming from {latest}", markup=False)
         return latest, info.step
 
-    def _dataset(self) -> tuple[str, str]:
+    def _dataset(self) -> tuple[str, str, bool]:
         """The prepared dataset (preparing it first when the config says where from), checked against the job.
 
-        Returns its location (a local path or a URI) and the tokenizer identity.
+        Returns its location (a local path or a URI), the tokenizer identity and whether its tokens carry
+        a loss mask (fine-tuning data).
         """
         data = self.config.data
         location = Location.parse(data.path, error=DataError)
@@ -168,7 +172,8 @@ class Orchestrator:
             summary = prepare_dataset(data.prepare_from, location.local_path, pattern=data.pattern or None,
                                       source_format=data.source_format, text_column=data.text_column,
                                       val_percent=data.val_percent, shard_tokens=data.shard_tokens,
-                                      tokenizer=data.tokenizer, workers=data.prepare_workers)
+                                      tokenizer=data.tokenizer, workers=data.prepare_workers,
+                                      seq_len=self.config.model.seq_len)
             self.console.print(f"prepared {summary.tokens['train']:,} train and {summary.tokens['val']:,} "
                                f"validation tokens in {summary.shards} shards ({summary.workers} processes)")
         train = TokenDataset(location, "train", self.config.model.seq_len)  # reads the manifest, once
@@ -192,7 +197,12 @@ class Orchestrator:
         if val.num_samples < 1:
             raise DataError(f"the validation split is shorter than one sample of {model.seq_len + 1} tokens",
                             where=str(location), fix="raise [data] val_percent and prepare again")
-        return str(location), train.tokenizer
+        packed = train.manifest.packed_seq_len
+        if packed and packed != model.seq_len:
+            raise DataError(f"the dataset packs conversations into samples of {packed} tokens, the job's are "
+                            f"{model.seq_len}", where=f"{location} / [model] seq_len",
+                            fix=f"set [model] seq_len = {packed}, or prepare the data again with --seq-len {model.seq_len}")
+        return str(location), train.tokenizer, train.manifest.token_flags
 
     @contextlib.contextmanager
     def _ray(self, workload: Workload) -> Iterator[None]:

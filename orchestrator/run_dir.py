@@ -74,6 +74,14 @@ class RunDirectory:
             self.checkpoints.root.remove()
         self.path.mkdir(parents=True, exist_ok=True)
 
+    @property
+    def job_path(self) -> Path:
+        """The job's config as fit ran it (JSON): what `archipelago export` rebuilds the model from."""
+        return self.path / "job.json"
+
+    def save_job(self, config: dict) -> None:
+        write_text_atomically(self.job_path, json.dumps(config, indent=2))
+
     def append_metrics(self, rows: list[dict]) -> None:
         with self.metrics_path.open("a") as f:
             for row in rows:

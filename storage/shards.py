@@ -78,6 +78,11 @@ class ShardInfo:
 class Manifest:
     vocab_size: int
     shards: list[ShardInfo]
+    token_flags: bool = False
+    """The shards hold flagged words (storage/flags.py): a loss mask and document starts (fine-tuning data)."""
+    packed_seq_len: int = 0
+    """> 0: documents were packed whole into samples of this many tokens; only a job of that seq_len
+    reads whole documents from them."""
 
     def split(self, name: str) -> list[ShardInfo]:
         return [s for s in self.shards if s.split == name]
@@ -102,9 +107,11 @@ def write_shard(directory: Path, split: str, index: int, tokens: np.ndarray, doc
     return ShardInfo(split, name, dtype, int(tokens.size), doc_offsets, zlib.crc32(payload.data), tokenizer)
 
 
-def write_manifest(directory: Path, shards: list[ShardInfo], vocab_size: int) -> None:
+def write_manifest(directory: Path, shards: list[ShardInfo], vocab_size: int, *, token_flags: bool = False,
+                   packed_seq_len: int = 0) -> None:
     columns = {name: [getattr(s, name) for s in shards] for name in MANIFEST_SCHEMA.names}
-    metadata = {b"format_version": str(FORMAT_VERSION).encode(), b"vocab_size": str(vocab_size).encode()}
+    metadata = {b"format_version": str(FORMAT_VERSION).encode(), b"vocab_size": str(vocab_size).encode(),
+                b"token_flags": str(int(token_flags)).encode(), b"packed_seq_len": str(packed_seq_len).encode()}
     table = pa.table(columns, schema=MANIFEST_SCHEMA.with_metadata(metadata))
     pq.write_table(table, directory / MANIFEST)
 
@@ -136,7 +143,8 @@ def read_manifest(directory: str | Path | Location) -> Manifest:
         if shard.dtype not in TOKEN_DTYPES:
             raise DataError(f"shard dtype {shard.dtype!r} is not one of {TOKEN_DTYPES}",
                             where=f"{location / shard.path} (manifest row)", fix=PREPARE_AGAIN)
-    return Manifest(int(meta[b"vocab_size"]), shards)
+    return Manifest(int(meta[b"vocab_size"]), shards, token_flags=meta.get(b"token_flags", b"0") == b"1",
+                    packed_seq_len=int(meta.get(b"packed_seq_len", b"0")))
 
 
 def check_shard(location: Location, shard: ShardInfo, header: bytes, size: int) -> None:

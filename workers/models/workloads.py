@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -150,6 +151,16 @@ def _check_llama_weights(config: ModelConfig) -> None:
     with torch.device("meta"):
         shapes = {name: p.shape for name, p in Llama(config).named_parameters()}
     check_shapes(expected_shapes(llama_layout(config), shapes), config.hf_dir)
+
+
+def check_takes_loss_masks(workload: Workload) -> None:
+    """A fine-tuning dataset's loss mask and positions can reach the workload's loss; ConfigError otherwise."""
+    parameters = inspect.signature(workload.loss).parameters
+    if not {"loss_mask", "positions"} <= parameters.keys():
+        raise ConfigError(f"the workload {workload.name}'s loss takes no loss_mask and positions, which a "
+                          "fine-tuning dataset (prepare --format chat|instruction) needs", where=FACTORY,
+                          fix="add the keyword arguments loss_mask=None, positions=None to its loss "
+                              "(core/workload.py says what they hold), or return an nn.Module from the factory")
 
 
 def factory_table(config: ModelConfig) -> dict[str, Any]:
