@@ -4,7 +4,9 @@
     archipelago fit job.toml --address auto             # join a running cluster (or set RAY_ADDRESS)
     archipelago fit examples/cpu-tiny.toml --resume     # continue from the latest committed checkpoint
     archipelago prepare --source stdlib --out data/stdlib-bytes
+    archipelago prepare --source chats/ --format chat --seq-len 2048 --tokenizer hf:tokenizer.json --out data/chat
     archipelago verify data/stdlib-bytes                 # every shard's checksum; names any bad shard
+    archipelago export runs/sft --hf exported/sft        # the trained model as transformers loads it
     archipelago report runs/cpu-tiny                     # runs/cpu-tiny/report.html and its PNG plots
     archipelago report runs/a runs/b                     # two runs side by side (runs/compare-a-b/)
     archipelago prices --config job.toml                 # devices, peaks and prices in one unit ($ per bf16 TFLOP/s·h)
@@ -33,6 +35,7 @@ from rich.table import Table
 from core.config import JobConfig
 from core.errors import ArchipelagoError
 from orchestrator.accounting.report_html import render_report
+from orchestrator.export import export_run
 from orchestrator.fit import Orchestrator
 from planning.plan_table import print_plan
 from planning.planner import Planner
@@ -84,6 +87,12 @@ def _prepare(args: argparse.Namespace, console: Console) -> int:
                   f"({summary.tokens['train']:,} tokens), {summary.documents['val']:,} validation documents "
                   f"({summary.tokens['val']:,} tokens), {summary.shards} shards, tokenizer {summary.tokenizer}, "
                   f"{summary.workers} processes", markup=False, highlight=False)
+    return 0
+
+
+def _export(args: argparse.Namespace, console: Console) -> int:
+    out = export_run(args.run, args.hf)
+    console.print(f"wrote {out} ({', '.join(sorted(p.name for p in out.iterdir()))})", markup=False, highlight=False)
     return 0
 
 
@@ -175,6 +184,13 @@ def _parser() -> argparse.ArgumentParser:
     prepare.add_argument("--overwrite", action="store_true", help="replace an existing dataset at --out")
     prepare.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     prepare.set_defaults(command=_prepare)
+
+    export = commands.add_parser("export", help="write a run's newest checkpoint as a Hugging Face model directory")
+    export.add_argument("run", metavar="RUN_DIR", help="run directory (runs/<name>)")
+    export.add_argument("--hf", required=True, metavar="OUT", help="directory to write config.json, safetensors "
+                                                                   "and the tokenizer files into")
+    export.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    export.set_defaults(command=_export)
 
     verify = commands.add_parser("verify", help="check a dataset's manifest and every shard's checksum")
     verify.add_argument("directory", help="dataset directory or URI (s3://…)")

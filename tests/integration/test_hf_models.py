@@ -1,19 +1,25 @@
 """Hugging Face models through `archipelago fit`: a 2-layer Llama, Qwen2 and Mistral, each from weights
 transformers saved, fine-tune for 5 steps on two gloo workers, and the first step's loss is transformers'
-own loss on that step's batch."""
+own loss on that step's batch; `archipelago export` then writes the trained model, which transformers
+loads with the logits archipelago's model restored from the run's checkpoint gives."""
 
 import dataclasses
 
 import numpy as np
 import pytest
 import torch
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from transformers import AutoModelForCausalLM
 
 from core.config import JobConfig
 from orchestrator import Orchestrator
+from orchestrator.cli import main
+from storage.checkpoint_io import load_checkpoint
 from storage.sampler import DeterministicSampler
 from storage.shards import TokenDataset
 from tests.hf_support import hf_loss, write_model
 from tests.integration.conftest import SEQ_LEN, job
+from workers.models import make_workload
 
 pytestmark = pytest.mark.integration
 STEPS = 5
@@ -40,9 +46,22 @@ def first_batch(small_dataset) -> torch.Tensor:
 def test_a_hugging_face_model_fine_tunes_from_its_weights(cluster, small_dataset, tmp_path, architecture):
     model = write_model(tmp_path / architecture, architecture)
     config = hf_job(small_dataset, tmp_path / "runs", architecture, {"kind": "hf", "hf_dir": str(tmp_path / architecture)})
-    rows = Orchestrator(config).fit().metrics
+    result = Orchestrator(config).fit()
+    rows = result.metrics
     losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
     assert losses[1] == pytest.approx(hf_loss(model, first_batch(small_dataset)), rel=1e-5)
     assert losses[STEPS] < losses[1]
     start = next(r for r in rows if r.get("event") == "start")
     assert start["model"] == f"hf:{architecture}" and start["params"] == sum(p.numel() for p in model.parameters())
+
+    assert main(["export", str(tmp_path / "runs" / architecture), "--hf", str(tmp_path / "out")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    trained = make_workload(config.model).build()
+    state = {"model": get_model_state_dict(trained)}
+    load_checkpoint(state, result.checkpoint, reader="posix")
+    set_model_state_dict(trained, state["model"])
+    tokens = first_batch(small_dataset)[:2, :-1]
+    with torch.no_grad():
+        logits = exported(input_ids=tokens).logits
+        torch.testing.assert_close(logits, trained(tokens), rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(logits, model(input_ids=tokens).logits, atol=1e-3)  # trained, not the start

@@ -174,3 +174,22 @@ def test_the_loss_kernels_leave_out_ignored_rows_as_the_plain_loss_does(kernel):
     for got, expected in zip(*results):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     assert results[0][1][targets == IGNORE_INDEX].abs().max() == 0  # an ignored row gets no gradient
+
+
+def test_a_built_in_llama_exports_to_the_transformers_model_of_its_logits(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from orchestrator.export import write_hf
+
+    write_model(tmp_path / "hf", "mistral", vocab_size=288)
+    config = JobConfig.from_dict({"model": {"kind": "llama", "hf_dir": str(tmp_path / "hf"), "seq_len": SEQ}})
+    torch.manual_seed(3)
+    model = make_workload(config.model).build()  # other weights than those in hf_dir: the trained ones
+    write_hf(model, config, tmp_path / "out")
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert type(exported).__name__ == "MistralForCausalLM"
+    tokens = unpack(packed_sample()).inputs
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids=tokens).logits, model(tokens), rtol=1e-4, atol=1e-5)
+    with pytest.raises(Exception, match="not empty"):
+        write_hf(model, config, tmp_path / "out")
