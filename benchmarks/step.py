@@ -57,6 +57,7 @@ from planning.model_size import ModelFacts, model_facts  # noqa: E402
 from planning.resolve import uniform_spec  # noqa: E402
 from topology import catalog  # noqa: E402
 from topology.nvml import Nvml  # noqa: E402
+from kernels.loss import ignore_masked  # noqa: E402
 from workers.comm.stats import CommStats  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 from workers.models import make_workload  # noqa: E402
@@ -271,9 +272,9 @@ def liger(name: str, data: TextBatches, args, everything: bool) -> tuple[dict, o
     model = make_workload(model_config(name)).build().to(DEVICE)
     fused_loss = LigerFusedLinearCrossEntropyLoss()
 
-    def head(x, targets, loss_kernel):
+    def head(x, targets, loss_kernel, loss_mask=None):  # liger's loss ignores kernels.loss.IGNORE_INDEX too
         x = model.norm(x)
-        return fused_loss(model.output_weight(), x.reshape(-1, x.size(-1)), targets.reshape(-1))
+        return fused_loss(model.output_weight(), x.reshape(-1, x.size(-1)), ignore_masked(targets, loss_mask).reshape(-1))
 
     model.head = head
     if everything:
