@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 import tomllib
 import types
@@ -558,9 +559,18 @@ class BillConfig:
     prometheus: bool = True
     """Export loss, tokens/s, MFU and dollars as Prometheus metrics through Ray's metrics agent
     (ray.util.metrics; scraped from each node's metrics export port)."""
+    mlflow: bool = False
+    """Track the run in MLflow too (pip install 'archipelago[mlflow]'): the job config as params, the
+    bill's per-step numbers (TensorBoard's names) as metrics, and at the end the plan, the bill and
+    the report as artifacts; a resumed run continues its MLflow run."""
+    mlflow_uri: str = ""
+    """The MLflow tracking URI: a server ("https://mlflow.example.com"), "sqlite:///mlflow.db", or
+    "" for a local file store at <runs_dir>/mlruns (`mlflow ui --backend-store-uri runs/mlruns`)."""
     alerts: AlertsConfig = field(default_factory=AlertsConfig)
 
     def __post_init__(self) -> None:
+        _check(not self.mlflow or importlib.util.find_spec("mlflow") is not None, "[bill] mlflow",
+               "MLflow is not installed", "pip install 'archipelago[mlflow]', or set mlflow = false")
         for i, target in enumerate(self.targets):
             _check(0 < target < float("inf"), f"[bill] targets[{i}]", f"must be a positive loss, got {target}",
                    "list validation losses to reach, e.g. targets = [3.0, 2.5]")

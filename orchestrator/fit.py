@@ -35,6 +35,7 @@ from core.plan import Plan
 from core.spec import WorkerSpec
 from core.workload import Workload
 from orchestrator import coordinator
+from orchestrator.accounting.exporters import finish_mlflow
 from orchestrator.accounting.report import RunReport
 from orchestrator.progress import MetricsSink, ProgressDisplay
 from orchestrator.run_dir import RunDirectory
@@ -115,6 +116,7 @@ class Orchestrator:
             checkpoint_step=checkpoint.read_info(latest).step if latest else None,
             metrics_path=str(self.run.metrics_path), config=self.config.to_dict())
         report.save(self.run.report_path)
+        finish_mlflow(self.run.path)
         return FitResult(rows, latest, plan, report)
 
     def _plan(self, cluster: topology.ClusterTopology, memory: MemoryProfile) -> Plan:

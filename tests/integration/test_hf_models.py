@@ -4,6 +4,7 @@ own loss on that step's batch; `archipelago export` then writes the trained mode
 loads with the logits archipelago's model restored from the run's checkpoint gives."""
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from core.config import JobConfig
 from orchestrator import Orchestrator
+from orchestrator.accounting.exporters import MLFLOW_RUN_FILE, mlflow_client
 from orchestrator.cli import main
 from storage.checkpoint_io import load_checkpoint
 from storage.sampler import DeterministicSampler
@@ -45,7 +47,9 @@ def first_batch(small_dataset) -> torch.Tensor:
 @pytest.mark.parametrize("architecture", ["llama", "qwen2", "mistral"])
 def test_a_hugging_face_model_fine_tunes_from_its_weights(cluster, small_dataset, tmp_path, architecture):
     model = write_model(tmp_path / architecture, architecture)
-    config = hf_job(small_dataset, tmp_path / "runs", architecture, {"kind": "hf", "hf_dir": str(tmp_path / architecture)})
+    tracked = {"bill": {"mlflow": True}} if architecture == "llama" else {}  # one run checks MLflow as well
+    config = hf_job(small_dataset, tmp_path / "runs", architecture, {"kind": "hf", "hf_dir": str(tmp_path / architecture)},
+                    **tracked)
     result = Orchestrator(config).fit()
     rows = result.metrics
     losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
@@ -65,3 +69,17 @@ def test_a_hugging_face_model_fine_tunes_from_its_weights(cluster, small_dataset
         logits = exported(input_ids=tokens).logits
         torch.testing.assert_close(logits, trained(tokens), rtol=1e-5, atol=1e-5)
         assert not torch.allclose(logits, model(input_ids=tokens).logits, atol=1e-3)  # trained, not the start
+    if tracked:
+        mlflow_tracked_the_run(tmp_path / "runs" / architecture)
+
+
+def mlflow_tracked_the_run(run_dir):
+    """The local MLflow store holds the job's params, the bill's per-step losses and the run's files."""
+    recorded = json.loads((run_dir / MLFLOW_RUN_FILE).read_text())
+    client = mlflow_client(recorded["tracking_uri"], run_dir)
+    run = client.get_run(recorded["run_id"])
+    assert run.info.status == "FINISHED" and run.data.params["train.steps"] == str(STEPS)
+    bill = [json.loads(line) for line in (run_dir / "bill.jsonl").read_text().splitlines()]
+    history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss/train")}
+    assert history == {row["step"]: pytest.approx(row["loss"]) for row in bill} and len(history) == STEPS
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"plan.json", "bill.jsonl", "report.json"}
