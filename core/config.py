@@ -249,7 +249,20 @@ class TrainConfig:
     vocab) logits never exist: saves about 1 GiB at GPT-2 124M, B=32, but cost 5 % of the step
     there (benchmarks/RESULTS.md)."""
 
+    qat: Literal["", "int8-dynamic-act-int4-weight", "int8-weight"] = ""
+    """Quantization-aware training (workers/qat.py, torchao): the linear layers train fake-quantized as
+    they will run once quantized, and `archipelago export RUN --hf OUT --quantized` writes the really
+    quantized model. "int8-dynamic-act-int4-weight": int8 activations per token, int4 weights per group
+    of qat_group_size; "int8-weight": int8 weights per row. "" trains in full precision. The planner's
+    memory estimate does not count the fake quantization's temporaries."""
+    qat_group_size: int = 32
+    """Input features sharing one int4 weight scale (int8-dynamic-act-int4-weight); layers whose width it
+    does not divide stay in full precision."""
+
     def __post_init__(self) -> None:
+        _check(not self.qat or (self.precision != "fp8" and not self.bf16_weights), "[train] qat",
+               f"fake quantization does not combine with precision = {self.precision!r} / bf16_weights",
+               'use precision "fp32", "bf16" or "auto" without bf16_weights for quantization-aware training')
         _positive("train", steps=self.steps, global_batch_size=self.global_batch_size,
                   micro_batch_size=self.micro_batch_size, lr=self.lr, log_every=self.log_every,
                   eval_every=self.eval_every, eval_samples=self.eval_samples)

@@ -91,7 +91,7 @@ def _prepare(args: argparse.Namespace, console: Console) -> int:
 
 
 def _export(args: argparse.Namespace, console: Console) -> int:
-    out = export_run(args.run, args.hf)
+    out = export_run(args.run, args.hf, quantized=args.quantized)
     console.print(f"wrote {out} ({', '.join(sorted(p.name for p in out.iterdir()))})", markup=False, highlight=False)
     return 0
 
@@ -189,6 +189,8 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("run", metavar="RUN_DIR", help="run directory (runs/<name>)")
     export.add_argument("--hf", required=True, metavar="OUT", help="directory to write config.json, safetensors "
                                                                    "and the tokenizer files into")
+    export.add_argument("--quantized", action="store_true",
+                        help="a [train] qat run's really quantized model (torchao; pytorch_model.bin)")
     export.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     export.set_defaults(command=_export)
 

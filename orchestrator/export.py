@@ -2,6 +2,7 @@
 
     archipelago export runs/sft --hf exported/sft
     model = AutoModelForCausalLM.from_pretrained("exported/sft")      # the trained model, its logits
+    archipelago export runs/qat --hf exported/qat --quantized         # a [train] qat run, really quantized
 
 Writes config.json and model.safetensors (transformers' own save_pretrained), and the tokenizer files
 the run had: those beside [model] hf_dir (tokenizer.json, tokenizer_config.json,
@@ -29,13 +30,16 @@ from orchestrator.run_dir import RunDirectory
 from storage.checkpoint_io import load_checkpoint
 from workers.models import make_workload
 from workers.models.hf_weights import llama_layout, stack_for_export
+from workers.models.layers import repeated_layers
+from workers.qat import base_config, quantize_ptq
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 WHERE = "archipelago export --hf"
 
 
-def export_run(run: str | Path, out: str | Path) -> Path:
-    """Exports the newest committed checkpoint of the run directory `run` to `out`; returns `out`."""
+def export_run(run: str | Path, out: str | Path, *, quantized: bool = False) -> Path:
+    """Exports the newest committed checkpoint of the run directory `run` to `out` (quantized: see
+    write_hf); returns `out`."""
     config = run_config(run)
     directory = RunDirectory(Path(run).resolve().parent, Path(run).resolve().name, config.checkpoint.storage)
     latest = directory.checkpoint_to_resume()
@@ -44,7 +48,7 @@ def export_run(run: str | Path, out: str | Path) -> Path:
     state = {"model": get_model_state_dict(model)}
     load_checkpoint(state, latest, reader="posix")
     set_model_state_dict(model, state["model"])
-    return write_hf(model, config, out)
+    return write_hf(model, config, out, quantized=quantized)
 
 
 def run_config(run: str | Path) -> JobConfig:
@@ -55,15 +59,28 @@ def run_config(run: str | Path) -> JobConfig:
     return JobConfig.from_dict(json.loads(path.read_text()))
 
 
-def write_hf(model: torch.nn.Module, config: JobConfig, out: str | Path) -> Path:
-    """Saves `model` (what config's workload built, trained) as a transformers model directory at `out`."""
+def write_hf(model: torch.nn.Module, config: JobConfig, out: str | Path, *, quantized: bool = False) -> Path:
+    """Saves `model` (what config's workload built, trained) as a transformers model directory at `out`.
+
+    quantized: the really quantized model of the run's [train] qat scheme: the layers QAT trained
+    fake-quantized are quantized as its convert step does (torchao's post-training config on the
+    trained weights), config.json names the quantization (transformers' TorchAoConfig) and the weights
+    go to pytorch_model.bin (torchao's tensors do not go into safetensors)."""
+    if quantized and not config.train.qat:
+        raise ConfigError("the run trained without quantization-aware training", where=f"{WHERE} --quantized",
+                          fix='train with [train] qat = "int8-dynamic-act-int4-weight" (or "int8-weight"), '
+                              "or export without --quantized")
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out} exists and is not empty", where=WHERE, fix="choose another OUT, or delete it first")
     staging = out.with_name(out.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        _hf_model(model, config.model).save_pretrained(staging)
+        hf = _hf_model(model, config.model)
+        if quantized:
+            _save_quantized(hf, config, staging)
+        else:
+            hf.save_pretrained(staging)
         _copy_tokenizer(config, staging)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -90,6 +107,16 @@ def _hf_model(model: torch.nn.Module, config: ModelConfig) -> torch.nn.Module:
     if config.tie_embeddings:
         hf.tie_weights()
     return hf
+
+
+def _save_quantized(hf: torch.nn.Module, config: JobConfig, out: Path) -> None:
+    from transformers import TorchAoConfig
+
+    train = config.train
+    quantize_ptq(hf, repeated_layers(hf), train.qat, train.qat_group_size)
+    hf.config.quantization_config = TorchAoConfig(quant_type=base_config(train.qat, train.qat_group_size))
+    hf.config.save_pretrained(out)
+    torch.save(hf.state_dict(), out / "pytorch_model.bin")
 
 
 def _llama_config(config: ModelConfig) -> dict:

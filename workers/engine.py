@@ -30,6 +30,7 @@ from workers.compute_copy import Bf16ComputeCopy
 from workers.optim import build_optimizer, set_lr
 from workers.parallel import attach_overlap, wrap
 from workers.precision import LossScaler, convert_to_float8, precision_on
+from workers.qat import prepare_qat
 
 
 class Engine:
@@ -44,6 +45,8 @@ class Engine:
         # The model the optimizer updates, checkpoints save and evaluation runs.
         self.model = self.workload.build().to(device)
         check_same_weights(self.model, spec.model.kind)
+        self.qat_layers = (prepare_qat(self.model, self.workload.blocks(self.model), train.qat, train.qat_group_size)
+                           if train.qat else 0)
         self.float8_layers = (convert_to_float8(self.model, train.float8_recipe)
                               if self.precision.name == "fp8" else 0)
         self.compute_copy = self._compute_copy()
@@ -229,6 +232,8 @@ class Engine:
                 metrics["compile"]["eager_check"] = self.compile_check
         if self.float8_layers:
             metrics["float8_layers"] = self.float8_layers
+        if self.qat_layers:
+            metrics["qat_layers"] = self.qat_layers
         return metrics
 
 
