@@ -745,7 +745,10 @@ def _model_table(data: dict[str, Any], names: list[str]) -> dict[str, Any]:
 
 
 def _with_hf_shape(data: dict[str, Any]) -> dict[str, Any]:
-    """The [model] table with the shape its hf_dir's config.json fixes; a key the table gives too must agree."""
+    """The [model] table with the shape its hf_dir's config.json fixes (a key the table gives too must
+    agree), and hf_dir made absolute: the workers read its weights, and export its tokenizer, from
+    wherever they run."""
+    data = {**data, "hf_dir": str(Path(data["hf_dir"]).resolve())}
     shape = shape_of(read_hf_config(data["hf_dir"]))
     for key, value in shape.items():
         _check(key not in data or data[key] == value, f"[model] {key}",

@@ -1,10 +1,12 @@
 """Bad Hugging Face input is refused before anything starts, with the file and the fix: a directory
 without config.json, an architecture transformers does not know, safetensors of another shape, and the
-built-in Llama asked to take Qwen2's biased projections. Nothing is written into the run directory."""
+built-in Llama asked to take Qwen2's biased projections. Nothing is written into the run directory. And good
+input streams into FSDP2 shards: each rank reads its part, and the sharded model computes transformers' loss."""
 
 import json
 
 import pytest
+import torch
 
 from core.config import JobConfig
 from core.errors import ConfigError
@@ -52,3 +54,38 @@ def test_the_built_in_llama_refuses_qwen2s_biases(tmp_path):
     write_model(tmp_path / "q", "qwen2", weights=False)
     error = refused(tmp_path, tmp_path / "q", "llama")
     assert "Qwen2" in error.what and "biases" in error.what and 'kind = "hf"' in error.what
+
+
+def sharded_losses(rank: int, world: int, hf_dir: str) -> dict:
+    """On each rank of an FSDP2 group: hf_dir's weights read into this rank's shards (kind hf through
+    DCP's HuggingFaceStorageReader, the built-in through row reads), then the loss of one batch."""
+    from storage.checkpoint_io import checkpoint_group
+    from tests.engine_support import engine_spec
+    from workers.engine import Engine
+    from workers.pretrained import load_pretrained
+
+    torch.manual_seed(0)
+    batch = torch.randint(0, 320, (2, 33))
+    losses = {}
+    for kind in ("hf", "llama"):
+        config = JobConfig.from_dict({"model": {"kind": kind, "hf_dir": hf_dir, "seq_len": 32},
+                                      "parallel": {"strategy": "fsdp"}, "train": {"global_batch_size": 4,
+                                                                                  "micro_batch_size": 2}})
+        engine = Engine(engine_spec(config, world, 2, 1), rank, torch.device("cpu"))
+        shard = next(p for p in engine.model.parameters() if p.dim() == 2)
+        assert shard.to_local().shape[0] < shard.shape[0]  # sharded: each rank reads a part of each tensor
+        assert load_pretrained(engine.model, config.model, process_group=checkpoint_group())
+        with torch.no_grad():
+            losses[kind] = float(engine.workload.loss(engine.model, batch[:, :-1], batch[:, 1:]))
+    return losses
+
+
+def test_weights_stream_into_fsdp2_shards(tmp_path):
+    from tests.engine_support import run_ranks
+    from tests.hf_support import hf_loss
+
+    model = write_model(tmp_path, "llama")
+    torch.manual_seed(0)
+    expected = hf_loss(model, torch.randint(0, 320, (2, 33)))
+    losses = run_ranks(2, sharded_losses, str(tmp_path))
+    assert losses["hf"] == pytest.approx(expected, rel=1e-5) and losses["llama"] == pytest.approx(expected, rel=1e-5)
