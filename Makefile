@@ -12,8 +12,10 @@ STAMP   := $(VENV)/.installed-dev
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PYTHON) -m pip install -q --upgrade pip
-	@# Without a GPU, take the CPU build of torch first; otherwise torch>=2.11 pulls a multi-GB CUDA build.
-	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PYTHON) -m pip install -q torch==2.13.0; fi
+	@# Without a GPU, take the CPU build of torch first (otherwise torch>=2.11 pulls a multi-GB CUDA build), and the
+	@# triton the kernels are compiled with on the GPU machines: its interpreter runs the kernel tests on the CPU
+	@# (triton 3.9's interpreter refuses masks they use). With a GPU, the CUDA torch names its own triton.
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PYTHON) -m pip install -q torch==2.13.0 triton==3.6.0; fi
 	$(PYTHON) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
@@ -22,9 +24,10 @@ demo: $(STAMP)
 
 # pytest exits 5 when it collects no tests; make treats any non-zero exit as a failure.
 # lint-imports holds the layers of ARCHITECTURE.md: an import back up the stack fails the build.
+# -rs prints why each skipped test skipped (under CI=true only gpu-marked tests may: tests/conftest.py).
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
-	$(PYTHON) -m pytest --timeout=900 --durations=15
+	$(PYTHON) -m pytest --timeout=900 --durations=15 -rs
 
 test-gpu:
 	PYTHONPATH=.:$$PYTHONPATH python3 -m pytest -m gpu tests/gpu -p no:cacheprovider -rs

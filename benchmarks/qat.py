@@ -36,7 +36,6 @@ from storage.prepare import prepare_dataset  # noqa: E402
 from storage.sampler import DeterministicSampler  # noqa: E402
 from storage.shards import TokenDataset  # noqa: E402
 from workers.engine import Engine  # noqa: E402
-from workers.optim import lr_at  # noqa: E402
 from workers.qat import convert_qat, quantize_ptq  # noqa: E402
 
 SEQ, BATCH = 128, 16
@@ -70,7 +69,7 @@ def train(run: Engine, data: Path, steps: int, lr: float) -> list[float]:
     for step in range(steps):
         batch = torch.from_numpy(split.batch(order[step * BATCH:(step + 1) * BATCH]))
         started = time.perf_counter()
-        run([batch], lr_at(step, run.spec.train))
+        run([batch], run.spec.lr_schedule.lr_at(step))
         seconds.append(time.perf_counter() - started)
     return seconds
 

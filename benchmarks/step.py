@@ -55,6 +55,7 @@ import torch._dynamo.utils as dynamo_utils
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core.config import JobConfig, ModelConfig  # noqa: E402
+from core.schedule import LrSchedule  # noqa: E402
 from planning.model_size import ModelFacts, model_facts  # noqa: E402
 from planning.resolve import uniform_spec  # noqa: E402
 from topology import catalog  # noqa: E402
@@ -63,7 +64,6 @@ from kernels.loss import ignore_masked  # noqa: E402
 from workers.comm.stats import CommStats  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 from workers.models import make_workload  # noqa: E402
-from workers.optim import lr_at  # noqa: E402
 
 MODELS = {  # name: ([model] table, micro-batch)
     "gpt2-124m": ({"n_layer": 12, "n_head": 12, "n_embd": 768, "seq_len": 1024, "vocab_size": 50304}, 32),
@@ -225,6 +225,7 @@ def torchtitan(name: str, data: TextBatches, args) -> tuple[dict, object]:
     """torchtitan's Llama-3 (its model, init, per-block compile and loss) at the preset's shape, in the
     loop its trainer runs on one GPU: bf16 autocast, fused AdamW. Its head is tied to the embedding
     where the preset ties it (torchtitan 0.2 has no switch for that)."""
+    without_its_data_stack()
     from torchtitan.components.loss import cross_entropy_loss
     from torchtitan.config.job_config import Compile
     from torchtitan.models.llama3.infra.parallelize import apply_compile
@@ -240,6 +241,7 @@ def torchtitan(name: str, data: TextBatches, args) -> tuple[dict, object]:
     torch.manual_seed(0)
     with torch.device(DEVICE):
         model = Transformer(model_args)
+    with torch.no_grad():  # as torchtitan's trainer calls it
         model.init_weights()
     if cfg.tie_embeddings:  # with its N(0, 1) embedding rows a tied head's logits start at std ~sqrt(width)
         torch.nn.init.normal_(model.tok_embeddings.weight, std=0.02)
@@ -360,8 +362,10 @@ def _engine(name: str, label: str, data: TextBatches, args, steps: int, extra: d
             raise ValueError('"unfused step" is a variant of "bf16 weights": write "bf16 weights+unfused step"')
         eng.fused_bf16_step = False  # the path before kernels.adamw, for comparison
 
+    schedule = LrSchedule.for_train(config.train)
+
     def step(tokens, i):
-        return eng([tokens], lr_at(i, config.train))[0]
+        return eng([tokens], schedule.lr_at(i))[0]
 
     with attention_backends(backend):
         timing = time_steps(step, data, args.warmup, steps)
@@ -582,8 +586,44 @@ def compare_curves(rows: list[dict]) -> list[dict]:
     return out
 
 
+def without_its_data_stack() -> None:
+    """torchtitan's Llama package imports its training recipe's data loaders and metrics writer (the
+    `datasets`, `torchdata` and `tensorboard` packages) beside the model. A step that times the model
+    alone uses none of them, and the GPU machine has none: stand-ins whose every attribute is an inert
+    class take their place where they are missing. torchtitan's model, init, compile and loss code
+    run as shipped."""
+    import importlib.util
+    import types
+
+    class Inert:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __class_getitem__(cls, item):
+            return cls
+
+    missing = [name for name in ("datasets", "torchdata") if name not in sys.modules and importlib.util.find_spec(name) is None]
+    if "tensorboard" not in sys.modules and importlib.util.find_spec("tensorboard") is None:
+        missing.append("torch.utils.tensorboard")  # torch's writer needs the tensorboard package
+    for name in missing + [f"{name}.{sub}" for name, sub in (("datasets", "distributed"),
+                                                             ("torchdata", "stateful_dataloader")) if name in missing]:
+        module = types.ModuleType(name)
+        module.__getattr__ = _inert_attribute(Inert)
+        module.__path__ = []
+        sys.modules[name] = module
+
+
+def _inert_attribute(inert: type):
+    def attribute(name: str):
+        if name.startswith("__"):  # what introspection asks a module for is not there
+            raise AttributeError(name)
+        return inert
+    return attribute
+
+
 def torchtitan_available() -> bool:
     try:
+        without_its_data_stack()
         import torchtitan.models.llama3.model.model  # noqa: F401
     except Exception as e:  # not installed, or a torchtitan built for another torch
         print(f"torchtitan row skipped: its Llama-3 does not import ({type(e).__name__}: {e})", flush=True)

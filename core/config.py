@@ -153,9 +153,10 @@ class DataConfig:
     path: str = "data/stdlib-bytes"
     """Directory of a prepared token dataset (manifest.parquet + shards), relative to the working directory,
     or a pyarrow.fs URI ("s3://bucket/datasets/web?region=us-east-1") read with byte-range requests."""
-    prepare_from: str = "stdlib"
-    """When `path` holds no dataset yet, prepare it from this source first: "stdlib" (the .py files of
-    the running Python's standard library), a directory of files, or "" to require a prepared one."""
+    prepare_from: str = ""
+    """When `path` holds no dataset yet, prepare it from this source first: a directory of files, or
+    "stdlib" (the .py files of the running Python's standard library: the demo's corpus). Empty (the
+    default) requires a prepared dataset at `path`: a path that holds none is an error naming it."""
     source_format: Literal["text", "jsonl", "parquet", "arrow", "chat", "instruction"] = "text"
     """What `prepare_from` holds: text files (one document each), JSON Lines (one document per line),
     a Parquet / Arrow IPC dataset (one document per row), or fine-tuning JSON Lines: conversations
@@ -175,6 +176,11 @@ class DataConfig:
     """Tokens per shard file."""
     prepare_workers: int = 0
     """Processes tokenizing in parallel during prepare; 0 uses every core."""
+    shard_checksums_percent: float = 100.0
+    """Share of the shards whose payload each worker checks (crc32 against the manifest, every token id below the
+    vocabulary size) the first time it reads from them, chosen by a hash of the name; 100 checks every one. A bad
+    shard stops the run at once with one line naming it. Each batch's token ids are checked against the
+    vocabulary whatever this says (host readers)."""
     verify_checksums: bool = False
     """Before training, check every shard's crc32 on the driver (reads the whole dataset once);
     `archipelago verify DIR` does the same on its own."""
@@ -189,16 +195,29 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _check(bool(self.path), "[data] path", "is empty", 'set path to a dataset directory, e.g. "data/stdlib-bytes"')
-        _check(0.0 < self.val_percent < 100.0, "[data] val_percent", f"must be in (0, 100), got {self.val_percent}",
-               "set val_percent = 5.0")
         _check(self.tokenizer == "bytes" or (self.tokenizer.startswith("hf:") and len(self.tokenizer) > 3),
                "[data] tokenizer", f"{self.tokenizer!r} is not a tokenizer",
                'use "bytes" or "hf:path/to/tokenizer.json"')
-        _check(bool(self.text_column), "[data] text_column", "is empty", 'name the text field, e.g. "text"')
-        _check(self.prepare_workers >= 0, "[data] prepare_workers", f"must be 0 or more, got {self.prepare_workers}",
-               "set prepare_workers = 0 to use every core")
-        _positive("data", shard_tokens=self.shard_tokens, reader_threads=self.reader_threads,
-                  prefetch_steps=self.prefetch_steps)
+        check_prepare_settings(shard_tokens=self.shard_tokens, workers=self.prepare_workers,
+                               val_percent=self.val_percent, text_column=self.text_column, as_flags=False)
+        _positive("data", reader_threads=self.reader_threads, prefetch_steps=self.prefetch_steps)
+        _check(0.0 <= self.shard_checksums_percent <= 100.0, "[data] shard_checksums_percent",
+               f"must be in [0, 100], got {self.shard_checksums_percent}", "set shard_checksums_percent = 100.0")
+
+
+def check_prepare_settings(*, shard_tokens: int, workers: int, val_percent: float, text_column: str,
+                           as_flags: bool) -> None:
+    """The preparation settings, as [data] keys of a job or as flags of `archipelago prepare`: one set of
+    rules for both, checked before anything is read or written. `as_flags` names the flags in the error."""
+    checks = [(shard_tokens >= 1, "shard_tokens", "shard-tokens", f"must be 1 or more, got {shard_tokens}",
+               "give the tokens per shard file, e.g. 16777216"),
+              (workers >= 0, "prepare_workers", "workers", f"must be 0 or more, got {workers}",
+               "give a number of processes, or 0 for every core"),
+              (0.0 < val_percent < 100.0, "val_percent", "val-percent", f"must be in (0, 100), got {val_percent}",
+               "hold out a share of the documents, e.g. 5"),
+              (bool(text_column), "text_column", "text-column", "is empty", 'name the text field, e.g. "text"')]
+    for ok, key, flag, problem, fix in checks:
+        _check(ok, f"--{flag} / [data] {key}" if as_flags else f"[data] {key}", problem, fix)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -421,9 +440,14 @@ class ClusterConfig:
     """Give each worker one GPU."""
     cpus_per_worker: int = 1
     """CPU cores reserved per worker (and torch threads on CPU workers)."""
+    connect_timeout_s: float = 30.0
+    """How long joining the cluster at `address` may take before fit stops with one line saying so
+    (`--connect-timeout` on the command line)."""
 
     def __post_init__(self) -> None:
         _positive("cluster", num_workers=self.num_workers, cpus_per_worker=self.cpus_per_worker)
+        _check(math.isfinite(self.connect_timeout_s) and self.connect_timeout_s > 0, "[cluster] connect_timeout_s",
+               f"must be a number of seconds above 0, got {self.connect_timeout_s:g}", "set connect_timeout_s = 30.0")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -501,6 +525,11 @@ class ElasticConfig:
     sample_ledger: bool = False
     """Record, in every checkpoint, the global sample ids of every committed step (8 bytes per sample
     trained so far), so a test can prove each sample was used exactly once (storage/ledger.py)."""
+    health_check_timeout_s: float = 120.0
+    """Seconds a worker may leave Ray Train's health check unanswered (a process frozen or stopped, a
+    machine swapping) before it counts as failed and the group restarts from the newest committed
+    checkpoint; its peers wait in their collectives meanwhile. Ray's own default is 600 s
+    (RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S, which this sets for the run)."""
 
     def __post_init__(self) -> None:
         _check(self.min_workers >= 0, "[elastic] min_workers", f"must be 0 or more, got {self.min_workers}",
@@ -514,6 +543,7 @@ class ElasticConfig:
         _positive("elastic", preemption_check_steps=self.preemption_check_steps)
         _check(self.resize_check_s >= 0, "[elastic] resize_check_s", f"must be 0 or more, got {self.resize_check_s}",
                "set resize_check_s = 60.0")
+        _positive("elastic", health_check_timeout_s=self.health_check_timeout_s)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -85,8 +85,8 @@ class NonFiniteGradientError(ValueError):
 
     def __reduce__(self):
         # Ray pickles errors raised in workers; keyword-only arguments do not survive default pickling.
-        return _rebuild, (self.nonfinite, self.numel, self.with_residual)
+        return _rebuild_nonfinite, (self.nonfinite, self.numel, self.with_residual)
 
 
-def _rebuild(nonfinite: int, numel: int, with_residual: bool) -> NonFiniteGradientError:
+def _rebuild_nonfinite(nonfinite: int, numel: int, with_residual: bool) -> NonFiniteGradientError:
     return NonFiniteGradientError(nonfinite, numel, with_residual=with_residual)

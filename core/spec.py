@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from core.config import CheckpointConfig, CompileConfig, JobConfig, ModelConfig, TrainConfig
 from core.plan import Plan
+from core.schedule import LrSchedule
 from core.workload import Workload
 
 
@@ -36,6 +37,8 @@ class DataSpec:
     reader: str = "auto"
     reader_threads: int = 8
     prefetch_steps: int = 2
+    shard_checksums_percent: float = 100.0
+    """Share of shards whose payload a worker checks on first read ([data] shard_checksums_percent)."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -53,6 +56,8 @@ class WorkerSpec:
     """Steps, schedule, seed, clipping, loss kernel, bf16 weights; `precision` is the plan's."""
     compile: CompileConfig
     checkpoint: CheckpointConfig
+    lr_schedule: LrSchedule
+    """The learning rate of every step: the config's for a new run, continued from the checkpoint's on a resume."""
     data: DataSpec = DataSpec()
     preemption_check_steps: int = 10
     """Steps between reads of Ray's preemption notice ([elastic] preemption_check_steps)."""
@@ -61,14 +66,18 @@ class WorkerSpec:
 
     @classmethod
     def for_plan(cls, config: JobConfig, plan: Plan, *, workload: Workload, flops_per_token: float,
-                 data_location: str = "", tokenizer: str = "bytes", token_flags: bool = False) -> WorkerSpec:
+                 data_location: str = "", tokenizer: str = "bytes", token_flags: bool = False,
+                 lr_schedule: LrSchedule | None = None) -> WorkerSpec:
         """The spec for the workers that run `plan` of the job `config` (its model `workload`), reading
         the prepared dataset at `data_location` (its tokenizer identity `tokenizer`; `token_flags`: a
-        fine-tuning dataset's flagged tokens)."""
+        fine-tuning dataset's flagged tokens); `lr_schedule` is [train]'s when None (a new run)."""
         data = DataSpec(location=data_location, tokenizer=tokenizer, token_flags=token_flags, reader=config.data.reader,
-                        reader_threads=config.data.reader_threads, prefetch_steps=config.data.prefetch_steps)
-        return cls(plan=plan, workload=workload, flops_per_token=flops_per_token, model=config.model, train=dataclasses.replace(config.train, precision=plan.precision),
+                        reader_threads=config.data.reader_threads, prefetch_steps=config.data.prefetch_steps,
+                        shard_checksums_percent=config.data.shard_checksums_percent)
+        return cls(plan=plan, workload=workload, flops_per_token=flops_per_token, model=config.model,
+                   train=dataclasses.replace(config.train, precision=plan.precision),
                    compile=config.compile, checkpoint=config.checkpoint, data=data,
+                   lr_schedule=lr_schedule or LrSchedule.for_train(config.train),
                    preemption_check_steps=config.elastic.preemption_check_steps,
                    sample_ledger=config.elastic.sample_ledger)
 

@@ -26,14 +26,16 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
+from core.columns import Column, print_fitted
 from core.config import JobConfig
-from core.errors import ArchipelagoError
+from core.errors import ArchipelagoError, ConfigError
+from orchestrator.accounting.report import RunReport
 from orchestrator.accounting.report_html import render_report
 from orchestrator.export import export_run
 from orchestrator.fit import Orchestrator
@@ -43,6 +45,7 @@ from planning.prices import PriceTable
 from storage.prepare import prepare_dataset
 from storage.verify import verify_dataset
 from topology import ClusterTopology, catalog, discover_cluster, load_files, machines
+from topology.connect import CONNECT_TIMEOUT_S, check_seconds
 from topology.discover import TIMEOUT_S
 from topology.probe import probe_local_node
 from topology.ray_resources import ray_start_arguments
@@ -50,33 +53,53 @@ from topology.table import print_topology
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
     console = Console()
+    try:
+        args = _parser().parse_args(argv)
+    except ArchipelagoError as e:  # a flag argparse refused, told like any other error
+        return _error(console, str(e))
     try:
         return args.command(args, console)
     except ArchipelagoError as e:
         if args.debug:
             raise
-        console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
-        return 2
+        return _error(console, str(e))
+    except OSError as e:  # a path the command was given that cannot be read or written
+        if args.debug:
+            raise
+        return _error(console, f"{e.filename or 'archipelago'}: {e.strerror or e} — check the path and its permissions")
     except KeyboardInterrupt:
-        console.print("interrupted; `archipelago fit CONFIG --resume` continues from the last committed checkpoint")
+        resume = f"; `archipelago fit {args.config} --resume` continues from the last committed checkpoint" \
+            if args.command is _fit else ""
+        console.print(f"interrupted{resume}", markup=False, highlight=False, soft_wrap=True)
         return 130
+
+
+def _error(console: Console, message: str) -> int:
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    return 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's errors as one line (no usage block) and exit 2, like every other error of the command."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(message, where=self.prog, fix=f"see `{self.prog} --help`")
 
 
 def _fit(args: argparse.Namespace, console: Console) -> int:
     config = JobConfig.from_toml(args.config)  # before Ray starts: config errors answer at once
-    result = Orchestrator(config, address=args.address or "", resume=args.resume, overwrite=args.overwrite,
-                          console=console, verbose=args.debug).fit()
-    result.report.print_summary(console)
+    result = Orchestrator(config, address=args.address or "", connect_timeout_s=args.connect_timeout,
+                          resume=args.resume, overwrite=args.overwrite, console=console, verbose=args.debug).fit()
+    if result.trained:
+        result.report.print_summary(console)
     return 0
 
 
 def _prepare(args: argparse.Namespace, console: Console) -> int:
     columns = (TextColumn("tokenizing"), BarColumn(), MofNCompleteColumn(), TextColumn("units"),
                TextColumn("{task.fields[tokens]:,} tokens"), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=True) as bar:
+    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task("prepare", total=None, tokens=0)
         summary = prepare_dataset(
             args.source, args.out, pattern=args.pattern, source_format=args.format, text_column=args.text_column,
@@ -91,13 +114,16 @@ def _prepare(args: argparse.Namespace, console: Console) -> int:
 
 
 def _export(args: argparse.Namespace, console: Console) -> int:
-    out = export_run(args.run, args.hf, quantized=args.quantized)
-    console.print(f"wrote {out} ({', '.join(sorted(p.name for p in out.iterdir()))})", markup=False, highlight=False)
+    exported = export_run(args.run, args.hf, quantized=args.quantized)
+    for skipped in exported.skipped:
+        console.print(f"left out the damaged {skipped}", markup=False, highlight=False)
+    files = ", ".join(sorted(p.name for p in exported.out.iterdir()))
+    console.print(f"wrote step {exported.step} to {exported.out} ({files})", markup=False, highlight=False)
     return 0
 
 
 def _verify(args: argparse.Namespace, console: Console) -> int:
-    with Progress(console=console, transient=True) as bar:
+    with Progress(console=console, transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task("checking shards")
         report = verify_dataset(args.directory, threads=args.threads,
                                 on_shard=lambda done, total: bar.update(task, completed=done, total=total))
@@ -125,17 +151,22 @@ def _report(args: argparse.Namespace, console: Console) -> int:
     else:
         out = runs[0].resolve().parent / f"compare-{runs[0].resolve().name}-{runs[1].resolve().name}"
     rendered = render_report(runs, out)
+    if len(runs) == 2:
+        warning = RunReport.load(runs[0]).losses_compare_with(RunReport.load(runs[1]))
+        if warning:
+            console.print(f"[bold yellow]careful:[/] {escape(warning)}", highlight=False, soft_wrap=True)
     console.print(f"wrote {rendered.html} and {len(rendered.plots)} plots beside it "
                   f"({', '.join(p.name for p in rendered.plots)})", markup=False, highlight=False, soft_wrap=True)
     return 0
 
 
+_PRICE_COLUMNS = (Column("device"), Column("vendor", drop=1), Column("GiB", "right", drop=4),
+                  Column("bf16 TF/s", "right", drop=5), Column("fp8 TF/s", "right", drop=2), Column("$/h", "right"),
+                  Column("$/h spot", "right"), Column("$/TF·h", "right", drop=3), Column("$/TF·h spot", "right"))
+
+
 def _prices(args: argparse.Namespace, console: Console) -> int:
     prices = PriceTable.for_job(JobConfig.from_toml(args.config)) if args.config else PriceTable()
-    table = Table(title="devices and prices (dense peaks, bf16 as fp16 on V100; $ per device-hour)")
-    for column in ("device", "vendor", "memory GiB", "bf16 TFLOP/s", "fp8 TFLOP/s", "$/h on demand", "$/h spot",
-                   "$ per bf16 TFLOP/s·h on demand", "spot"):
-        table.add_column(column, justify="left" if column in ("device", "vendor") else "right")
     money = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     rows = []
     for model in catalog.MODELS:
@@ -146,14 +177,14 @@ def _prices(args: argparse.Namespace, console: Console) -> int:
             money(model.peak_tflops.get("fp8"), ",.0f"), money(prices.dollars_per_hour(model.key, spot=False), ".2f"),
             money(prices.dollars_per_hour(model.key, spot=True), ".2f"),
             money(prices.dollars_per_bf16_tflops_hour(model.key, spot=False), ".5f"), money(unit, ".5f")]))
-    for _, row in sorted(rows, key=lambda r: r[0]):  # cheapest compute first
-        table.add_row(*row)
-    console.print(table)
+    print_fitted(console, _PRICE_COLUMNS, [row for _, row in sorted(rows, key=lambda r: r[0])],  # cheapest first
+                 title="devices and prices: dense peaks (bf16 as fp16 on V100); $/h per device; $/TF·h = dollars "
+                       "per bf16 TFLOP/s held an hour")
     return 0
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="archipelago", description="Elastic training on heterogeneous GPU clusters.")
+    parser = _Parser(prog="archipelago", description="Elastic training on heterogeneous GPU clusters.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and worker logs")
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 
@@ -161,13 +192,17 @@ def _parser() -> argparse.ArgumentParser:
     fit.add_argument("config", help="job config (TOML), e.g. examples/cpu-tiny.toml")
     fit.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else an embedded cluster)")
     fit.add_argument("--resume", action="store_true", help="continue from the run's latest committed checkpoint")
-    fit.add_argument("--overwrite", action="store_true", help="delete an earlier run of the same name first")
+    fit.add_argument("--overwrite", action="store_true",
+                     help="replace an earlier run of the same name: it is set aside, and deleted once this run "
+                          "commits its first checkpoint (put back if this run stops before)")
+    add_connect_timeout_argument(fit, default=None)
     fit.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     fit.set_defaults(command=_fit)
 
     prepare = commands.add_parser("prepare", help="turn text, JSONL or Parquet/Arrow documents into a token dataset")
-    prepare.add_argument("--source", default="stdlib", help='directory of source files, or "stdlib" (default)')
-    prepare.add_argument("--out", default="data/stdlib-bytes", help="dataset directory to write")
+    prepare.add_argument("--source", required=True,
+                         help='directory of source files, or "stdlib" for the .py files of this Python\'s standard library')
+    prepare.add_argument("--out", required=True, help="dataset directory to write, e.g. data/mine")
     prepare.add_argument("--format", default="text", choices=["text", "jsonl", "parquet", "arrow", "chat", "instruction"],
                          help="text: one document per file; jsonl: per line; parquet/arrow: per row; chat: JSON lines "
                               "of messages with roles; instruction: JSON lines of prompt and response (the loss "
@@ -202,7 +237,7 @@ def _parser() -> argparse.ArgumentParser:
 
     report = commands.add_parser("report", help="write report.html and PNG plots of a run, or compare two runs")
     report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directory (runs/<name>); give two to compare")
-    report.add_argument("--out", help="directory for report.html and the plots (default: the run directory; "
+    report.add_argument("--out", type=_output("--out", directory=True), help="directory for report.html and the plots (default: the run directory; "
                                       "for two runs, compare-A-B beside the first)")
     report.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     report.set_defaults(command=_report)
@@ -228,8 +263,8 @@ def _add_topology_commands(commands: argparse._SubParsersAction) -> None:
                              "per text file); repeat for more nodes")
     source.add_argument("--generate", metavar="SPEC",
                         help=f"a made-up cluster, MACHINE:COUNT,…; machines: {', '.join(machines.MACHINES)}")
-    topology.add_argument("--json", metavar="OUT", help="save the map as JSON")
-    topology.add_argument("--png", metavar="OUT", help="draw the map (needs matplotlib)")
+    topology.add_argument("--json", metavar="OUT", type=_output("--json"), help="save the map as JSON")
+    topology.add_argument("--png", metavar="OUT", type=_output("--png"), help="draw the map (needs matplotlib)")
     add_timeout_argument(topology)
     topology.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     topology.set_defaults(command=_topology)
@@ -243,9 +278,42 @@ def _add_topology_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def add_timeout_argument(parser: argparse.ArgumentParser) -> None:
-    """--timeout for the commands that map the live Ray cluster (topology discovery says to raise it)."""
-    parser.add_argument("--timeout", type=float, default=TIMEOUT_S,
+    """--timeout and --connect-timeout for the commands that map the live Ray cluster (topology discovery says to
+    raise the first)."""
+    parser.add_argument("--timeout", type=_seconds("--timeout"), default=TIMEOUT_S,
                         help=f"seconds to wait for every node's topology probe (default {TIMEOUT_S:g})")
+    add_connect_timeout_argument(parser, default=CONNECT_TIMEOUT_S)
+
+
+def add_connect_timeout_argument(parser: argparse.ArgumentParser, *, default: float | None) -> None:
+    parser.add_argument("--connect-timeout", type=_seconds("--connect-timeout"), default=default, metavar="SECONDS",
+                        help=f"how long joining the cluster at --address may take (default "
+                             f"{'[cluster] connect_timeout_s, else ' if default is None else ''}{CONNECT_TIMEOUT_S:g})")
+
+
+def _output(flag: str, *, directory: bool = False):
+    """An argparse type: a file (or a directory) to write, refused before any work when it cannot be one. Missing
+    directories on the way are created when it is written."""
+    def output(text: str) -> Path:
+        path = Path(text)
+        if path.exists() and path.is_dir() != directory:
+            kind = "a file" if directory else "a directory"
+            raise ConfigError(f"{text} is {kind}", where=flag, fix=f"give the path of {'a directory' if directory else 'a file'} to write")
+        existing = next(p for p in path.absolute().parents if p.exists())
+        if not existing.is_dir():
+            raise ConfigError(f"{existing} is a file, so nothing can be written under it", where=flag,
+                              fix="give a path in a directory")
+        return path
+    return output
+
+
+def _seconds(flag: str):
+    """An argparse type: a time limit, checked as the library checks it (ConfigError naming the flag)."""
+    def seconds(text: str) -> float:
+        value = float(text)  # a ValueError is argparse's "invalid seconds value"
+        check_seconds(value, flag)
+        return value
+    return seconds
 
 
 def _topology(args: argparse.Namespace, console: Console) -> int:
@@ -267,7 +335,7 @@ def _load(args: argparse.Namespace) -> ClusterTopology:
         return load_files(args.from_files)
     if args.generate:
         return machines.cluster(args.generate)
-    return discover_cluster(address=args.address or "", timeout_s=args.timeout)
+    return discover_cluster(address=args.address or "", timeout_s=args.timeout, connect_timeout_s=args.connect_timeout)
 
 
 def _node_resources(args: argparse.Namespace, console: Console) -> int:
@@ -288,8 +356,8 @@ def _add_plan_command(commands: argparse._SubParsersAction) -> None:
     source.add_argument("--generate", metavar="SPEC", help=f"a made-up cluster, MACHINE:COUNT,…; machines: "
                                                            f"{', '.join(machines.MACHINES)}")
     source.add_argument("--address", help="Ray cluster to map (default: RAY_ADDRESS, else an embedded cluster)")
-    plan.add_argument("--json", metavar="OUT", help="save the plan as JSON (what the workers read)")
-    plan.add_argument("--png", metavar="OUT", help="draw the workers on the map (needs matplotlib)")
+    plan.add_argument("--json", metavar="OUT", type=_output("--json"), help="save the plan as JSON (what the workers read)")
+    plan.add_argument("--png", metavar="OUT", type=_output("--png"), help="draw the workers on the map (needs matplotlib)")
     add_timeout_argument(plan)
     plan.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     plan.set_defaults(command=_plan)

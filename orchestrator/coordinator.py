@@ -44,9 +44,10 @@ from workers.elastic import WorkerReport
 
 COORDINATOR_NAME = "archipelago-plan-coordinator-{}"
 """Ray actor name, by run name: one coordinator per run."""
-WORKER_DEATHS = ("ActorDiedError", "WorkerHealthCheckFailedError", "ActorUnavailableError", "NodeDiedError",
-                 "RayActorError", "OutOfMemoryError")
-"""How Ray reports a worker process or node that is gone (FailureRecorder prefixes the type's name)."""
+WORKER_DEATHS = ("ActorDiedError", "WorkerHealthCheckFailedError", "WorkerHealthCheckTimeoutError",
+                 "ActorUnavailableError", "NodeDiedError", "RayActorError", "OutOfMemoryError")
+"""How Ray reports a worker process or node that is gone, or frozen past [elastic] health_check_timeout_s
+(FailureRecorder prefixes the type's name)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,8 +294,12 @@ class PlanCoordinator:
         self.record(self.state.first_step(restored_step, marks))
 
     def give_up(self, error: ArchipelagoError) -> None:
-        """A worker raised an error for the user: Ray Train will retry, and every later group stops at once."""
+        """A worker raised an error for the user (bad data, a bad checkpoint): the run stops (FailureRecorder),
+        and a group started before it does stops at once."""
         self.state.fatal = error
+
+    def fatal_error(self) -> ArchipelagoError | None:
+        return self.state.fatal
 
     def record(self, rows: list[dict]) -> None:
         if any(row["event"] == "preemption" for row in rows):
@@ -344,12 +349,19 @@ def failure_config(config: JobConfig):
 
 
 def failure_recorder(coordinator):
-    """A Ray Train UserCallback (it runs on the controller) that tells the coordinator about failed workers."""
+    """A Ray Train UserCallback (it runs on the controller) that tells the coordinator about failed workers, and
+    stops the run at once when a worker failed on the user's data or checkpoint: that is no node failure, and
+    every retry would fail the same way."""
     class FailureRecorder(UserCallback):
         def __init__(self, coordinator):
             self.coordinator = coordinator
 
         def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
             self.coordinator.failed.remote({rank: f"{type(e).__name__}: {e}" for rank, e in worker_exceptions.items()})
+            # The worker told the coordinator before it raised (workers/loop.py train_loop). An exception from a
+            # callback is a controller error to Ray Train 2.60, which its failure policy never retries.
+            fatal = ray.get(self.coordinator.fatal_error.remote())
+            if fatal is not None:
+                raise fatal
 
     return FailureRecorder(coordinator)

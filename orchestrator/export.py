@@ -9,25 +9,27 @@ the run had: those beside [model] hf_dir (tokenizer.json, tokenizer_config.json,
 special_tokens_map.json) or the dataset's "hf:PATH" tokenizers file. kind = "hf" saves the trained
 transformers model itself; kind = "llama" (built-in) is cut back into a LlamaForCausalLM (or the
 MistralForCausalLM of its hf_dir): q/k rows turned back from interleaved pairs to halves
-(workers/models/hf_weights.py). The model is rebuilt from the run's job.json and loaded from the
-checkpoint on this machine's CPU; OUT is written beside itself and renamed into place, so an
-interrupted export leaves nothing half-written.
+(workers/models/hf_weights.py). The model is rebuilt from the config in the run's report.json and
+loaded from the newest intact checkpoint on this machine's CPU; OUT is written beside itself and
+renamed into place, so an interrupted export leaves nothing half-written.
 """
 
 from __future__ import annotations
 
-import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from core.config import JobConfig, ModelConfig
-from core.errors import ConfigError
+from core.errors import CheckpointError, ConfigError
 from core.hf_config import read_hf_config
+from orchestrator.accounting.report import RunReport
 from orchestrator.run_dir import RunDirectory
-from storage.checkpoint_io import load_checkpoint
+from storage.checkpoint_io import load_checkpoint, step_damage
+from storage.fs import Location
 from workers.models import make_workload
 from workers.models.hf_weights import llama_layout, stack_for_export
 from workers.models.layers import repeated_layers
@@ -37,26 +39,47 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 WHERE = "archipelago export --hf"
 
 
-def export_run(run: str | Path, out: str | Path, *, quantized: bool = False) -> Path:
-    """Exports the newest committed checkpoint of the run directory `run` to `out` (quantized: see
-    write_hf); returns `out`."""
+def export_run(run: str | Path, out: str | Path, *, quantized: bool = False) -> Exported:
+    """Exports the newest intact committed checkpoint of the run directory `run` to `out` (quantized: see
+    write_hf). The run is only read: a damaged newer step is left where it is and named in the result."""
     config = run_config(run)
+    check_exportable(config, out, quantized=quantized)
     directory = RunDirectory(Path(run).resolve().parent, Path(run).resolve().name, config.checkpoint.storage)
-    latest = directory.checkpoint_to_resume()
+    step, latest, skipped = newest_intact(directory)
     workload = make_workload(config.model)
     model = workload.build()
     state = {"model": get_model_state_dict(model)}
     load_checkpoint(state, latest, reader="posix")
     set_model_state_dict(model, state["model"])
-    return write_hf(model, config, out, quantized=quantized)
+    return Exported(write_hf(model, config, out, quantized=quantized), step, skipped)
+
+
+@dataclass(frozen=True, slots=True)
+class Exported:
+    out: Path
+    step: int
+    """The checkpoint's step."""
+    skipped: list[str]
+    """Newer committed steps left out because their files are damaged: what is wrong with each."""
 
 
 def run_config(run: str | Path) -> JobConfig:
-    path = Path(run) / "job.json"
-    if not path.is_file():
-        raise ConfigError(f"{path} does not exist", where=WHERE,
-                          fix="give a run directory that `archipelago fit` made (runs/<name>), after it started")
-    return JobConfig.from_dict(json.loads(path.read_text()))
+    """The job as fit ran it: the config in the run's report.json (written when the run starts)."""
+    return JobConfig.from_dict(RunReport.load(run).config)
+
+
+def newest_intact(directory: RunDirectory) -> tuple[int, Location, list[str]]:
+    """The newest committed step whose files check out (storage/checkpoint_io.step_damage) and what is wrong with
+    the newer ones; nothing is moved, unlike a resume."""
+    skipped = []
+    for step, where in reversed(directory.checkpoints.committed()):
+        problem = step_damage(where)
+        if problem is None:
+            return step, where, skipped
+        skipped.append(f"step {step}: {problem}")
+    raise CheckpointError("no intact committed checkpoint to export" + (f" ({'; '.join(skipped)})" if skipped else ""),
+                          where=str(directory.checkpoints.root),
+                          fix="export a run that has committed a checkpoint ([checkpoint] every_steps)")
 
 
 def write_hf(model: torch.nn.Module, config: JobConfig, out: str | Path, *, quantized: bool = False) -> Path:
@@ -66,13 +89,7 @@ def write_hf(model: torch.nn.Module, config: JobConfig, out: str | Path, *, quan
     fake-quantized are quantized as its convert step does (torchao's post-training config on the
     trained weights), config.json names the quantization (transformers' TorchAoConfig) and the weights
     go to pytorch_model.bin (torchao's tensors do not go into safetensors)."""
-    if quantized and not config.train.qat:
-        raise ConfigError("the run trained without quantization-aware training", where=f"{WHERE} --quantized",
-                          fix='train with [train] qat = "int8-dynamic-act-int4-weight" (or "int8-weight"), '
-                              "or export without --quantized")
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"{out} exists and is not empty", where=WHERE, fix="choose another OUT, or delete it first")
+    out = check_exportable(config, out, quantized=quantized)
     staging = out.with_name(out.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     try:
@@ -91,12 +108,26 @@ def write_hf(model: torch.nn.Module, config: JobConfig, out: str | Path, *, quan
     return out
 
 
+def check_exportable(config: JobConfig, out: str | Path, *, quantized: bool) -> Path:
+    """Refuses, before any weights are read, an export this run cannot have: a model without a Hugging Face
+    architecture, --quantized of a run without QAT, an OUT that holds files. Returns OUT as a Path."""
+    if config.model.kind not in ("hf", "llama"):
+        raise ConfigError(f'kind = "{config.model.kind}" has no Hugging Face architecture to export to', where=WHERE,
+                          fix='export --hf covers kind = "hf" and kind = "llama"')
+    if quantized and not config.train.qat:
+        raise ConfigError("the run trained without quantization-aware training", where=f"{WHERE} --quantized",
+                          fix='train with [train] qat = "int8-dynamic-act-int4-weight" (or "int8-weight"), '
+                              "or export without --quantized")
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{out} exists and is not an empty directory", where=WHERE,
+                          fix="choose another OUT, or delete it first")
+    return out
+
+
 def _hf_model(model: torch.nn.Module, config: ModelConfig) -> torch.nn.Module:
     if config.kind == "hf":
         return model.hf
-    if config.kind != "llama":
-        raise ConfigError(f'kind = "{config.kind}" has no Hugging Face architecture to export to', where=WHERE,
-                          fix='export --hf covers kind = "hf" and kind = "llama"')
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_config = AutoConfig.for_model(**(read_hf_config(config.hf_dir) if config.hf_dir else _llama_config(config)))

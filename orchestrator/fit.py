@@ -18,7 +18,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +30,16 @@ from rich.console import Console
 import planning
 import topology
 from core.config import JobConfig
-from core.errors import ArchipelagoError, ClusterError, ConfigError, DataError, FailureBudgetError, PlacementError
+from core.errors import ArchipelagoError, ConfigError, DataError, FailureBudgetError, PlacementError
 from core.plan import Plan
+from core.schedule import LrSchedule
 from core.spec import WorkerSpec
 from core.workload import Workload
 from orchestrator import coordinator
 from orchestrator.accounting.exporters import finish_mlflow
 from orchestrator.accounting.report import RunReport
 from orchestrator.progress import MetricsSink, ProgressDisplay
-from orchestrator.run_dir import RunDirectory
+from orchestrator.run_dir import RunDirectory, SetAside
 from orchestrator.shipping import modules_to_ship
 from planning.memory import MemoryProfile, profile
 from planning.model_size import model_facts
@@ -46,6 +47,7 @@ from storage.fs import Location
 from storage.prepare import prepare_dataset
 from storage.shards import TokenDataset, check_files, has_dataset
 from storage.verify import verify_dataset
+from topology.connect import ray_session
 from workers import binding, checkpoint
 from workers.loop import WorkerJob, train_loop
 from workers.models import check_takes_loss_masks, make_workload, register_factory
@@ -60,14 +62,36 @@ class FitResult:
     plan: Plan
     """Where the workers ran and what the planner predicted (also in <run>/plan.json)."""
     report: RunReport
+    trained: bool = True
+    """False when --resume found the run trained to [train] steps already: nothing ran, nothing was written,
+    and `report` is the run's report.json as it was."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Clock:
+    """When this invocation of fit started: the bill, the report's wall time and its curves count from here."""
+
+    started: float = field(default_factory=time.monotonic)
+    started_at: str = field(default_factory=lambda: datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
+
+
+@dataclass(frozen=True, slots=True)
+class _Start:
+    """Where this invocation's training starts."""
+
+    checkpoint: Path | Location | None
+    """The committed checkpoint it resumes from (None: from scratch)."""
+    step: int
+    lr_schedule: LrSchedule
 
 
 class Orchestrator:
     def __init__(self, config: JobConfig, *, model: Callable[[dict], Any] | None = None, address: str = "",
-                 resume: bool = False, overwrite: bool = False, console: Console | None = None,
-                 verbose: bool = False):
+                 connect_timeout_s: float | None = None, resume: bool = False, overwrite: bool = False,
+                 console: Console | None = None, verbose: bool = False):
         """model: the user's model factory, as [model] factory names one (kind = "custom"): a function of
-        the [model] table returning an nn.Module (token ids to logits) or a workload."""
+        the [model] table returning an nn.Module (token ids to logits) or a workload. address and
+        connect_timeout_s: as --address and --connect-timeout say (None: [cluster] connect_timeout_s)."""
         if resume and overwrite:
             raise ConfigError("--resume and --overwrite contradict each other", where="command line",
                               fix="pass --resume to continue the run, or --overwrite to start it over")
@@ -76,48 +100,119 @@ class Orchestrator:
             config = dataclasses.replace(config, model=factory)
         self.config = config
         self.address = address or config.cluster.address or os.environ.get("RAY_ADDRESS", "")
+        self.connect_timeout_s = config.cluster.connect_timeout_s if connect_timeout_s is None else connect_timeout_s
         self.resume = resume
         self.overwrite = overwrite
         self.console = console or Console()
         self.verbose = verbose
         self.run = RunDirectory(config.runs_dir, config.name, config.checkpoint.storage)
+        self._clock = _Clock()
+        self._rows: list[dict] = []
+        """Every row this invocation received."""
+        self._tokenizer = ""
+        """The dataset's tokenizer identity (the report records it)."""
+        self._aside: SetAside | None = None
+        """The earlier run --overwrite moved aside, until this run commits a checkpoint."""
+
+    @property
+    def workload(self) -> Workload:
+        """The model the job trains, built (and checked) once: make_workload caches it per [model] table."""
+        return make_workload(self.config.model)
 
     def fit(self) -> FitResult:
-        started = time.monotonic()
-        started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+        """Trains the job; on any way out before the end (an error, Ctrl-C) the earlier run an --overwrite set
+        aside comes back if this one committed nothing, and a run that trained writes report.json."""
+        self._clock, self._rows = _Clock(), []
         _refuse_before_start(self.config)
-        workload = make_workload(self.config.model)  # a factory's errors, before anything starts
+        _ = self.workload  # a factory's errors, before anything starts
         data_dir, tokenizer, token_flags = self._dataset()
         if token_flags:
-            check_takes_loss_masks(workload)
-        resume_from, first_step = self._open_run(workload, tokenizer)
-        with self._ray(workload):
+            check_takes_loss_masks(self.workload)
+        self._tokenizer = tokenizer
+        resume_from = self._resume_point(tokenizer)
+        if resume_from is not None and resume_from[1].step >= self.config.train.steps:
+            return self._already_trained(*resume_from)
+        start = self._open_run(resume_from)
+        try:
+            plan = self._train_on_ray(data_dir, tokenizer, token_flags, start)
+        except BaseException as e:
+            self._stopped("interrupted" if isinstance(e, (KeyboardInterrupt, SystemExit)) else "failed")
+            raise
+        self._committed()
+        report = self._save_report("completed", plan)
+        finish_mlflow(self.run.path)
+        return FitResult(self._rows, self.run.latest_checkpoint(), plan, report)
+
+    def _train_on_ray(self, data_dir: str, tokenizer: str, token_flags: bool, start: _Start) -> Plan:
+        """Plans the job on the cluster and trains it; returns the plan the last worker group ran."""
+        with self._ray():
             cluster = topology.discover_cluster()
             memory = profile(self.config, device_type="cuda" if self.config.cluster.use_gpu else "cpu")
             plan = self._plan(cluster, memory)
-            facts = model_facts(workload, self.config.model.seq_len)
-            spec = WorkerSpec.for_plan(self.config, plan, workload=workload, flops_per_token=facts.flops_per_token,
-                                       data_location=str(data_dir), tokenizer=tokenizer, token_flags=token_flags)
+            if not self.resume:  # a report from the start, so that a run killed at any point can be reported
+                self._save_report("running", plan)
+            facts = model_facts(self.workload, self.config.model.seq_len)
+            spec = WorkerSpec.for_plan(self.config, plan, workload=self.workload, flops_per_token=facts.flops_per_token,
+                                       data_location=str(data_dir), tokenizer=tokenizer, token_flags=token_flags,
+                                       lr_schedule=start.lr_schedule)
             sink = MetricsSink.options(scheduling_strategy=coordinator.on_this_node()).remote()  # outlives worker nodes
             plan_coordinator = coordinator.start_coordinator(self.config, spec, cluster, str(self.run.plan_path),
                                                              sink, memory)
             try:
                 job = WorkerJob(uses_gpus=plan.uses_gpus, metrics_sink=sink, coordinator=plan_coordinator,
-                                resume_from=str(resume_from) if resume_from else None)
-                rows = self._train(job, plan, sink, first_step)
-                plan = ray.get(plan_coordinator.current_plan.remote())  # the last group's: it may have been re-planned
+                                resume_from=str(start.checkpoint) if start.checkpoint else None)
+                self._train(job, plan, sink, start.step)
+                return ray.get(plan_coordinator.current_plan.remote())  # the last group's: it may have been re-planned
             finally:
                 ray.kill(plan_coordinator)
+
+    def _already_trained(self, latest: Path | Location, info: checkpoint.CheckpointInfo) -> FitResult:
+        """--resume of a run whose latest checkpoint is at or past [train] steps: said, and nothing touched."""
+        steps = self.config.train.steps
+        self.console.print(f"run {self.config.name!r} is trained to step {info.step} ({latest}) and [train] steps = "
+                           f"{steps}: nothing to train. Raise [train] steps to train further; "
+                           f"`archipelago report {self.run.path}` shows the run.", markup=False, highlight=False)
+        return FitResult([], latest, Plan.load(self.run.plan_path), RunReport.load(self.run.path), trained=False)
+
+    def _committed(self) -> None:
+        """This run has a committed checkpoint: an earlier run it replaces is not needed any more."""
+        if self._aside is not None:
+            self._aside.discard()
+            self._aside = None
+
+    def _stopped(self, status: str) -> None:
+        """fit is leaving before the end. A replacement that committed nothing gives the earlier run back;
+        otherwise a run that trained a step this time says how far it got in report.json. Its MLflow run ends
+        as killed or failed."""
+        if self._aside is not None and not self.run.committed_checkpoints():
+            self._end_mlflow(status)
+            self._aside.restore()
+            self._aside = None
+            self.console.print(f"the earlier run is back in {self.run.path}: this one stopped before it committed "
+                               "a checkpoint", markup=False, highlight=False)
+            return
+        self._committed()
+        if any("loss" in row for row in self._rows) and self.run.plan_path.is_file():
+            self._save_report(status, Plan.load(self.run.plan_path))
+        self._end_mlflow(status)
+
+    def _end_mlflow(self, status: str) -> None:
+        # The error that stopped the run is the one to raise: a tracking server that is down too only gets a line.
+        try:
+            finish_mlflow(self.run.path, status="KILLED" if status == "interrupted" else "FAILED")
+        except Exception as e:  # noqa: BLE001 - whatever the MLflow client raises
+            self.console.print(f"MLflow: could not end the run's tracking ({e})", markup=False, highlight=False)
+
+    def _save_report(self, status: str, plan: Plan) -> RunReport:
         latest = self.run.latest_checkpoint()
         report = RunReport.from_rows(
-            rows, plan=plan, name=self.config.name, status="completed", run_dir=str(self.run.path),
-            started_at=started_at, wall_seconds=time.monotonic() - started,
+            self._rows, plan=plan, name=self.config.name, status=status, run_dir=str(self.run.path),
+            started_at=self._clock.started_at, wall_seconds=time.monotonic() - self._clock.started,
             checkpoint_path=str(latest) if latest else None,
             checkpoint_step=checkpoint.read_info(latest).step if latest else None,
-            metrics_path=str(self.run.metrics_path), config=self.config.to_dict())
+            metrics_path=str(self.run.metrics_path), config=self.config.to_dict(), tokenizer=self._tokenizer)
         report.save(self.run.report_path)
-        finish_mlflow(self.run.path)
-        return FitResult(rows, latest, plan, report)
+        return report
 
     def _plan(self, cluster: topology.ClusterTopology, memory: MemoryProfile) -> Plan:
         """Plans the job on the cluster Ray gives us; the plan is saved beside the metrics.
@@ -143,20 +238,43 @@ class Orchestrator:
             self.console.print(f"  plan note: {note}", markup=False)
         return plan
 
-    def _open_run(self, workload: Workload, tokenizer: str) -> tuple[Path | Location | None, int]:
-        """Creates the run directory, or checks the checkpoint to resume from; returns that checkpoint
-        (None for a new run) and the step training starts from."""
+    def _resume_point(self, tokenizer: str) -> tuple[Path | Location, checkpoint.CheckpointInfo] | None:
+        """For --resume, the checkpoint to continue from and its info, checked against the job; None for a new
+        run, whose place is checked (an earlier run there needs --overwrite). Touches nothing."""
         if not self.resume:
-            self.run.create(overwrite=self.overwrite)
-            self.run.save_job(self.config.to_dict())
-            return None, 0
-        latest = self.run.checkpoint_to_resume()
+            self.run.check_new(overwrite=self.overwrite)
+            return None
+        latest, damaged = self.run.checkpoint_to_resume()
+        for step in damaged:
+            self.console.print(f"step {step.step} is damaged ({step.problem}); moved it to {step.moved_to} and "
+                               "resuming from the committed step before it", markup=False, highlight=False)
         info = checkpoint.read_info(latest)
-        checkpoint.check_compatible(info, identity=workload.identity(), seed=self.config.train.seed,
-                                    tokenizer=tokenizer, directory=latest)
+        checkpoint.check_compatible(info, identity=self.workload.identity(), seed=self.config.train.seed,
+                                    tokenizer=tokenizer, global_batch_size=self.config.train.global_batch_size,
+                                    directory=latest)
+        return latest, info
+
+    def _open_run(self, resume_from: tuple[Path | Location, checkpoint.CheckpointInfo] | None) -> _Start:
+        """Makes the run's directory (an earlier run moved aside with --overwrite), or rewinds a resumed run's
+        metrics to its checkpoint and continues its learning-rate schedule to [train] steps."""
+        train = self.config.train
+        if resume_from is None:
+            self._aside = self.run.create(overwrite=self.overwrite)
+            if self._aside is not None:
+                self.console.print(f"the earlier run is set aside in {self.run.previous_path} until this one commits "
+                                   "its first checkpoint", markup=False, highlight=False)
+            return _Start(None, 0, LrSchedule.for_train(train))
+        latest, info = resume_from
+        # A checkpoint that predates recorded schedules was trained under the config's, as far as can be known.
+        recorded = info.lr_schedule or LrSchedule.for_train(train)
+        schedule = recorded.resumed(train, at_step=info.step, where=str(latest))
         self.run.rewind_metrics(info.step)
         self.console.print(f"resuming from {latest}", markup=False)
-        return latest, info.step
+        if schedule != recorded:
+            self.console.print(f"  [train] steps {recorded.end_step} → {train.steps}: the learning rate goes on from "
+                               f"{schedule.lr_at(info.step):.3g} at step {info.step} to min_lr {train.min_lr:g} at step "
+                               f"{train.steps}", markup=False, highlight=False)
+        return _Start(latest, info.step, schedule)
 
     def _dataset(self) -> tuple[str, str, bool]:
         """The prepared dataset (preparing it first when the config says where from), checked against the job.
@@ -166,7 +284,11 @@ class Orchestrator:
         """
         data = self.config.data
         location = Location.parse(data.path, error=DataError)
-        if not has_dataset(location) and data.prepare_from:
+        if not has_dataset(location) and not data.prepare_from:
+            raise DataError("no prepared dataset there (no manifest.parquet)", where=f"[data] path = {str(location)!r}",
+                            fix=f"check the path, or prepare it: `archipelago prepare --source DIR --out {location}` "
+                                "(or set [data] prepare_from to prepare it on the first run)")
+        if not has_dataset(location):
             if not location.is_local:
                 raise DataError("prepare writes local datasets only", where=str(location),
                                 fix="prepare into a local directory, then copy it to object storage")
@@ -207,32 +329,22 @@ class Orchestrator:
         return str(location), train.tokenizer, train.manifest.token_flags
 
     @contextlib.contextmanager
-    def _ray(self, workload: Workload) -> Iterator[None]:
+    def _ray(self) -> Iterator[None]:
         """Joins the cluster at `address`, or starts an embedded one that lives as long as this fit; the
         module of a custom model's factory goes with the job when it is not installed (shipping.py)."""
         if ray.is_initialized():
             yield
             return
         cluster = self.config.cluster
-        runtime_env = {"py_modules": modules} if (modules := modules_to_ship(workload)) else None
-        try:
-            if self.address:
-                ray.init(address=self.address, log_to_driver=self.verbose, runtime_env=runtime_env)
-            else:
-                needed = cluster.num_workers * cluster.cpus_per_worker
-                ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed),
-                         num_gpus=None if cluster.use_gpu else 0, include_dashboard=False,
-                         log_to_driver=self.verbose, runtime_env=runtime_env)
-        except ConnectionError as e:
-            raise ClusterError(f"cannot connect to Ray ({e})", where=f"address {self.address!r}",
-                               fix="start a head with `ray start --head`, or unset RAY_ADDRESS to use an embedded cluster") from None
-        try:
+        embedded = {"num_cpus": max(os.cpu_count() or 1, cluster.num_workers * cluster.cpus_per_worker),
+                    "num_gpus": None if cluster.use_gpu else 0}
+        with ray_session(self.address, connect_timeout_s=self.connect_timeout_s, embedded=embedded,
+                         verbose=self.verbose, py_modules=modules_to_ship(self.workload)):
             yield
-        finally:
-            ray.shutdown()
 
-    def _train(self, job: WorkerJob, plan: Plan, sink, first_step: int) -> list[dict]:
-        """Runs the workers under Ray Train, scheduled and joined as the first `plan` says."""
+    def _train(self, job: WorkerJob, plan: Plan, sink, first_step: int) -> None:
+        """Runs the workers under Ray Train, scheduled and joined as the first `plan` says; their rows go to
+        metrics.jsonl, the display and `self._rows`."""
         cfg = self.config
         scaling = binding.scaling_config_kwargs(plan, elastic_min_workers=cfg.elastic.min_workers or None)
         if cfg.elastic.min_workers and not cfg.cluster.use_gpu:  # CPU jobs may grow to num_workers
@@ -248,20 +360,19 @@ class Orchestrator:
         )
         outcome: dict = {}
         thread = threading.Thread(target=_fit_into, args=(trainer, outcome), daemon=True)
-        rows: list[dict] = []
-        with ProgressDisplay.for_run(self.console, plan, cfg, self.run.path, first_step) as display:
+        with ProgressDisplay.for_run(self.console, plan, cfg, self.run.path, first_step,
+                                     started=self._clock.started) as display, _environ(_controller_settings(cfg)):
             thread.start()
             while thread.is_alive():
                 thread.join(timeout=0.5)
-                self._collect(sink, rows, display)
-            self._collect(sink, rows, display)
+                self._collect(sink, display)
+            self._collect(sink, display)
         if "error" in outcome:
             error = outcome["error"]
             user_error = _user_error(error)
             if user_error is None and isinstance(error, TrainingFailedError):
                 raise self._budget_error(error, job.coordinator) from error
             raise user_error or error
-        return rows
 
     def _budget_error(self, error: TrainingFailedError, coordinator) -> FailureBudgetError:
         """Ray Train gave up: which failures used the budget, and the checkpoint that is left."""
@@ -278,12 +389,17 @@ class Orchestrator:
                                   f"{limit} allows: {listed}", where=f"[elastic] {key}",
                                   fix=f"{kept}: fix the cause and run again with --resume, or raise {key}")
 
-    def _collect(self, sink, rows: list[dict], display: ProgressDisplay) -> None:
+    def _collect(self, sink, display: ProgressDisplay) -> None:
         new = ray.get(sink.drain.remote())
-        if new:
-            self.run.append_metrics(new)
-            display.update(new)
-            rows.extend(new)
+        if not new:
+            return
+        self.run.append_metrics(new)
+        display.update(new)
+        self._rows.extend(new)
+        if any(row.get("event") == "checkpoint" for row in new):
+            self._committed()
+            # Kept current at every commit: a driver killed without warning leaves the report of its last checkpoint.
+            self._save_report("running", Plan.load(self.run.plan_path))
 
 
 def _refuse_before_start(config: JobConfig) -> None:
@@ -292,6 +408,49 @@ def _refuse_before_start(config: JobConfig) -> None:
         raise PlacementError(f"[placement] tensor_parallel_size = {config.placement.tensor_parallel_size}: the worker "
                              "engine runs DDP and FSDP2 only", where="[placement] tensor_parallel_size",
                              fix="set tensor_parallel_size = 1 to train (`archipelago plan` still plans it)")
+
+
+def _fit_into(trainer: TorchTrainer, outcome: dict) -> None:
+    try:
+        outcome["result"] = trainer.fit()
+    except Exception as e:  # handed to the driver thread, which re-raises it
+        outcome["error"] = e
+
+
+def _user_error(error: BaseException) -> ArchipelagoError | None:
+    """Finds an ArchipelagoError a worker raised inside Ray's wrappers, so the user sees it as is."""
+    seen: set[int] = set()
+    stack = [error]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, ArchipelagoError):
+            return e
+        stack.extend([e.__cause__, e.__context__, getattr(e, "cause", None), getattr(e, "controller_failure", None)])
+        stack.extend(getattr(e, "worker_failures", {}).values())
+    return None
+
+
+def _controller_settings(config: JobConfig) -> dict[str, str]:
+    """Ray Train settings its controller reads from environment variables only; the trainer copies them
+    from the driver's environment into the controller's when the run starts."""
+    return {"RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S": str(config.elastic.health_check_timeout_s)}
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _fit_into(trainer: TorchTrainer, outcome: dict) -> None:

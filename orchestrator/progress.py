@@ -36,10 +36,12 @@ class MetricsSink:
 
 
 class ProgressDisplay:
-    def __init__(self, console: Console, total_steps: int, first_step: int, bill: LiveBill | None = None):
+    def __init__(self, console: Console, total_steps: int, first_step: int, bill: LiveBill | None = None,
+                 started: float | None = None):
+        """started: the time.monotonic() the elapsed time counts from (now when None)."""
         self.console = console
         self.total_steps = total_steps
-        self.started = time.monotonic()
+        self.started = time.monotonic() if started is None else started
         self.live = console.is_terminal
         self.bill = bill
         self._bar = Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
@@ -50,10 +52,12 @@ class ProgressDisplay:
                                         mfu="-", dollars="$-")
 
     @classmethod
-    def for_run(cls, console: Console, plan: Plan, config: JobConfig, run_dir: Path, first_step: int) -> ProgressDisplay:
-        """The display with the live bill of the job `config`, priced as `plan` says."""
-        bill = LiveBill.open(plan, config, run_dir, resumed=first_step > 0)
-        return cls(console, config.train.steps, first_step, bill)
+    def for_run(cls, console: Console, plan: Plan, config: JobConfig, run_dir: Path, first_step: int, *,
+                started: float) -> ProgressDisplay:
+        """The display with the live bill of the job `config`, priced as `plan` says; the bill and the elapsed
+        time count from `started` (time.monotonic() when fit began), as the report's bill does."""
+        bill = LiveBill.open(plan, config, run_dir, resumed=first_step > 0, started=started)
+        return cls(console, config.train.steps, first_step, bill, started)
 
     def __enter__(self) -> ProgressDisplay:
         if self.live:
@@ -85,12 +89,12 @@ class ProgressDisplay:
         mfu = "-" if bill is None or bill["mfu"] is None else f"{bill['mfu']:.1%}"
         dollars = "$-" if bill is None else _money(bill["dollars"])
         self._bar.update(self._task, completed=row["step"], loss=loss, tps=tps, mfu=mfu, dollars=dollars)
-        if "val_loss" in row:
-            self.console.print(f"step {row['step']}: validation loss {row['val_loss']:.4f}")
-        elif not self.live and "consumed_samples" in row:  # the last row of a report
+        if not self.live and "consumed_samples" in row:  # the last row of a report, validation steps included
             elapsed = time.monotonic() - self.started
             self.console.print(f"step {row['step']}/{self.total_steps}  loss {loss}  {tps} tok/s  MFU {mfu}  "
                                f"{dollars}  elapsed {elapsed:.0f}s", markup=False, highlight=False)
+        if "val_loss" in row:
+            self.console.print(f"step {row['step']}: validation loss {row['val_loss']:.4f}")
 
     def _event(self, row: dict) -> None:
         if row["event"] == "start":

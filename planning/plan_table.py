@@ -41,7 +41,17 @@ def _headline(plan: Plan) -> str:
         reduction += f" (comm hook {plan.comm_hook})"
     return (f"[bold]plan '{escape(plan.job_name)}'[/] ({plan.objective.value}): {workers}, "
             f"{plan.data_parallel.value}{tp}, {reduction}, global batch {plan.global_batch_size} = "
-            f"micro-batches × {plan.grad_accum_steps} accumulation" + (f"; buckets {buckets}" if buckets else ""))
+            f"{_micro_batches(plan)} × {plan.grad_accum_steps} accumulation" + (f"; buckets {buckets}" if buckets else ""))
+
+
+def _micro_batches(plan: Plan) -> str:
+    """The replicas' micro-batches whose sum times the accumulation is the global batch: "(16 + 16)", or for many
+    replicas grouped by size, "(12 × 32 + 4 × 16)"."""
+    sizes = plan.replica_micro_batch_sizes()
+    if len(sizes) <= 8:
+        return f"({' + '.join(map(str, sizes))})"
+    groups = sorted(Counter(sizes).items(), reverse=True)
+    return f"({' + '.join(f'{count} × {size}' for size, count in groups)})"
 
 
 def _workers(plan: Plan) -> Table:

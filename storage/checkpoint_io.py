@@ -28,12 +28,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import io
+import json
 import os
 import pickle
 import re
 import uuid
 import warnings
+import zlib
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -65,6 +68,13 @@ from storage.readers import Extent, RangeReader, ReaderKind, choose_reader, host
 DCP_METADATA = ".metadata"
 ALIGN = 4096
 STEP_PATTERN = re.compile(r"step_(\d{8,})$")
+DAMAGED_FIX = "run again with --resume: it checks each committed step and resumes from the newest intact one"
+CHECKSUMS = "checksums.json"
+"""Every file of a step but `.metadata` with its size and crc32, written just before `.metadata`."""
+_FILE_SUM = "archipelago-file-sum:"
+"""Index prefix of the write results that carry a data file's checksum from its rank to the coordinator."""
+DAMAGED_SUFFIX = ".damaged"
+"""A committed step found damaged is moved to `step_XXXXXXXX.damaged` (then `.damaged-2`, …): kept, never loaded."""
 # DCP warns on every single-process save and load (also from async saves' threads); here that is a
 # deliberate mode, not a mistake.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
@@ -112,6 +122,23 @@ class CheckpointStore:
             where.remove()
         return removed
 
+    def newest_intact(self) -> tuple[Location | None, list[DamagedStep]]:
+        """The newest committed step whose files are as they were written (`step_damage`), and the newer ones that
+        are not: each moved aside to `step_XXXXXXXX.damaged` (kept for a look, never loaded), with what is wrong."""
+        damaged = []
+        for step, where in reversed(self.committed()):
+            problem = step_damage(where)
+            if problem is None:
+                return where, damaged
+            damaged.append(DamagedStep(step, problem, self._set_aside(where)))
+        return None, damaged
+
+    def _set_aside(self, where: Location) -> Location:
+        names = (f"{where.name}{DAMAGED_SUFFIX}{'' if n == 1 else f'-{n}'}" for n in range(1, 1_000_000))
+        target = next(where.parent / name for name in names if not (where.parent / name).exists())
+        where.move_to(target)
+        return target
+
     def prune(self, keep_last: int) -> list[Location]:
         """Deletes all but the newest `keep_last` committed steps; returns what it deleted."""
         old = [where for _, where in self.committed()[:-keep_last or None]] if keep_last > 0 else []
@@ -124,7 +151,63 @@ def is_committed(step_dir: str | Path | Location) -> bool:
     return (Location.parse(step_dir, error=CheckpointError) / DCP_METADATA).is_file()
 
 
+@dataclass(frozen=True, slots=True)
+class DamagedStep:
+    step: int
+    problem: str
+    """What is wrong, naming the file."""
+    moved_to: Location
+
+
+def step_damage(step_dir: str | Path | Location) -> str | None:
+    """What is wrong with a committed step, or None: `.metadata` unpickles, every file it names is in checksums.json,
+    and every file there has the size and crc32 it was written with (each file read once). A step saved before
+    checksums.json existed is held to its `.metadata` alone."""
+    location = Location.parse(step_dir, error=CheckpointError)
+    try:
+        metadata = RawReader(location).read_metadata()
+    except CheckpointError as e:
+        return e.what
+    if not (location / CHECKSUMS).is_file():
+        return None
+    try:
+        sums = {name: FileSum(**fields) for name, fields in json.loads((location / CHECKSUMS).read_bytes()).items()}
+    except (ValueError, TypeError, AttributeError) as e:
+        return f"{CHECKSUMS} is unreadable ({e})"
+    named = {e.relative_path for e in metadata.storage_data.values() if isinstance(e, RawExtent)}
+    if named - set(sums):
+        return f"{DCP_METADATA} names {', '.join(sorted(named - set(sums)))}, which {CHECKSUMS} does not list"
+    for name, written in sorted(sums.items()):
+        found = _file_sum(location / name)
+        if found is None:
+            return f"{name} is missing"
+        if found != written:
+            return (f"{name} has {found.bytes} bytes with crc32 {found.crc32:#010x}; it was written as "
+                    f"{written.bytes} bytes with crc32 {written.crc32:#010x}")
+    return None
+
+
+def _file_sum(where: Location) -> FileSum | None:
+    try:
+        stream = where.fs.open_input_stream(where.path)
+    except FileNotFoundError:
+        return None
+    crc, size = 0, 0
+    with stream:
+        while chunk := stream.read(16 * 2**20):
+            crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+    return FileSum(size, crc)
+
+
 # ---- writing ----------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class FileSum:
+    """A file of a step as it was written: its size and the crc32 of all its bytes (checksums.json)."""
+
+    bytes: int
+    crc32: int
+
 
 @dataclass(frozen=True, slots=True)
 class RawExtent:
@@ -167,6 +250,9 @@ class RawWriter(StorageWriter):
                 out.write(data)
         return [dataclasses.replace(plan, storage_data=f"__{rank}_") for rank, plan in enumerate(plans)]
 
+    def _extra_sums(self) -> dict[str, FileSum]:
+        return {name: FileSum(len(data), zlib.crc32(data)) for name, data in self.extra.items()}
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future[list[WriteResult]]:
         buckets = _balance(plan.items, self.threads)
         names = [f"{plan.storage_data}{k}.distcp" for k in range(len(buckets))]
@@ -177,8 +263,10 @@ class RawWriter(StorageWriter):
         return future
 
     def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+        """Writes one data file; the results are its items' extents and, last, the file's checksum (FileSum), which
+        reaches the coordinator's `finish` the way every rank's results do."""
         target = self.location / name
-        results, offset = [], 0
+        results, offset, crc = [], 0, 0
         with _output(target) as out:
             for item in items:
                 data = planner.resolve_data(item)
@@ -188,20 +276,28 @@ class RawWriter(StorageWriter):
                     tensor = data.detach()
                     tensor = tensor.cpu() if tensor.device.type != "cpu" else tensor
                     tensor = tensor.contiguous()
-                    pad = -offset % ALIGN
-                    out.write(b"\0" * pad)
-                    offset += pad
+                    pad = b"\0" * (-offset % ALIGN)
+                    out.write(pad)
+                    crc = zlib.crc32(pad, crc)
+                    offset += len(pad)
                     payload = tensor.reshape(-1).view(torch.uint8).numpy().data
                     dtype, shape = str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)
                 out.write(payload)
+                crc = zlib.crc32(payload, crc)
                 extent = RawExtent(name, offset, payload.nbytes, dtype, shape)
                 results.append(WriteResult(index=item.index, size_in_bytes=payload.nbytes, storage_data=extent))
                 offset += payload.nbytes
-        return results
+        return results + [WriteResult(index=MetadataIndex(f"{_FILE_SUM}{name}"), size_in_bytes=offset,
+                                      storage_data=FileSum(offset, crc))]
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        metadata.storage_data = {r.index: r.storage_data for part in results for r in part}
+        found = [r for part in results for r in part]
+        sums = {r.index.fqn.removeprefix(_FILE_SUM): r.storage_data for r in found if isinstance(r.storage_data, FileSum)}
+        metadata.storage_data = {r.index: r.storage_data for r in found if not isinstance(r.storage_data, FileSum)}
         metadata.storage_meta = StorageMeta(checkpoint_id=str(self.location), save_id=self.save_id)
+        with _output(self.location / CHECKSUMS) as out:  # before .metadata: a committed step has its checksums
+            out.write(json.dumps({name: dataclasses.asdict(s) for name, s in {**self._extra_sums(), **sums}.items()},
+                                 indent=1, sort_keys=True).encode())
         with _output(self.location / DCP_METADATA) as out:
             pickle.dump(metadata, out)
 
@@ -215,34 +311,68 @@ class RawWriter(StorageWriter):
 
 class _output:
     """A file written whole or not at all: local files go through a temporary name, fsync and rename;
-    object-store uploads become visible only when closed."""
+    object-store uploads become visible only when closed. A full disk, or an upload that failed
+    through the object store's retries, is a CheckpointError: the step is not committed (its
+    `.metadata` is never written), and no temporary file is left behind on the full disk."""
 
     def __init__(self, target: Location):
         self.target = target
         self.temporary = target.parent / f".{target.name}.{uuid.uuid4().hex[:8]}.tmp" if target.is_local else target
 
     def __enter__(self):
-        if self.target.is_local:
-            self.file = open(self.temporary.path, "wb")
-        else:
-            self.file = self.target.fs.open_output_stream(self.target.path)
+        try:
+            if self.target.is_local:
+                self.file = open(self.temporary.path, "wb")
+            else:
+                self.file = self.target.fs.open_output_stream(self.target.path)  # starts the upload
+        except OSError as e:
+            raise _write_error(e, self.target) from None
         return self.file
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if not self.target.is_local:
-            self.file.close()
-            return
         try:
-            if exc_type is None:
+            if self.target.is_local:
+                self._close_local(complete=exc_type is None)
+            else:
+                self.file.close()  # the upload completes (and becomes visible) here
+        except OSError as e:
+            raise _write_error(e, self.target) from None
+        if isinstance(exc, OSError):
+            raise _write_error(exc, self.target) from None
+
+    def _close_local(self, complete: bool) -> None:
+        """fsync, close and rename into place when complete; otherwise, or when any of that fails (a
+        full disk fails the flush at close too), close and remove the temporary file."""
+        try:
+            if complete:
                 self.file.flush()
                 os.fsync(self.file.fileno())
-        finally:
             self.file.close()
-        if exc_type is None:
-            os.replace(self.temporary.path, self.target.path)
-            _fsync_dir(self.target.parent.path)
-        else:
-            Path(self.temporary.path).unlink(missing_ok=True)
+            if complete:
+                os.replace(self.temporary.path, self.target.path)
+                _fsync_dir(self.target.parent.path)
+        except OSError:
+            complete = False
+            raise
+        finally:
+            if not complete:
+                with contextlib.suppress(OSError):
+                    self.file.close()
+                Path(self.temporary.path).unlink(missing_ok=True)
+
+
+def _write_error(e: OSError, target: Location) -> Exception:
+    """What a failed checkpoint write says: a full disk or a failed upload as a CheckpointError."""
+    kept = "the step was not committed and the last committed one is intact"
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return CheckpointError(f"no space left to write a checkpoint ({e.strerror}); {kept}", where=str(target),
+                               fix="free space there, lower [checkpoint] keep_last or move [checkpoint] storage to "
+                                   "a larger disk, then run again with --resume")
+    if not target.is_local:
+        return CheckpointError(f"the upload failed after the object store's retries ({e}); {kept}",
+                               where=str(target), fix="check the object store (endpoint, credentials, quota), "
+                                                      "then run again with --resume")
+    return e
 
 
 def _fsync_dir(path: str) -> None:
@@ -295,9 +425,13 @@ class RawReader(StorageReader):
         except FileNotFoundError:
             raise CheckpointError(f"no {DCP_METADATA}: the save of this step never committed", where=str(self.location),
                                   fix="load an earlier committed step (CheckpointStore.latest() picks one)") from None
-        except (pickle.UnpicklingError, EOFError, AttributeError, ModuleNotFoundError) as e:
-            raise CheckpointError(f"{DCP_METADATA} is unreadable ({e})", where=str(where),
-                                  fix="load an earlier committed step") from None
+        except Exception as e:  # noqa: BLE001 - unpickling damaged bytes raises almost any exception
+            metadata = e
+        if not isinstance(metadata, Metadata):
+            problem = f"{type(metadata).__name__}: {metadata}" if isinstance(metadata, Exception) else \
+                f"it holds a {type(metadata).__name__}"
+            raise CheckpointError(f"{DCP_METADATA} is unreadable ({problem[:200]})", where=str(where),
+                                  fix=DAMAGED_FIX)
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -324,8 +458,7 @@ class RawReader(StorageReader):
         except DataError as e:
             # The readers speak of datasets ("verify the dataset"); here a data file of a committed step is
             # truncated or gone, and the step before it is the one to resume from.
-            raise CheckpointError(f"the checkpoint step is damaged ({e.what})", where=e.where,
-                                  fix=f"delete {self.location} to resume from the previous committed step") from None
+            raise CheckpointError(f"the checkpoint step is damaged ({e.what})", where=e.where, fix=DAMAGED_FIX) from None
         finally:
             host.close()
             if self._cuda is not None:

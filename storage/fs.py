@@ -50,6 +50,14 @@ class Location:
             return cls(pafs.LocalFileSystem(), local.as_posix(), error=error)
         scheme, rest = text.split("://", 1)
         _, _, query = rest.partition("?")
+        authority, _, after = rest.partition("/")
+        if "@" in authority.partition("?")[0]:
+            # Never echo them: the message is printed, and the URI is what plan.json and report.json hold.
+            raise error("the URI holds credentials (user:secret@ before the bucket or host), which would be "
+                        "printed in plan.json, report.json, the progress output and Ray's logs",
+                        where=f"{scheme}://***@{authority.rsplit('@', 1)[1]}/{after}".rstrip("/"),
+                        fix="remove them from the URI and give them in the environment (AWS_ACCESS_KEY_ID and "
+                            "AWS_SECRET_ACCESS_KEY for s3://) or the cloud's own credential files")
         try:
             fs, path = pafs.FileSystem.from_uri(text)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as e:
@@ -129,6 +137,24 @@ class Location:
 
     def mkdir(self) -> None:
         self.fs.create_dir(self.path, recursive=True)
+
+    def move_to(self, target: Location) -> None:
+        """Moves this file or directory to `target` on the same storage (a missing one is fine): a rename on
+        local disk; file by file on object stores, which have no directories to rename."""
+        info = self.info()
+        if info.type == pafs.FileType.NotFound:
+            return
+        try:
+            if self.is_local or info.type == pafs.FileType.File:
+                self.fs.move(self.path, target.path)
+                return
+            for item in self.fs.get_file_info(pafs.FileSelector(self.path, recursive=True)):
+                if item.type == pafs.FileType.File:
+                    self.fs.move(item.path, target.path + item.path[len(self.path):])
+        except OSError as e:
+            raise self.error(f"cannot move it to {target} ({e})", where=str(self),
+                             fix="check the storage's permissions and free space") from None
+        self.remove()
 
     def remove(self) -> None:
         """Deletes a file or a whole directory; a missing one is fine."""

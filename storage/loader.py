@@ -140,6 +140,7 @@ class BatchLoader:
             self.reader.read(extents, slot.cuda).wait()
             return
         self.reader.read(extents, slot.host.numpy()).wait()
+        self.dataset.check_token_ids(extents, slot.host[:nbytes].numpy().view(self.dataset.dtype))
         if self.on_cuda:
             with torch.cuda.stream(self._copy_stream):
                 slot.cuda[:nbytes].copy_(slot.host[:nbytes], non_blocking=True)

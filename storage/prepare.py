@@ -38,7 +38,8 @@ from typing import Literal
 
 import numpy as np
 
-from core.errors import DataError
+from core.config import check_prepare_settings
+from core.errors import ConfigError, DataError
 from storage import chat
 from storage.shards import ShardInfo, has_dataset, write_manifest, write_shard
 from storage.tokenizers import Tokenizer, load_tokenizer
@@ -327,7 +328,17 @@ def prepare_dataset(source: str, out: str | Path, *, pattern: str | None = None,
     `workers` = 0 uses every core; 1 tokenizes in this process. `seq_len`: the samples the chat and
     instruction formats pack conversations into (the job's [model] seq_len).
     """
+    check_prepare_settings(shard_tokens=shard_tokens, workers=workers, val_percent=val_percent,
+                           text_column=text_column, as_flags=True)
+    if seq_len < 0:
+        raise ConfigError(f"must be 0 or more, got {seq_len}", where="--seq-len / [model] seq_len",
+                          fix="give the job's [model] seq_len (chat and instruction data only)")
+    if source_format in FINE_TUNING_FORMATS and seq_len == 0:
+        raise ConfigError(f"--format {source_format} packs conversations into samples and needs their length",
+                          where="--seq-len / [model] seq_len", fix="pass --seq-len, the [model] seq_len of the job")
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise DataError("is a file, not a dataset directory", where=str(out), fix="choose another --out")
     if has_dataset(out) and not overwrite:
         raise DataError("a prepared dataset is already here", where=str(out),
                         fix="use it as is, pass --overwrite to replace it, or choose another --out")
@@ -338,9 +349,6 @@ def prepare_dataset(source: str, out: str | Path, *, pattern: str | None = None,
         raise DataError(f"unknown source format {source_format!r}", where="--format / [data] source_format",
                         fix=f"use one of {', '.join(DEFAULT_PATTERNS)}")
     fine_tuning = source_format in FINE_TUNING_FORMATS
-    if fine_tuning and seq_len <= 0:
-        raise DataError(f"--format {source_format} packs conversations into samples and needs their length",
-                        where="--seq-len / [model] seq_len", fix="pass --seq-len, the [model] seq_len of the job")
     tok = load_tokenizer(tokenizer)  # a bad tokenizer fails here, before any process starts
     root = resolve_source(source)
     files = list_files(root, pattern or DEFAULT_PATTERNS[source_format])

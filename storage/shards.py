@@ -32,6 +32,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from core.errors import DataError
+from storage.flags import TOKEN_MASK
 from storage.fs import Location
 from storage.readers import Extent, host_reader_for
 
@@ -53,6 +54,8 @@ MANIFEST_SCHEMA = pa.schema([
 ])
 
 PREPARE_AGAIN = "prepare the dataset again with `archipelago prepare`"
+CHECK_CHUNK_BYTES = 16 * 2**20
+"""Bytes read at a time when a shard's payload is checked."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,9 +157,11 @@ def check_shard(location: Location, shard: ShardInfo, header: bytes, size: int) 
                         fix=PREPARE_AGAIN)
     try:
         fields = json.loads(header[len(MAGIC):].rstrip(b"\0"))
-    except json.JSONDecodeError:
-        raise DataError("shard header is not valid JSON", where=f"{location}, offset {len(MAGIC)}",
-                        fix=PREPARE_AGAIN) from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        fields = None
+    if not isinstance(fields, dict):
+        raise DataError("shard header is not a JSON object", where=f"{location}, offset {len(MAGIC)}",
+                        fix=PREPARE_AGAIN)
     if fields.get("dtype") != shard.dtype:
         raise DataError(f"dtype mismatch: the shard header says {fields.get('dtype')!r}, the manifest {shard.dtype!r}",
                         where=f"{location}, offset {len(MAGIC)}",
@@ -187,6 +192,37 @@ def open_shard(location: Location, shard: ShardInfo) -> Iterator[pa.NativeFile]:
         yield f
 
 
+def token_ids(words: np.ndarray, flagged: bool) -> np.ndarray:
+    """The token ids of a shard's words: a fine-tuning dataset's (flagged) without the loss-mask and document-start
+    bits (storage/flags.py), which would otherwise read as ids far past any vocabulary."""
+    return words & TOKEN_MASK if flagged else words
+
+
+def payload_problem(f: pa.NativeFile, shard: ShardInfo, vocab_size: int, *, flagged: bool = False) -> str | None:
+    """What is wrong with an open shard's tokens, read once in chunks: a token id at or above the vocabulary
+    size (and its byte offset), or a crc32 of the payload that is not the manifest's; None when both hold.
+    `flagged`: the manifest's token_flags (the ids are the words' low bits)."""
+    crc = 0
+    dtype = np.dtype(shard.dtype).newbyteorder("<")
+    for start in range(HEADER_BYTES, shard.file_bytes, CHECK_CHUNK_BYTES):
+        chunk = f.read_at(min(CHECK_CHUNK_BYTES, shard.file_bytes - start), start)
+        crc = zlib.crc32(chunk, crc)
+        tokens = token_ids(np.frombuffer(chunk, dtype=dtype), flagged)
+        if tokens.size and int(tokens.max()) >= vocab_size:
+            first = int(np.argmax(tokens >= vocab_size))
+            return f"token id {int(tokens[first])} ≥ vocabulary size {vocab_size} at offset {start + first * dtype.itemsize}"
+    if crc != shard.crc32:
+        return (f"crc32 mismatch: payload (offsets {HEADER_BYTES}–{shard.file_bytes}) has {crc:#010x}, "
+                f"the manifest says {shard.crc32:#010x}")
+    return None
+
+
+def sampled_for_checksum(shard: ShardInfo, percent: float) -> bool:
+    """Whether a worker checks this shard's payload when it first reads from it: `percent` of the shards, chosen
+    by a hash of the name, so that every worker (and every run) checks the same ones."""
+    return zlib.crc32(shard.path.encode()) % 10_000 < percent * 100
+
+
 def check_files(location: Location, shards: list[ShardInfo]) -> None:
     """Every shard exists with the size the manifest gives: one directory listing, no reads."""
     sizes = {info.base_name: info.size for info in location.listing() if info.type == pafs.FileType.File}
@@ -208,8 +244,11 @@ class TokenDataset:
     (the training loop reads through `storage.loader.BatchLoader`, which can read into the GPU).
     """
 
-    def __init__(self, directory: str | Path | Location, split: str, seq_len: int, *, manifest: Manifest | None = None):
-        """`manifest`: the directory's manifest when the caller has read it already (read here otherwise)."""
+    def __init__(self, directory: str | Path | Location, split: str, seq_len: int, *, manifest: Manifest | None = None,
+                 checksum_percent: float = 0.0):
+        """`manifest`: the directory's manifest when the caller has read it already (read here otherwise).
+        `checksum_percent`: the share of shards whose payload (crc32, token ids) is checked the first time a batch
+        reads from them ([data] shard_checksums_percent); every shard's header and size are checked then anyway."""
         self.location = Location.parse(directory, error=DataError)
         self.split = split
         self.seq_len = seq_len
@@ -233,6 +272,7 @@ class TokenDataset:
         self._starts = np.cumsum([0] + [s.num_tokens for s in self.shards])
         self._paths = [(self.location / s.path).path for s in self.shards]
         self._checked = [False] * len(self.shards)
+        self._checksummed = [sampled_for_checksum(s, checksum_percent) for s in self.shards]
         self._lock = threading.Lock()
         self._host_reader = None
 
@@ -284,8 +324,23 @@ class TokenDataset:
     def batch(self, sample_ids: np.ndarray) -> np.ndarray:
         """A (len(sample_ids), seq_len + 1) int64 array: inputs are [:, :-1], targets [:, 1:]."""
         ids = np.asarray(sample_ids, dtype=np.int64)
-        flat = self._read_host(self.extents(ids), ids.size * self.sample_bytes)
+        extents = self.extents(ids)
+        flat = self._read_host(extents, ids.size * self.sample_bytes)
+        self.check_token_ids(extents, flat)
         return flat.reshape(ids.size, self.seq_len + 1)
+
+    def check_token_ids(self, extents: list[Extent], tokens: np.ndarray) -> None:
+        """Every token id read into `tokens` (laid out as `extents` say) is below the vocabulary size: a larger one
+        would index past the model's embedding. DataError naming the shard and offset of the first one otherwise."""
+        tokens = token_ids(tokens, self.manifest.token_flags)
+        if not tokens.size or int(tokens.max()) < self.vocab_size:
+            return
+        position = int(np.argmax(tokens >= self.vocab_size))
+        byte = position * self.dtype.itemsize
+        extent = next(e for e in extents if e.buffer_offset <= byte < e.buffer_offset + e.nbytes)
+        raise DataError(f"token id {int(tokens[position])} ≥ vocabulary size {self.vocab_size}: the shard is damaged",
+                        where=f"{extent.path}, offset {extent.file_offset + byte - extent.buffer_offset}",
+                        fix=f"run `archipelago verify {self.location}` for every bad shard, then {PREPARE_AGAIN}")
 
     def _read_host(self, extents: list[Extent], nbytes: int) -> np.ndarray:
         with self._lock:
@@ -296,9 +351,16 @@ class TokenDataset:
         return buffer.view(self.dtype).astype(np.int64)
 
     def _check(self, shard: int) -> None:
+        """The first read from a shard checks its header and size, and for the sampled shards its payload."""
         if self._checked[shard]:
             return
         with self._lock:
-            if not self._checked[shard]:
-                with open_shard(self.location, self.shards[shard]):
-                    self._checked[shard] = True
+            if self._checked[shard]:
+                return
+            info = self.shards[shard]
+            with open_shard(self.location, info) as f:
+                problem = payload_problem(f, info, self.vocab_size, flagged=self.manifest.token_flags) if self._checksummed[shard] else None
+            if problem:
+                raise DataError(problem, where=str(self.location / info.path),
+                                fix=f"run `archipelago verify {self.location}` for every bad shard, then {PREPARE_AGAIN}")
+            self._checked[shard] = True

@@ -8,20 +8,14 @@ datasets in object storage are read through pyarrow.fs.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
-
-from core.errors import DataError
+from core.errors import ConfigError, DataError
 from storage.fs import Location
-from storage.shards import HEADER_BYTES, Manifest, ShardInfo, open_shard, read_manifest
-
-CHUNK_BYTES = 16 * 2**20
+from storage.shards import Manifest, ShardInfo, open_shard, payload_problem, read_manifest
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,11 +45,14 @@ def verify_dataset(directory: str | Path | Location, *, manifest: Manifest | Non
 
     `manifest`: the directory's manifest when the caller has read it already (read here otherwise).
     """
+    if threads < 1:
+        raise ConfigError(f"must be 1 or more, got {threads}", where="--threads / [data] reader_threads",
+                          fix="give the number of shards to check at once, e.g. 8")
     location = Location.parse(directory, error=DataError)
     manifest = manifest if manifest is not None else read_manifest(location)
     report = VerifyReport(str(location), shards=len(manifest.shards))
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="archipelago-verify") as pool:
-        futures = [pool.submit(verify_shard, location, shard, manifest.vocab_size) for shard in manifest.shards]
+        futures = [pool.submit(verify_shard, location, shard, manifest.vocab_size, manifest.token_flags) for shard in manifest.shards]
         for done, (shard, future) in enumerate(zip(manifest.shards, futures), 1):
             problem = future.result()
             if problem:
@@ -68,28 +65,11 @@ def verify_dataset(directory: str | Path | Location, *, manifest: Manifest | Non
     return report
 
 
-def verify_shard(location: Location, shard: ShardInfo, vocab_size: int) -> ShardProblem | None:
+def verify_shard(location: Location, shard: ShardInfo, vocab_size: int, flagged: bool = False) -> ShardProblem | None:
     path = location / shard.path
     try:
         with open_shard(location, shard) as f:
-            return _check_payload(f, str(path), shard, vocab_size)
+            problem = payload_problem(f, shard, vocab_size, flagged=flagged)
     except DataError as e:
         return ShardProblem(str(path), f"{e.what} ({e.where.removeprefix(str(path)).lstrip(', ') or 'file'})")
-
-
-def _check_payload(f: pa.NativeFile, path: str, shard: ShardInfo, vocab_size: int) -> ShardProblem | None:
-    """The crc32 of the payload and every token id against the vocabulary, in one pass over the open file."""
-    crc = 0
-    dtype = np.dtype(shard.dtype).newbyteorder("<")
-    for start in range(HEADER_BYTES, shard.file_bytes, CHUNK_BYTES):
-        chunk = f.read_at(min(CHUNK_BYTES, shard.file_bytes - start), start)
-        crc = zlib.crc32(chunk, crc)
-        tokens = np.frombuffer(chunk, dtype=dtype)
-        if tokens.size and int(tokens.max()) >= vocab_size:
-            first = int(np.argmax(tokens >= vocab_size))
-            return ShardProblem(path, f"token id {int(tokens[first])} ≥ vocabulary size {vocab_size} "
-                                      f"at offset {start + first * dtype.itemsize}")
-    if crc != shard.crc32:
-        return ShardProblem(path, f"crc32 mismatch: payload (offsets {HEADER_BYTES}–{shard.file_bytes}) has "
-                                  f"{crc:#010x}, the manifest says {shard.crc32:#010x}")
-    return None
+    return ShardProblem(str(path), problem) if problem else None

@@ -4,9 +4,9 @@
     schema_errors(doc, crd_schemas())              # [] when a RayCluster / RayJob fits its CRD
 
 The CRDs (ray.io_rayclusters.yaml, ray.io_rayjobs.yaml) are verbatim copies from KubeRay in
-../shared/data/kuberay-crds/ (SOURCE.md there names the commit); ARCHIPELAGO_KUBERAY_CRDS points
-elsewhere. Their openAPIV3Schema is checked with jsonschema, with Kubernetes' own rules where
-jsonschema differs:
+tests/fixtures/kuberay-crds/ (SOURCE.md there names the commit); ARCHIPELAGO_KUBERAY_CRDS points
+elsewhere, to check against another KubeRay's. Their openAPIV3Schema is checked with jsonschema, with
+Kubernetes' own rules where jsonschema differs:
 - unknown fields are errors, as under `kubectl apply --validate=strict` (the API server would
   otherwise prune them without a word: a misspelt authOptions would turn authentication off);
 - x-kubernetes-int-or-string comes with anyOf [integer, string] in these CRDs, which jsonschema checks;
@@ -37,7 +37,7 @@ SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def crd_directory() -> Path:
-    return Path(os.environ.get("ARCHIPELAGO_KUBERAY_CRDS", REPO.parent / "shared" / "data" / "kuberay-crds"))
+    return Path(os.environ.get("ARCHIPELAGO_KUBERAY_CRDS", REPO / "tests" / "fixtures" / "kuberay-crds"))
 
 
 @dataclass(frozen=True)

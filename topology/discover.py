@@ -18,6 +18,7 @@ from dataclasses import asdict
 from core import codec
 from core.errors import ClusterError
 from topology.cluster import ClusterTopology, NodeTopology
+from topology.connect import CONNECT_TIMEOUT_S, check_seconds, ray_session
 from topology.probe import probe_local_node
 
 TIMEOUT_S = 120.0
@@ -29,20 +30,16 @@ def _probe() -> dict:
     return asdict(probe_local_node())
 
 
-def discover_cluster(*, address: str | None = None, timeout_s: float = TIMEOUT_S) -> ClusterTopology:
+def discover_cluster(*, address: str | None = None, timeout_s: float = TIMEOUT_S,
+                     connect_timeout_s: float = CONNECT_TIMEOUT_S) -> ClusterTopology:
     """address None: the Ray cluster this process is connected to (ClusterError when it is not).
     Otherwise connect to `address` ("auto", "ray://host:10001", host:port; "" for RAY_ADDRESS, else
-    an embedded cluster) for the probes and disconnect after."""
+    an embedded cluster) within `connect_timeout_s` for the probes, and disconnect after."""
+    check_seconds(timeout_s, "--timeout")
     if address is None:
         return _probe_every_node(timeout_s)
-    import ray
-
-    address = address or os.environ.get("RAY_ADDRESS", "")
-    ray.init(address=address or None, log_to_driver=False, include_dashboard=False if not address else None)
-    try:
+    with ray_session(address or os.environ.get("RAY_ADDRESS", ""), connect_timeout_s=connect_timeout_s):
         return _probe_every_node(timeout_s)
-    finally:
-        ray.shutdown()
 
 
 def _probe_every_node(timeout_s: float) -> ClusterTopology:

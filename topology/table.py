@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from core.columns import Column, print_fitted
 from topology.cluster import ClusterTopology, GpuLink, NodeTopology
 from topology.links import PCIE_PATHS, LinkKind
 
@@ -46,7 +47,7 @@ def _print_node(cluster: ClusterTopology, node: NodeTopology, console: Console) 
                   f"{_gib(node.memory_bytes)} GiB, {len(node.numa_nodes)} NUMA nodes, "
                   f"driver {node.driver_version or 'unknown'}, from {node.source}", highlight=False)
     if node.gpus:
-        console.print(_gpu_table(cluster, node))
+        _print_gpus(cluster, node, console)
     for island in cluster.nvlink_islands:
         if node.node_id in island.node_ids and island.size > 1:
             shape = "fully connected" if island.fully_connected else "not fully connected"
@@ -58,7 +59,7 @@ def _print_node(cluster: ClusterTopology, node: NodeTopology, console: Console) 
         console.print(_link_matrix(node))
         console.print(f"  [dim]{_LEGEND}[/]")
     if node.mig_slices:
-        console.print(_mig_table(node))
+        _print_mig_slices(node, console)
     if node.nics:
         console.print(_nic_table(node))
     for gpu in node.gpus:
@@ -68,19 +69,21 @@ def _print_node(cluster: ClusterTopology, node: NodeTopology, console: Console) 
         console.print(f"  [yellow]note:[/] {escape(note)}", highlight=False)
 
 
-def _gpu_table(cluster: ClusterTopology, node: NodeTopology) -> Table:
-    table = Table(box=None, pad_edge=False, padding=(0, 2, 0, 2))
-    for column in ("GPU", "model", "GiB", "SMs", "NUMA", "CPUs", "island", "bf16 TFLOP/s", "state"):
-        table.add_column(column, no_wrap=True, justify="right" if column in ("GiB", "SMs", "bf16 TFLOP/s") else "left")
-    table.add_column("UUID", overflow="fold")
+_GPU_COLUMNS = (Column("GPU"), Column("model"), Column("GiB", "right"), Column("SMs", "right", drop=2),
+                Column("NUMA", drop=4), Column("CPUs", drop=3), Column("island"), Column("bf16 TFLOP/s", "right"),
+                Column("state"), Column("UUID", drop=1))
+
+
+def _print_gpus(cluster: ClusterTopology, node: NodeTopology, console: Console) -> None:
+    rows = []
     for gpu in node.gpus:
         island = cluster.island_of(gpu.uuid)
         state = "[red]error[/]" if gpu.error else "MIG" if gpu.mig_enabled else "ok"
-        table.add_row(str(gpu.index), gpu.model or gpu.name or "?", f"{gpu.memory_bytes / 2**30:.0f}",
-                      str(gpu.sm_count or "?"), "?" if gpu.numa_node is None else str(gpu.numa_node),
-                      gpu.cpu_affinity or "?", island.island_id if island else "-", _bf16(gpu.peak_tflops), state,
-                      gpu.uuid)
-    return table
+        rows.append([str(gpu.index), gpu.model or gpu.name or "?", f"{gpu.memory_bytes / 2**30:.0f}",
+                     str(gpu.sm_count or "?"), "?" if gpu.numa_node is None else str(gpu.numa_node),
+                     gpu.cpu_affinity or "?", island.island_id if island else "-", _bf16(gpu.peak_tflops), state,
+                     gpu.uuid])
+    print_fitted(console, _GPU_COLUMNS, rows, box=None, pad_edge=False, padding=(0, 2, 0, 2))
 
 
 def _link_matrix(node: NodeTopology) -> Table:
@@ -99,15 +102,15 @@ def _link_matrix(node: NodeTopology) -> Table:
     return table
 
 
-def _mig_table(node: NodeTopology) -> Table:
+_MIG_COLUMNS = (Column("MIG slice", drop=1), Column("on GPU"), Column("profile"), Column("GiB", "right"),
+                Column("SMs", "right", drop=3), Column("SM share", "right", drop=2), Column("bf16 TFLOP/s", "right"))
+
+
+def _print_mig_slices(node: NodeTopology, console: Console) -> None:
     index_of = {gpu.uuid: gpu.index for gpu in node.gpus}
-    table = Table(box=None, pad_edge=False, padding=(0, 2, 0, 2))
-    for column in ("MIG slice", "on GPU", "profile", "GiB", "SMs", "SM share", "bf16 TFLOP/s"):
-        table.add_column(column)
-    for mig in node.mig_slices:
-        table.add_row(mig.uuid, str(index_of[mig.parent_uuid]), mig.profile, f"{mig.memory_bytes / 2**30:.1f}",
-                      str(mig.sm_count or "?"), f"{mig.sm_share:.3f}", _bf16(mig.peak_tflops))
-    return table
+    rows = [[mig.uuid, str(index_of[mig.parent_uuid]), mig.profile, f"{mig.memory_bytes / 2**30:.1f}",
+             str(mig.sm_count or "?"), f"{mig.sm_share:.3f}", _bf16(mig.peak_tflops)] for mig in node.mig_slices]
+    print_fitted(console, _MIG_COLUMNS, rows, box=None, pad_edge=False, padding=(0, 2, 0, 2))
 
 
 def _nic_table(node: NodeTopology) -> Table:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from core.errors import CheckpointError
+from core.schedule import LrSchedule
 from core.spec import WorkerSpec
 from storage.checkpoint_io import (
     DCP_METADATA,
@@ -65,11 +66,13 @@ class CheckpointInfo:
     """Which sampler turned `consumed_samples` into sample ids (storage.sampler.SAMPLER_NAME)."""
     world_size: int = 0
     """Workers that saved it (for the log; any world size can load it)."""
+    lr_schedule: LrSchedule | None = None
+    """The schedule the steps were trained under (None in checkpoints that predate it); a resume continues it."""
 
     @classmethod
     def for_spec(cls, spec: WorkerSpec, step: int, consumed_samples: int, world_size: int = 0) -> CheckpointInfo:
         return cls(step, consumed_samples, spec.workload.identity(), spec.data.tokenizer, spec.train.seed,
-                   spec.plan.global_batch_size, SAMPLER_NAME, world_size)
+                   spec.plan.global_batch_size, SAMPLER_NAME, world_size, spec.lr_schedule)
 
 
 def read_info(directory: str | Path | Location) -> CheckpointInfo:
@@ -78,16 +81,18 @@ def read_info(directory: str | Path | Location) -> CheckpointInfo:
         raise CheckpointError(f"not a committed archipelago checkpoint (needs {DCP_METADATA} and {INFO_FILE})",
                               where=str(location), fix="point at a step_* directory inside a run directory")
     try:
-        return CheckpointInfo(**json.loads((location / INFO_FILE).read_bytes()))
-    except (json.JSONDecodeError, TypeError, UnicodeDecodeError) as e:
+        fields = json.loads((location / INFO_FILE).read_bytes())
+        schedule = fields.pop("lr_schedule", None)
+        return CheckpointInfo(**fields, lr_schedule=None if schedule is None else LrSchedule.from_dict(schedule))
+    except (json.JSONDecodeError, TypeError, UnicodeDecodeError, KeyError, AttributeError) as e:
         raise CheckpointError(f"{INFO_FILE} is unreadable ({e})", where=str(location),
                               fix="resume from an earlier checkpoint or start over") from None
 
 
 def check_compatible(info: CheckpointInfo, *, identity: dict[str, Any], seed: int, tokenizer: str,
-                     directory: str | Path | Location) -> None:
+                     global_batch_size: int, directory: str | Path | Location) -> None:
     """Refuses a checkpoint whose weights or data stream do not belong to this job: another model
-    (`identity`, the job's workload's), another [train] seed, another tokenizer."""
+    (`identity`, the job's workload's), another [train] seed or global batch, another tokenizer."""
     differ = [f"{k}: checkpoint {info.model.get(k)!r}, config {identity.get(k)!r}"
               for k in dict.fromkeys([*identity, *info.model]) if k != "dropout" and info.model.get(k) != identity.get(k)]
     if differ:
@@ -102,6 +107,13 @@ def check_compatible(info: CheckpointInfo, *, identity: dict[str, Any], seed: in
         raise CheckpointError(f"checkpoint's data order came from [train] seed = {info.seed}, the config has "
                               f"{seed}; resuming would repeat and skip samples", where=str(directory),
                               fix=f"set [train] seed = {info.seed} to resume, or start a new run (--overwrite or another name)")
+    if info.global_batch_size != global_batch_size:
+        # The sampler's position and the schedule count steps of this many samples; the elastic rules keep it
+        # fixed when workers come and go, so a change can only come from the config.
+        raise CheckpointError(f"checkpoint's steps took [train] global_batch_size = {info.global_batch_size} samples, "
+                              f"the config has {global_batch_size}", where=str(directory),
+                              fix=f"set [train] global_batch_size = {info.global_batch_size} to resume, or start a new "
+                                  "run (--overwrite or another name)")
     if info.sampler != SAMPLER_NAME:
         raise CheckpointError(f"checkpoint's data order came from sampler {info.sampler!r}, this archipelago uses "
                               f"{SAMPLER_NAME!r}, so it would not continue at the same samples", where=str(directory),
@@ -171,7 +183,8 @@ class RunCheckpoints:
             return None
         info = read_info(latest)
         check_compatible(info, identity=self.spec.workload.identity(), seed=self.spec.train.seed,
-                         tokenizer=self.spec.data.tokenizer, directory=latest)
+                         tokenizer=self.spec.data.tokenizer, global_batch_size=self.spec.plan.global_batch_size,
+                         directory=latest)
         self.restored_from = latest
         return load(latest, model, optimizer, info=info, reader=self.settings.reader,
                     process_group=self.group)

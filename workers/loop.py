@@ -43,7 +43,6 @@ from storage.shards import TokenDataset
 from workers import binding, checkpoint
 from workers.elastic import LedgerKeeper, PreemptionWatch, join_group, preemption_row
 from workers.engine import Engine
-from workers.optim import lr_at
 from workers.pretrained import load_pretrained
 
 
@@ -162,7 +161,7 @@ def train(job: WorkerJob, ctx, started_at: float) -> dict:
         waiting = time.perf_counter()
         batches = next(steps)
         data_wait_s = time.perf_counter() - waiting
-        lr = lr_at(progress.step, train_cfg)
+        lr = spec.lr_schedule.lr_at(progress.step)
         loss, grad_norm = engine(batches, lr)
         progress.step += 1
         progress.consumed_samples += layout.global_batch
@@ -254,8 +253,9 @@ def restore(job: WorkerJob, checkpoints: checkpoint.RunCheckpoints, model: torch
 def open_loaders(spec: WorkerSpec, device: torch.device) -> tuple[BatchLoader, BatchLoader]:
     """Train and validation loaders; the reader is chosen once (and reported in the start event)."""
     data = spec.data
-    train = TokenDataset(data.location, "train", spec.model.seq_len)  # reads the manifest, once
-    val = TokenDataset(data.location, "val", spec.model.seq_len, manifest=train.manifest)
+    checks = data.shard_checksums_percent
+    train = TokenDataset(data.location, "train", spec.model.seq_len, checksum_percent=checks)  # reads the manifest
+    val = TokenDataset(data.location, "val", spec.model.seq_len, manifest=train.manifest, checksum_percent=checks)
     choice = choose_reader(data.reader, train.location, device, threads=data.reader_threads, small_reads=True)
     train_loader = BatchLoader(train, choice, device, depth=data.prefetch_steps)
     val_reader = choose_reader(choice.reader.kind, val.location, device, threads=data.reader_threads)

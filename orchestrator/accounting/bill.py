@@ -179,6 +179,8 @@ def trajectory(bill_rows: list[dict]) -> list[dict]:
 # ---- convergence ---------------------------------------------------------------------------------
 _COUNTED = ("step", "dollars", "device_hours", "tokens")
 """What a target's cost is given in."""
+MIN_EVALUATIONS_TO_PROJECT = 3
+"""Evaluations a projection of the cost of a target needs; the fit takes the later half once there are twice as many."""
 
 @dataclass(frozen=True, slots=True)
 class TargetCost:
@@ -224,14 +226,15 @@ def _interpolate(evals: list[dict], target: float) -> TargetCost | None:
 
 def project(evals: list[dict], target: float) -> TargetCost | None:
     """The cost of reaching `target` if the validation loss keeps following a power law in dollars,
-    loss = a · dollars^b, fitted (least squares in log–log) to the later half of the evaluations (at
-    least two). Optimistic near the loss floor, which a power law without one cannot see; None while
-    the fitted loss is not falling."""
+    loss = a · dollars^b, fitted (least squares in log–log) to the later half of the evaluations, from
+    MIN_EVALUATIONS_TO_PROJECT on (two points always make a line, and two noisy evaluations make any
+    line). Optimistic near the loss floor, which a power law without one cannot see; None while the
+    fitted loss is not falling."""
     points = [(math.log(r["dollars"]), math.log(r["val_loss"]), r) for r in evals
               if r["dollars"] > 0 and r["val_loss"] > 0]
-    points = points[len(points) // 2:] if len(points) >= 4 else points
-    if len(points) < 2:
+    if len(points) < MIN_EVALUATIONS_TO_PROJECT:
         return None
+    points = points[len(points) // 2:] if len(points) >= 2 * MIN_EVALUATIONS_TO_PROJECT else points
     mean_x = sum(p[0] for p in points) / len(points)
     mean_y = sum(p[1] for p in points) / len(points)
     sxx = sum((p[0] - mean_x) ** 2 for p in points)

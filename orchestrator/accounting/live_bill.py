@@ -1,11 +1,12 @@
 """The driver's live bill: the meter, the alerts and the exports, fed with each batch of metrics rows.
 
-    bill = LiveBill.open(plan, config, run_dir, resumed=first_step > 0)
+    bill = LiveBill.open(plan, config, run_dir, resumed=first_step > 0, started=time.monotonic())
     bill_rows, alerts = bill.update(rows)       # appends to <run>/bill.jsonl, TensorBoard, Prometheus, MLflow
     bill.close()
 
-The clock starts when the bill opens (the worker group's launch); a resumed run carries the
-dollars, device-hours and clock of its earlier invocations from bill.jsonl.
+The clock counts from the start of the invocation of fit (the instant the report's bill counts
+from: dataset checks, Ray's start and planning are billed too); a resumed run carries the dollars,
+device-hours and clock of its earlier invocations from bill.jsonl.
 """
 
 from __future__ import annotations
@@ -26,17 +27,19 @@ TENSORBOARD_DIR = "tensorboard"
 class LiveBill:
     def __init__(self, meter: BillMeter, monitor: AlertMonitor, jsonl: BillJsonl,
                  tensorboard: TensorBoardExport | None, prometheus: PrometheusExport | None,
-                 mlflow: MlflowExport | None = None):
+                 mlflow: MlflowExport | None, started: float):
+        """started: the time.monotonic() the clock counts from."""
         self.meter = meter
         self.monitor = monitor
         self.jsonl = jsonl
         self.tensorboard = tensorboard
         self.prometheus = prometheus
         self.mlflow = mlflow
-        self.started = time.monotonic()
+        self.started = started
 
     @classmethod
-    def open(cls, plan: Plan, config: JobConfig, run_dir: Path, *, resumed: bool) -> LiveBill:
+    def open(cls, plan: Plan, config: JobConfig, run_dir: Path, *, resumed: bool, started: float) -> LiveBill:
+        """started: when this invocation of fit began (time.monotonic()), the instant the report's bill counts from."""
         jsonl = BillJsonl(Path(run_dir) / BILL_FILE)
         meter = BillMeter(Rates.from_plan(plan), carried=jsonl.last_row() if resumed else None)
         monitor = AlertMonitor(config.bill.alerts, gpu=plan.uses_gpus)
@@ -44,7 +47,7 @@ class LiveBill:
         prometheus = PrometheusExport(config.name) if config.bill.prometheus else None
         mlflow = (MlflowExport.open(config.to_dict(), Path(run_dir), tracking_uri=config.bill.mlflow_uri, resumed=resumed)
                   if config.bill.mlflow else None)
-        return cls(meter, monitor, jsonl, tensorboard, prometheus, mlflow)
+        return cls(meter, monitor, jsonl, tensorboard, prometheus, mlflow, started)
 
     def update(self, rows: list[dict]) -> tuple[list[dict], list[Alert]]:
         bill_rows = self.meter.observe(rows, now=time.monotonic() - self.started)

@@ -30,16 +30,26 @@ from core.config import AlertsConfig, BillConfig
 from core.errors import ArchipelagoError
 from core.plan import Plan
 from orchestrator.accounting.alerts import AlertMonitor
-from orchestrator.accounting.bill import BillMeter, Rates, cost_to_reach, mfu
+from orchestrator.accounting.bill import MIN_EVALUATIONS_TO_PROJECT, BillMeter, Rates, cost_to_reach, mfu
 from orchestrator.accounting.exporters import read_jsonl
 from orchestrator.accounting.live_bill import BILL_FILE
+
+STATUSES = {
+    "completed": "trained to [train] steps",
+    "interrupted": "stopped by Ctrl-C or a signal; `archipelago fit CONFIG --resume` continues from its last "
+                   "committed checkpoint",
+    "failed": "stopped by the error fit printed; fix it and `archipelago fit CONFIG --resume`",
+    "running": "written at its last committed checkpoint while fit trained: if fit is not running any more, it was "
+               "killed after that checkpoint (`archipelago fit CONFIG --resume` continues from it)",
+}
+"""What a report's status says about the run."""
 
 
 @dataclass(kw_only=True, slots=True)
 class RunReport:
     name: str
     status: str
-    """"completed" when the last step ran."""
+    """One of STATUSES: "completed" when the last step ran."""
     run_dir: str
     started_at: str
     """UTC, ISO 8601."""
@@ -106,6 +116,9 @@ class RunReport:
     metrics_path: str
     config: dict[str, Any]
     versions: dict[str, str]
+    tokenizer: str = ""
+    """The dataset's tokenizer identity: losses per token of runs with different tokenizers do not compare
+    ("" in reports written before it was recorded)."""
 
     @classmethod
     def from_rows(cls, rows: list[dict], *, plan: Plan, **fields: Any) -> RunReport:
@@ -172,7 +185,8 @@ class RunReport:
         except json.JSONDecodeError as e:
             raise ArchipelagoError(f"not JSON ({e})", where=str(path), fix="train the run again") from None
         names = {f.name for f in dataclasses.fields(cls)}
-        missing = sorted(names - set(data))
+        required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
+        missing = sorted(required - set(data))
         if missing:
             raise ArchipelagoError(f"lacks {', '.join(missing[:3])}: written by an older archipelago",
                                    where=str(path), fix="train the run again (`archipelago fit CONFIG --overwrite`)")
@@ -185,6 +199,19 @@ class RunReport:
         for label, value in self.summary_rows():
             table.add_row(label, value)
         console.print(table)
+
+    def losses_compare_with(self, other: RunReport) -> str | None:
+        """None when this run's losses can be set beside `other`'s; otherwise why not, in a sentence."""
+        mine, theirs = self.tokenizer_identity, other.tokenizer_identity
+        if mine == theirs:
+            return None
+        return (f"their losses are not comparable: {self.name!r} was trained on {mine!r} tokens and {other.name!r} on "
+                f"{theirs!r}, and a loss per token depends on what a token is")
+
+    @property
+    def tokenizer_identity(self) -> str:
+        """The dataset's tokenizer, or for an older report the one its config named."""
+        return self.tokenizer or (self.config.get("data") or {}).get("tokenizer", "bytes")
 
     def summary_rows(self) -> list[tuple[str, str]]:
         """(label, value) lines of the summary, shared by the terminal table and report.html."""
@@ -275,7 +302,8 @@ def _signed(share: float | None) -> str:
 def _target_line(cost: dict, projecting: bool) -> str:
     if cost["dollars"] is None:
         return ("not reached (the next target's projection is above)" if projecting
-                else "not reached; no projection (fewer than two evaluations, or the validation loss is not falling)")
+                else f"not reached; no projection (fewer than {MIN_EVALUATIONS_TO_PROJECT} evaluations, or the "
+                     "validation loss is not falling)")
     verb = "projected to be reached" if cost["projected"] else "reached"
     return (f"{verb} at step {cost['step']:,.0f}: ${cost['dollars']:.4g}, {cost['device_hours']:,.4g} device-hours, "
             f"{cost['tokens']:,.0f} tokens")

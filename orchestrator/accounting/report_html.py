@@ -24,7 +24,7 @@ from core.plan import Plan
 from orchestrator.accounting.bill import BillMeter, Rates, trajectory
 from orchestrator.accounting.exporters import read_jsonl
 from orchestrator.accounting.live_bill import BILL_FILE
-from orchestrator.accounting.report import RunReport
+from orchestrator.accounting.report import STATUSES, RunReport
 
 PLOTS = ("loss_vs_dollars", "loss_vs_tokens", "step_time", "predicted_vs_measured", "events")
 COLOURS = ("#1f77b4", "#d62728")
@@ -44,8 +44,9 @@ class LoadedRun:
         bill_path = run_dir / BILL_FILE
         if bill_path.is_file():
             rows = read_jsonl(bill_path)
-        else:  # a run without the live bill: each step takes its measured time
-            rows = BillMeter(Rates.from_plan(plan)).observe(read_jsonl(run_dir / "metrics.jsonl"))
+        else:  # a run without the live bill (or stopped before its first step): each step takes its measured time
+            metrics = run_dir / "metrics.jsonl"
+            rows = BillMeter(Rates.from_plan(plan)).observe(read_jsonl(metrics) if metrics.is_file() else [])
         return cls(report, plan, trajectory(rows))
 
 
@@ -221,7 +222,9 @@ def _html(runs: list[LoadedRun], plots: list[Path]) -> str:
              f"{html.escape(', '.join(run.report.run_dir for run in runs))}.</p>"]
     parts.append("<h2>Summary</h2>")
     if len(runs) == 1:
-        parts.append(_table(["", runs[0].report.name], [list(r) for r in runs[0].report.summary_rows()]))
+        report = runs[0].report
+        status = [f"{report.status}: {STATUSES.get(report.status, '')}".rstrip(": ")]
+        parts.append(_table(["", report.name], [["status", *status], *(list(r) for r in report.summary_rows())]))
     else:
         parts.append(_comparison(runs))
     parts.append("<h2>Predicted and measured</h2><p>The planner's prediction (plan.json) beside what the run "
@@ -272,7 +275,8 @@ def _prediction_rows(run: LoadedRun) -> list[list[str]]:
              f"{m / p - 1:+.0%}" if m is not None and p else "-"] for name, p, m in pairs]
 
 
-_COMPARED = (("final step", "final_step", ",d"), ("final validation loss", "final_val_loss", ".4f"),
+_COMPARED = (("status", "status", "s"), ("tokenizer", "tokenizer_identity", "s"), ("final step", "final_step", ",d"),
+             ("final validation loss", "final_val_loss", ".4f"),
              ("final train loss", "final_train_loss", ".4f"), ("tokens seen", "tokens_seen", ",d"),
              ("tokens/s", "tokens_per_second", ",.0f"), ("MFU", "mfu", ".2%"), ("step time (s)", "step_seconds", ".4g"),
              ("planner's step-time error", "prediction_error", "+.0%"), ("bill ($)", "dollars", ".4f"),
@@ -285,6 +289,7 @@ _COMPARED = (("final step", "final_step", ",d"), ("final validation loss", "fina
 
 def _comparison(runs: list[LoadedRun]) -> str:
     a, b = runs[0].report, runs[1].report
+    warning = a.losses_compare_with(b)
     rows = []
     for label, key, spec in _COMPARED:
         va, vb = getattr(a, key), getattr(b, key)
@@ -297,4 +302,5 @@ def _comparison(runs: list[LoadedRun]) -> str:
             rows.append([f"$ to reach {ca['target']:g}", _fmt(ca["dollars"], ".4g"), _fmt(cb["dollars"], ".4g"), ratio])
     rows.append(["alerts", str(len(a.alerts)), str(len(b.alerts)), "-"])
     rows.append(["events", str(len(a.events)), str(len(b.events)), "-"])
-    return _table(["", a.name, b.name, f"{b.name} ÷ {a.name}"], rows)
+    table = _table(["", a.name, b.name, f"{b.name} ÷ {a.name}"], rows)
+    return table if warning is None else f"<p class='alert'>Careful: {html.escape(warning)}.</p>{table}"

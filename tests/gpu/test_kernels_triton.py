@@ -197,6 +197,31 @@ def test_ties_overflow_capacity_and_the_excess_stays_in_the_residual():
     assert torch.equal(residual + dense, g)
 
 
+@pytest.mark.parametrize("numel,values,block,k_ratio", [
+    (3_000_001, "signs", 1024, 0.01),     # every magnitude ties at the threshold: all chosen, capacity overflows
+    (3_000_001, "signs", None, 0.01),
+    (2_000_003, "quarters", 512, 0.42),   # multiples of 0.25: the 0.75s tie at it, the 1s above; within capacity
+    (2_000_003, "quarters", None, 0.3),   # ... and past it
+])
+def test_ties_at_the_threshold_match_the_twin_with_a_zero_residual(numel, values, block, k_ratio):
+    """A first step (nothing carried in the residual) on values that repeat: the threshold lands on a
+    value many elements share, and `>=` keeps every one of them (the interpreter tests run the same
+    cases, tests/unit/test_kernels_triton_interpreter.py)."""
+    gen = torch.Generator(device="cuda").manual_seed(numel)
+    source = (torch.randn(numel, device="cuda", generator=gen).sign() if values == "signs"
+              else torch.randint(-4, 5, (numel,), device="cuda", generator=gen) * 0.25)
+    residual = torch.zeros(numel, device="cuda") if block else None
+    plan = SelectionPlan.for_ratio(numel, k_ratio)
+    layout = PayloadLayout(numel, plan.capacity, torch.int8 if block else source.dtype, block)
+    twin_residual = None if residual is None else residual.clone()
+    got, _ = run(triton_kernels, source, residual, plan, layout)
+    want, _ = run(reference, source, twin_residual, plan, layout)
+    assert want.threshold == (1.0 if values == "signs" else 0.75)
+    assert int(want.header[0]) == int((source.abs() >= want.threshold).sum())  # every tie kept
+    assert torch.equal(got.payload, want.payload)
+    assert residual is None or torch.equal(residual, twin_residual)
+
+
 @pytest.mark.parametrize("numel,k_ratio", [(3_000_000, 0.25), (50_001, 0.5), (1 << 20, 0.06), (6_000_000, 0.01)])
 def test_the_wire_round_trips_triton_payloads(numel, k_ratio):
     """kernels.wire on the device: its Triton kernels write the twins' bytes both ways, the payloads

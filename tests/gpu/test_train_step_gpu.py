@@ -8,11 +8,12 @@ import torch
 
 from core.config import JobConfig
 from core.plan import BatchLayout
+from core.schedule import LrSchedule
 from storage.sampler import DeterministicSampler
 from storage.shards import TokenDataset
 from tests.engine_support import engine_spec
 from workers.engine import Engine
-from workers.optim import build_optimizer, lr_at
+from workers.optim import build_optimizer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -32,7 +33,7 @@ def train(engine: Engine, cfg: JobConfig, dataset_dir) -> list[float]:
     for s in range(cfg.train.steps):
         ids = sampler.rank_micro_batches(s * layout.global_batch, layout, 0)
         batches = [torch.from_numpy(data.batch(i)).to(engine.device) for i in ids]
-        loss, grad_norm = engine(batches, lr_at(s, cfg.train))
+        loss, grad_norm = engine(batches, LrSchedule.for_train(cfg.train).lr_at(s))
         losses.append(loss.item())
         assert math.isfinite(grad_norm.item())
     return losses

@@ -6,6 +6,8 @@ torch and Ray Train); on two cores that, not training, is where a test's time go
 - `cluster`: one ray.cluster_utils.Cluster on loopback for the whole package — a head and one worker
   node, 1 CPU each (two gloo CPU workers). test_elastic removes and adds worker nodes, and
   test_topology_discover adds a GPU node for its module.
+- `s3_server`: a moto S3 server on loopback (test_checkpoint_s3, test_secrets), which can fail chosen
+  uploads.
 - `straight`: one uninterrupted fit of `job()` over the first epoch of a small dataset and a few more
   steps. test_fit checks its checkpoints and report, test_report its bill (a thread scrapes the
   Prometheus gauge the driver sets while it trains), and the runs that test_elastic and
@@ -14,6 +16,7 @@ torch and Ray Train); on two cores that, not training, is where a test's time go
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -30,6 +33,7 @@ from ray.cluster_utils import Cluster
 
 from core.config import JobConfig
 from orchestrator import FitResult, Orchestrator
+from storage.fs import Location
 from storage.prepare import prepare_dataset
 from storage.shards import TokenDataset
 from tests.conftest import CORPUS_SOURCE, tiny_job
@@ -127,3 +131,59 @@ def straight(cluster, small_dataset, tmp_path_factory) -> StraightRun:
         scraper.join()
     return StraightRun(runs / "straight", config, result, scraper.seen)
 
+
+class FailingUploads:
+    """WSGI middleware before moto: the next `count` uploads (PUT or POST) to a key ending in `name` get
+    HTTP 500 InternalError, which the S3 client retries (3 attempts in all, pyarrow's default)."""
+
+    ERROR = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code>'
+             b'<Message>injected by the test</Message><RequestId>0</RequestId></Error>')
+
+    def __init__(self, app):
+        self.app = app
+        self.name, self.count = "", 0
+        self.refused: list[str] = []
+        self.lock = threading.Lock()
+
+    def fail(self, name: str, count: int) -> None:
+        with self.lock:
+            self.name, self.count, self.refused = name, count, []
+
+    def __call__(self, environ, start_response):
+        path = environ.get("PATH_INFO", "")
+        with self.lock:
+            refuse = self.count > 0 and environ["REQUEST_METHOD"] in ("PUT", "POST") and path.endswith(self.name)
+            if refuse:
+                self.count -= 1
+                self.refused.append(f"{environ['REQUEST_METHOD']} {path}")
+        if not refuse:
+            return self.app(environ, start_response)
+        start_response("500 Internal Server Error", [("Content-Type", "application/xml"),
+                                                     ("Content-Length", str(len(self.ERROR)))])
+        return [self.ERROR]
+
+
+@pytest.fixture(scope="package")
+def s3_server():
+    """(the root of bucket archipelago-test, its FailingUploads); AWS_* credentials set to dummies meanwhile."""
+    from moto.server import DomainDispatcherApplication, create_backend_app
+    from werkzeug.serving import make_server
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                           "AWS_DEFAULT_REGION": "us-east-1"}.items():
+            env.setenv(key, value)
+        faults = FailingUploads(DomainDispatcherApplication(create_backend_app))
+        server = make_server("127.0.0.1", 0, faults, threaded=True)
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        host, port = server.server_address[:2]
+        root = Location.parse(f"s3://archipelago-test?endpoint_override={host}:{port}&scheme=http"
+                              "&allow_bucket_creation=true&region=us-east-1")
+        root.fs.create_dir("archipelago-test")
+        try:
+            yield root, faults
+        finally:
+            server.shutdown()
+            thread.join()

@@ -1,9 +1,14 @@
-"""A process killed (SIGKILL) in the middle of writing a checkpoint leaves the previous committed one loadable."""
+"""A process killed (SIGKILL) in the middle of writing a checkpoint, or a disk that fills while it is
+written, leaves the previous committed one loadable and the new one uncommitted."""
 
+import json
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +16,7 @@ import torch
 from storage.checkpoint_io import CheckpointStore, load_checkpoint, save_checkpoint
 
 pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
 ELEMENTS = 16 * 2**20  # 4 × 64 MiB of float32, written and fsynced: long enough to be caught mid-write
 
 
@@ -55,3 +61,68 @@ def test_kill_mid_save_then_load_the_previous_step(tmp_path, async_save):
     load_checkpoint(target, store.latest())
     assert all(torch.equal(target[f"w{i}"], torch.full((ELEMENTS,), 1.0 + i)) for i in range(4))
     assert store.remove_uncommitted() == [store.step(2)] and not step2.exists()
+
+
+FULL_DISK = r"""
+import json, os, subprocess, sys
+import torch
+from core.errors import CheckpointError
+from storage.checkpoint_io import CheckpointStore, is_committed, load_checkpoint, save_checkpoint
+
+root = sys.argv[1]
+subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", root], check=True)
+store, ballast = CheckpointStore(root), os.path.join(root, "ballast")
+state = lambda value: {"w": torch.full((40_000,), value), "b": torch.full((3_000,), value)}  # noqa: E731
+extra = {"archipelago.json": b'{"step": 0}'}
+save_checkpoint(state(1.0), store.step(1), extra=extra).result()
+free = lambda: os.statvfs(root).f_bavail * os.statvfs(root).f_frsize  # noqa: E731
+rows = []
+for async_save in (False, True):
+    for left in range(0, 200 * 1024, 4096):  # bytes left free when step 2 is saved: none to more than it needs
+        with open(ballast, "wb") as f:
+            os.posix_fallocate(f.fileno(), 0, free() - left)
+        row = {"left": left, "async": async_save}
+        try:
+            save_checkpoint(state(2.0), store.step(2), extra=extra, async_save=async_save).result()
+        except CheckpointError as e:
+            row.update(error=e.what, file=os.path.basename(e.where), fix=e.fix)
+        row["committed"] = [step for step, _ in store.committed()]
+        row["temporary_files"] = [n for n in os.listdir(store.step(2).path) if n.endswith(".tmp")]
+        latest = {"w": torch.zeros(40_000), "b": torch.zeros(3_000)}
+        load_checkpoint(latest, store.latest())
+        row["latest_holds"] = sorted({float(t.unique()) for t in latest.values()})
+        store.step(2).remove()
+        os.remove(ballast)
+        rows.append(row)
+print(json.dumps(rows))
+"""
+
+
+def test_a_full_disk_stops_the_save_with_a_checkpoint_error_and_commits_nothing_half(tmp_path):
+    """Step 2 saved with 0, 4 KiB, 8 KiB, … free on a 1 MiB tmpfs (mounted in a user and mount
+    namespace of the test's child, so it needs no privileges and goes away with the child): the disk
+    fills while a data file, archipelago.json or .metadata is written. Every time, either the step is
+    committed whole and loads, or the save raises a CheckpointError that says the disk is full and
+    names the file, step 2 stays uncommitted without a temporary file on the full disk, and step 1
+    loads intact."""
+    root = tmp_path / "small-disk"
+    root.mkdir()
+    child = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", sys.executable, "-c", FULL_DISK,
+                            str(root)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                           text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    rows = json.loads(child.stdout.strip().splitlines()[-1])
+    assert len(rows) == 100
+    for row in rows:
+        assert row["temporary_files"] == [], row
+        if "error" in row:
+            assert row["error"].startswith("no space left to write a checkpoint (No space left on device)"), row
+            assert "run again with --resume" in row["fix"]
+            assert row["committed"] == [1] and row["latest_holds"] == [1.0], row
+        else:
+            assert row["committed"] == [1, 2] and row["latest_holds"] == [2.0], row
+    for async_save in (False, True):
+        mode = [row for row in rows if row["async"] == async_save]
+        failed_in = {row["file"] for row in mode if "error" in row}
+        assert {"archipelago.json", "__0_0.distcp", ".metadata"} <= failed_in, (async_save, failed_in)
+        assert "error" not in mode[-1] and "error" in mode[0]  # it fits once enough is free

@@ -1,6 +1,6 @@
-"""Checkpoints and datasets in S3: a moto S3 server on loopback, started by this module, reached through pyarrow.fs."""
+"""Checkpoints and datasets in S3: conftest.py's moto S3 server on loopback, reached through pyarrow.fs;
+it can answer chosen uploads with errors, as an object store failing mid-upload does."""
 
-import logging
 
 import numpy as np
 import pyarrow.fs as pafs
@@ -9,7 +9,7 @@ import torch
 
 from core.errors import CheckpointError, ConfigError, DataError
 from orchestrator.run_dir import RunDirectory
-from storage.checkpoint_io import DCP_METADATA, CheckpointStore, save_checkpoint
+from storage.checkpoint_io import DCP_METADATA, CheckpointStore, load_checkpoint, save_checkpoint
 from storage.fs import Location
 from storage.loader import BatchLoader
 from storage.readers import choose_reader
@@ -22,25 +22,16 @@ from workers import checkpoint
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def s3():
-    from moto.server import ThreadedMotoServer
+@pytest.fixture
+def s3(s3_server):
+    return s3_server[0]
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    with pytest.MonkeyPatch.context() as env:
-        for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                           "AWS_DEFAULT_REGION": "us-east-1"}.items():
-            env.setenv(key, value)
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-        server.start()
-        host, port = server.get_host_and_port()
-        root = Location.parse(f"s3://archipelago-test?endpoint_override={host}:{port}&scheme=http"
-                              "&allow_bucket_creation=true&region=us-east-1")
-        root.fs.create_dir("archipelago-test")
-        try:
-            yield root
-        finally:
-            server.stop()
+
+@pytest.fixture
+def faults(s3_server):
+    """The server's fault injection, off again after the test."""
+    yield s3_server[1]
+    s3_server[1].fail("", 0)
 
 
 def test_locations_print_and_parse_back(s3):
@@ -110,3 +101,34 @@ def test_unreachable_storage_is_a_typed_error_that_names_the_location():
     with pytest.raises(CheckpointError, match="cannot reach storage") as info:
         CheckpointStore(root / "job").latest()
     assert info.value.where == str(root / "job")
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_an_upload_that_fails_twice_is_retried_and_commits(s3, faults, async_save):
+    store = CheckpointStore(s3 / "flaky" / ("async" if async_save else "sync"))
+    faults.fail("__0_0.distcp", 2)
+    save_checkpoint({"w": torch.arange(5000.0)}, store.step(1), async_save=async_save).result()
+    assert len(faults.refused) == 2 and faults.count == 0  # refused twice, then accepted
+    target = {"w": torch.zeros(5000)}
+    load_checkpoint(target, store.latest())
+    assert store.latest() == store.step(1) and torch.equal(target["w"], torch.arange(5000.0))
+
+
+@pytest.mark.parametrize("name, async_save", [("__0_0.distcp", False), (DCP_METADATA, True)],
+                         ids=["data-sync", "metadata-async"])
+def test_an_upload_that_keeps_failing_is_a_checkpoint_error_and_commits_nothing(s3, faults, name, async_save):
+    """A data file or `.metadata` itself refused on every attempt: a CheckpointError naming the file
+    once the client's retries are spent; the step has no `.metadata` (a failed upload is never
+    visible) and the previous step is still the latest, whole."""
+    store = CheckpointStore(s3 / "down" / ("async" if async_save else "sync") / name.strip("_."))
+    save_checkpoint({"w": torch.ones(5000)}, store.step(1)).result()
+    faults.fail(name, 1000)
+    with pytest.raises(CheckpointError, match=r"the upload failed after the object store's retries") as info:
+        save_checkpoint({"w": torch.full((5000,), 2.0)}, store.step(2), async_save=async_save).result()
+    assert info.value.where == str(store.step(2) / name) and "--resume" in info.value.fix
+    assert 1 < len(faults.refused) < 1000  # retried, then given up
+    faults.fail("", 0)
+    assert not (store.step(2) / DCP_METADATA).exists() and store.latest() == store.step(1)
+    target = {"w": torch.zeros(5000)}
+    load_checkpoint(target, store.latest())
+    assert torch.equal(target["w"], torch.ones(5000))

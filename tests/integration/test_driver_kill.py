@@ -14,6 +14,7 @@ a second of grace, in which they finish the write.
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from core.config import JobConfig
+from orchestrator.accounting.report_html import render_report
+from tests.conftest import write_job
 from tests.integration.conftest import SEQ_LEN, job
 from workers.checkpoint import read_info
 
@@ -38,30 +40,31 @@ RESUMED_STEPS = 12
 """[train] steps for --resume: raised, as a user who trains longer does."""
 
 
-def write_job(path: Path, config: JobConfig) -> Path:
-    path.write_text(toml_text(config.to_dict()) + "\n")
-    assert JobConfig.from_toml(path) == config  # the file says exactly this job
-    return path
-
-
-def toml_text(table: dict, prefix: str = "") -> str:
-    """A config dict as TOML: its values (JSON writes strings, numbers, booleans and lists as TOML does),
-    then each sub-table under its header."""
-    lines = [f"{key} = {json.dumps(value)}" for key, value in table.items() if not isinstance(value, dict)]
-    for key, value in table.items():
-        if isinstance(value, dict):
-            lines += ["", f"[{prefix}{key}]", toml_text(value, f"{prefix}{key}.")]
-    return "\n".join(lines)
-
-
-def fit(job: Path, *extra: str, fsync_delay_s: float = 0.0) -> subprocess.Popen:
+def fit(job: Path, *extra: str, fsync_delay_s: float = 0.0, marker: str = "") -> subprocess.Popen:
+    """`archipelago fit` in a process of its own; `marker` goes into its environment, which every process it
+    starts (Ray's, the workers) inherits: `processes_marked` finds them."""
     # Wide enough that rich prints each path on one line.
-    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "1000"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "1000", "ARCHIPELAGO_TEST_MARKER": marker}
     if fsync_delay_s:
         env.update(PYTHONPATH=os.pathsep.join([str(SLOW_FSYNC), str(REPO)]),
                    ARCHIPELAGO_TEST_FSYNC_DELAY_S=str(fsync_delay_s))
     return subprocess.Popen([*ARCHIPELAGO, "fit", str(job), *extra], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
+
+
+def processes_marked(marker: str, wait_s: float = 10.0) -> list[str]:
+    """The command lines of live processes whose environment holds `marker`, after up to `wait_s` for them to go."""
+    needle = f"ARCHIPELAGO_TEST_MARKER={marker}".encode()
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = []
+        for environ in Path("/proc").glob("[0-9]*/environ"):
+            with contextlib.suppress(OSError):
+                if needle in environ.read_bytes().split(b"\0"):
+                    found.append((environ.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
 
 
 def descendants(root: int) -> list[int]:
@@ -115,14 +118,25 @@ def killed_and_resumed(small_dataset, tmp_path_factory):
     caught = kill_during_a_write(fit(job_file(STEPS), fsync_delay_s=FSYNC_DELAY_S), run_dir)
     time.sleep(1.0)
     committed_after_the_kill = sorted(p.parent.name for p in run_dir.glob("step_*/.metadata"))
-    second = fit(job_file(RESUMED_STEPS), "--resume")
+    report_after_the_kill = render_report([run_dir], work / "report-after-the-kill")
+    marker = f"driver-kill-{os.getpid()}-{time.monotonic_ns()}"
+    second = fit(job_file(RESUMED_STEPS), "--resume", marker=marker)
     out, _ = second.communicate(timeout=600)
     assert second.returncode == 0, out[-3000:]
-    return run_dir, caught, committed_after_the_kill, out
+    return run_dir, caught, committed_after_the_kill, out, report_after_the_kill, processes_marked(marker)
+
+
+def test_a_run_killed_without_warning_can_be_reported(killed_and_resumed):
+    """fit rewrote report.json at every committed checkpoint: the killed run's report stops at one of them."""
+    _, caught, _, _, rendered, _ = killed_and_resumed
+    page = rendered.html.read_text()
+    assert "<td>status</td><td>running: written at its last committed checkpoint" in page and len(rendered.plots) == 5
+    steps = re.search(r"<td>steps</td><td>0 → (\d+)</td>", page)
+    assert steps and EVERY <= int(steps.group(1)) < caught
 
 
 def test_a_driver_killed_mid_checkpoint_resumes_from_the_previous_committed_step(killed_and_resumed):
-    run_dir, caught, committed_after_the_kill, out = killed_and_resumed
+    run_dir, caught, committed_after_the_kill, out, _, _ = killed_and_resumed
     previous = caught - EVERY
     assert f"step_{caught:08d}" not in committed_after_the_kill, "the write finished: nothing was caught"
     assert committed_after_the_kill[-1] == f"step_{previous:08d}"
@@ -135,7 +149,7 @@ def test_a_driver_killed_mid_checkpoint_resumes_from_the_previous_committed_step
 
 
 def test_resume_continues_exactly_where_an_uninterrupted_run_would_be(killed_and_resumed, straight):
-    run_dir, caught, _, _ = killed_and_resumed
+    run_dir, caught, _, _, _, _ = killed_and_resumed
     previous = caught - EVERY
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r.get("event") == "start"] == [0, previous]  # one row per invocation
@@ -146,3 +160,9 @@ def test_resume_continues_exactly_where_an_uninterrupted_run_would_be(killed_and
     assert (report["start_step"], report["final_step"]) == (previous, RESUMED_STEPS)
     assert report["tokens_seen"] == RESUMED_STEPS * 8 * SEQ_LEN
     assert report["tokens_this_run"] == (RESUMED_STEPS - previous) * 8 * SEQ_LEN
+
+
+def test_no_ray_process_outlives_fit(killed_and_resumed):
+    """The resumed fit started its embedded Ray cluster (GCS, raylet, the controller, the workers); when it exits,
+    every one of them is gone."""
+    assert killed_and_resumed[-1] == []

@@ -34,6 +34,8 @@ from workers.models.gpt import GPT
 pytestmark = pytest.mark.integration
 DRAIN_DEADLINE_S = 10
 """The preemption notice's deadline: Ray Train restarts the group once it has passed (and the node is gone)."""
+HEALTH_CHECK_TIMEOUT_S = 3.0
+"""[elastic] health_check_timeout_s of the faults run, whose last fault is a frozen worker."""
 LOSS_TOLERANCE = 1e-4
 """Relative: the same samples in the same order on the same two workers give the same losses up to
 float32 reduction order; a lost or repeated batch moves them by far more."""
@@ -111,25 +113,49 @@ def mid_write_killer(run_dir: Path, after_step: int):
 
 @pytest.fixture(scope="module")
 def faults(cluster, small_dataset, tmp_path_factory):
-    """The same run with rank 1 killed at step 6, then rank 0 killed in the middle of a checkpoint write."""
+    """The same run with rank 1 killed at step 6, then rank 0 killed in the middle of a checkpoint write,
+    then rank 1 frozen (SIGSTOP, never continued) two steps after the restart."""
     runs = tmp_path_factory.mktemp("runs")
-    config = job(small_dataset, runs, "faults", epoch_steps(small_dataset))
+    config = job(small_dataset, runs, "faults", epoch_steps(small_dataset),
+                 elastic={"health_check_timeout_s": HEALTH_CHECK_TIMEOUT_S})
     killer, caught = mid_write_killer(runs / "faults", after_step=12)
-    killed = {}
+    killed, frozen = {}, {}
 
     def act(status: dict) -> bool:
         if not killed and status["attempt"] == 1 and status["last_step"] >= 6:
             killed["at_step"] = status["last_step"]
             kill(status, rank=1)
-            return False
-        return bool(killed) and status["attempt"] == 2 and killer(status)
+        elif killed and status["attempt"] == 2 and not caught.get("step"):
+            killer(status)
+        elif caught.get("step") and status["attempt"] == 3 and status["last_step"] >= caught["step"] + 2:
+            frozen.update(pid=status["workers"][1]["pid"], at_step=status["last_step"],
+                          committed=newest_committed(runs / "faults"))
+            os.kill(frozen["pid"], signal.SIGSTOP)
+            return True
+        return False
     started = time.monotonic()
-    result = run_with(Orchestrator(config), act)
-    return result, killed, caught, time.monotonic() - started
+    try:
+        result = run_with(Orchestrator(config), act)
+    finally:
+        if frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(frozen["pid"], signal.SIGKILL)
+    return result, killed, caught, frozen, time.monotonic() - started
+
+
+def newest_committed(run_dir: Path) -> int:
+    return max((int(p.parent.name.split("_")[1]) for p in run_dir.glob("step_*/.metadata")), default=0)
+
+
+def alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie (a stopped one counts as alive)."""
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    return False
 
 
 def test_a_killed_worker_costs_only_uncommitted_steps_and_no_sample(faults, straight, small_dataset):
-    result, killed, _, seconds = faults
+    result, killed, _, _, seconds = faults
     lost, first = events(result, "worker_lost")[0], events(result, "restart")[0]
     assert lost["ranks"] == [1] and lost["error"].startswith(WORKER_DEATHS) and lost["attempt"] == 1
     assert first["step"] == 4 and first["world_size"] == first["previous_world_size"] == 2  # checkpoints every 4
@@ -149,7 +175,7 @@ def test_a_killed_worker_costs_only_uncommitted_steps_and_no_sample(faults, stra
 
 
 def test_a_kill_during_a_checkpoint_write_resumes_from_the_previous_committed_step(faults, small_dataset):
-    result, _, caught, _ = faults
+    result, _, caught, _, _ = faults
     assert caught.get("step"), "the watcher never caught a checkpoint being written"
     second = events(result, "restart")[1]
     every = 4
@@ -160,6 +186,22 @@ def test_a_kill_during_a_checkpoint_write_resumes_from_the_previous_committed_st
     ledger = final_ledger(result)
     ledger.check_exactly_once(small_dataset[1])
     assert caught["step"] in ledger.steps
+
+
+def test_a_frozen_worker_is_found_by_the_health_check_and_replaced(faults, small_dataset):
+    """A worker stopped with SIGSTOP answers no health check: after [elastic] health_check_timeout_s
+    Ray Train counts it failed, its process is killed, and the group restarts from the newest
+    committed checkpoint; the ledger still holds every sample once."""
+    result, _, _, frozen, _ = faults
+    assert frozen, "the run ended before a worker could be frozen"
+    lost, restart = events(result, "worker_lost")[2], events(result, "restart")[2]
+    assert lost["ranks"] == [1] and lost["error"].startswith("WorkerHealthCheckTimeoutError"), lost
+    assert frozen["committed"] <= restart["step"] <= frozen["at_step"]  # no committed step lost
+    # From its last step to the failure: the timeout (the peer may have finished one more step first).
+    assert HEALTH_CHECK_TIMEOUT_S - 1 <= restart["detect_s"] < HEALTH_CHECK_TIMEOUT_S + 30
+    assert not alive(frozen["pid"])  # replaced, not left stopped
+    assert len(events(result, "restart")) == 3
+    final_ledger(result).check_exactly_once(small_dataset[1])
 
 
 def test_redone_steps_repeat_the_lost_ones_exactly(faults):

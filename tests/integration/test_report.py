@@ -102,11 +102,15 @@ CHROMIUM = next((shutil.which(name) for name in ("chromium", "chromium-browser",
                  if shutil.which(name)), None)
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium or Chrome binary on this machine")
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium or Chrome binary on this machine (.ci/run installs "
+                                               "Debian's chromium)")
 def test_report_html_renders_in_a_headless_browser(run, tmp_path):
     main(["report", str(run["dir"])])
     shot = tmp_path / "report.png"
-    subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", f"--screenshot={shot}",
-                    "--window-size=1200,3000", (run["dir"] / "report.html").as_uri()], check=True, timeout=60,
-                   capture_output=True)
+    # As root (CI) Chromium needs --no-sandbox; with no network here, the background-networking flags
+    # keep it from trying Google's hosts at every start.
+    subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                    f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}", "--window-size=1200,3000",
+                    (run["dir"] / "report.html").as_uri()], check=True, timeout=60, capture_output=True)
     assert shot.read_bytes().startswith(PNG_MAGIC) and shot.stat().st_size > 20_000

@@ -125,14 +125,19 @@ def test_cost_to_reach_interpolates_between_the_bracketing_evaluations():
 
 
 def test_the_next_target_is_projected_from_a_power_law_in_dollars():
-    rows = evals((1.0, 4.0), (3.0, 2.0))
+    rows = evals((1.0, 4.0), (3 ** 0.5, 2 * 2 ** 0.5), (3.0, 2.0))
     # loss = 4 · d^b with 4 → 2 as $1 → $3: b = ln(1/2) / ln 3; loss 1 needs two halvings: $9.
     next_one, later = cost_to_reach(rows, [1.0, 0.5])
     assert next_one.projected and not next_one.reached and next_one.dollars == pytest.approx(9.0)
-    assert next_one.step == pytest.approx(500.0)  # 100 steps per $2 between the fitted evaluations
+    assert next_one.step == pytest.approx(900.0)  # 100 steps per $1 between the fitted evaluations
     assert later.dollars is None and not later.projected  # only the next target is projected
-    flat = cost_to_reach(evals((1.0, 3.0), (2.0, 3.1)), [2.0])[0]
+    flat = cost_to_reach(evals((1.0, 3.0), (2.0, 3.1), (3.0, 3.2)), [2.0])[0]
     assert flat.dollars is None  # a loss that is not falling projects nothing
+
+
+def test_two_evaluations_project_nothing():
+    (cost,) = cost_to_reach(evals((1.0, 4.0), (3.0, 2.0)), [1.0])
+    assert cost.dollars is None and not cost.projected
     # A rewind: the redone evaluation replaces the lost one.
     redone = [*evals((1.0, 4.0), (3.0, 3.5)), {**evals((4.0, 2.0))[0], "step": 200}]
     assert cost_to_reach(redone, [3.0])[0].dollars == pytest.approx(1.0 + 3.0 * 0.5)

@@ -35,3 +35,15 @@ def test_report_without_matplotlib_says_what_to_install(capsys, tmp_path, monkey
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
     code, out = run(capsys, "report", str(tmp_path))
     assert code == 2 and "matplotlib, which is not installed — pip install 'archipelago[viz]'" in out
+
+
+def test_prices_read_at_80_columns_with_every_device_name_whole(capsys, monkeypatch):
+    from topology import catalog
+
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out = run(capsys, "prices")
+    lines = out.splitlines()
+    assert code == 0 and max(len(line) for line in lines) <= 80 and "…" not in out
+    names = {line.split("│")[1].strip() for line in lines if line.startswith("│")}
+    assert names == {model.key for model in catalog.MODELS}
+    assert "$/TF·h spot" in out and "left out at 80 columns" in out  # the sort key stays, the least useful go

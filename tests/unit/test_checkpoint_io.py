@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import pickle
+import zlib
 
 import pytest
 import torch
@@ -78,7 +79,7 @@ def test_extra_files_are_written_before_the_commit_and_a_save_replaces_a_stale_s
     target.mkdir()
     (target / "__7_0.distcp").write_bytes(b"left by a crashed save with more ranks")
     save_checkpoint({"x": torch.ones(4)}, target, extra={"archipelago.json": b'{"step": 5}'}).result()
-    assert sorted(p.name for p in target.iterdir()) == [".metadata", "__0_0.distcp", "archipelago.json"]
+    assert sorted(p.name for p in target.iterdir()) == [".metadata", "__0_0.distcp", "archipelago.json", "checksums.json"]
     assert json.loads((target / "archipelago.json").read_text()) == {"step": 5}
 
 
@@ -119,24 +120,23 @@ def test_incompatible_checkpoints_are_refused_with_the_reason(tmp_path):
     model, optimizer = trained(0)
     checkpoint.save(tmp_path / "ck", model, optimizer, info(1))
     saved = checkpoint.read_info(tmp_path / "ck")
+    job = {"identity": IDENTITY, "seed": CONFIG.train.seed, "tokenizer": "bytes",
+           "global_batch_size": CONFIG.train.global_batch_size, "directory": tmp_path / "ck"}
     with pytest.raises(CheckpointError, match="trained on 'bytes' tokens, the dataset has 'hf-json:abc'"):
-        checkpoint.check_compatible(saved, identity=IDENTITY, seed=CONFIG.train.seed, tokenizer="hf-json:abc",
-                                    directory=tmp_path / "ck")
-    reseeded = dataclasses.replace(CONFIG, train=dataclasses.replace(CONFIG.train, seed=CONFIG.train.seed + 1))
+        checkpoint.check_compatible(saved, **{**job, "tokenizer": "hf-json:abc"})
     with pytest.raises(CheckpointError, match=f"seed = {CONFIG.train.seed}, the config has {CONFIG.train.seed + 1}"):
-        checkpoint.check_compatible(saved, identity=IDENTITY, seed=reseeded.train.seed, tokenizer="bytes",
-                                    directory=tmp_path / "ck")
-    checkpoint.check_compatible(saved, identity=IDENTITY, seed=CONFIG.train.seed, tokenizer="bytes",
-                                directory=tmp_path / "ck")  # the same job resumes
-    legacy = checkpoint.CheckpointInfo(**{**json.loads((tmp_path / "ck" / "archipelago.json").read_text()),
-                                          "sampler": "numpy-permutation"})
+        checkpoint.check_compatible(saved, **{**job, "seed": CONFIG.train.seed + 1})
+    with pytest.raises(CheckpointError, match="global_batch_size = 4 samples, the config has 8"):
+        checkpoint.check_compatible(saved, **{**job, "global_batch_size": 8})
+    checkpoint.check_compatible(saved, **job)  # the same job resumes
+    fields = json.loads((tmp_path / "ck" / "archipelago.json").read_text())
+    legacy = dataclasses.replace(saved, sampler="numpy-permutation")
+    assert fields["lr_schedule"]["decays"][0]["end_step"] == CONFIG.train.steps  # recorded for the resume
     with pytest.raises(CheckpointError, match="sampler 'numpy-permutation'.*start a new run"):
-        checkpoint.check_compatible(legacy, identity=IDENTITY, seed=CONFIG.train.seed, tokenizer="bytes",
-                                    directory=tmp_path / "ck")
+        checkpoint.check_compatible(legacy, **job)
     llama = make_workload(dataclasses.replace(CONFIG.model, kind="llama")).identity()
     with pytest.raises(CheckpointError, match="checkpoint is from another model.*kind: checkpoint None, config 'llama'"):
-        checkpoint.check_compatible(saved, identity=llama, seed=CONFIG.train.seed, tokenizer="bytes",
-                                    directory=tmp_path / "ck")
+        checkpoint.check_compatible(saved, **{**job, "identity": llama})
 
 
 def test_gpt_checkpoints_record_the_model_keys_they_always_have():
@@ -158,7 +158,7 @@ def test_run_directory_lists_only_committed_steps(tmp_path):
     save_checkpoint({"x": torch.ones(2)}, run.checkpoints.step(4), extra={"archipelago.json": b"{}"}).result()
     (run.path / "step_00000008").mkdir()  # a save that never committed
     assert run.committed_checkpoints() == [run.path / "step_00000004"]
-    assert run.checkpoint_to_resume() == run.path / "step_00000004"
+    assert run.checkpoint_to_resume() == (run.path / "step_00000004", [])
     assert run.storage_path == str(tmp_path.resolve())
 
 
@@ -178,7 +178,7 @@ def test_a_new_run_refuses_old_steps_in_checkpoint_storage_on_another_disk(tmp_p
 
 @pytest.mark.parametrize("damage", [lambda p: p.write_bytes(p.read_bytes()[:ALIGN + 100]), lambda p: p.unlink()],
                          ids=["truncated", "missing"])
-def test_a_damaged_data_file_is_a_checkpoint_error_that_names_the_step_to_delete(tmp_path, damage):
+def test_a_damaged_data_file_is_a_checkpoint_error_that_says_how_to_resume(tmp_path, damage):
     store = CheckpointStore(tmp_path)
     save_checkpoint({"w": torch.arange(10_000, dtype=torch.float32)}, store.step(2)).result()
     (data_file,) = store.step(2).local_path.glob("*.distcp")
@@ -187,7 +187,7 @@ def test_a_damaged_data_file_is_a_checkpoint_error_that_names_the_step_to_delete
         load_checkpoint({"w": torch.zeros(10_000)}, store.step(2))
     text = str(info.value)
     assert str(data_file) in text and "damaged" in text and "dataset" not in text
-    assert f"delete {store.step(2)} to resume from the previous committed step" in text
+    assert "run again with --resume: it checks each committed step and resumes from the newest intact one" in text
 
 
 def test_load_takes_the_info_its_caller_already_read(tmp_path):
@@ -207,3 +207,56 @@ def test_rewinding_metrics_keeps_the_committed_steps_and_leaves_no_temporary_fil
     run.rewind_metrics(4)
     assert [json.loads(line)["step"] for line in run.metrics_path.read_text().splitlines()] == [0, 2, 4]
     assert sorted(p.name for p in run.path.iterdir()) == ["metrics.jsonl"]
+
+
+def saved_steps(run: RunDirectory, *steps: int) -> None:
+    model, optimizer = trained(0)
+    for step in steps:
+        checkpoint.save(run.checkpoints.step(step), model, optimizer, info(step)).result()
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (lambda step: next(step.glob("*.distcp")).write_bytes(b"\0" * next(step.glob("*.distcp")).stat().st_size),
+     "has {size} bytes with crc32"),  # the same size, other bytes: only the checksum tells
+    (lambda step: (step / ".metadata").write_bytes(b"\x80\x04garbage" * 10), ".metadata is unreadable"),
+    (lambda step: (step / "archipelago.json").write_text("{}"), "archipelago.json has 2 bytes"),
+    (lambda step: next(step.glob("*.distcp")).unlink(), "is missing"),
+], ids=["bytes-changed", "metadata-garbage", "info-replaced", "file-missing"])
+def test_resume_falls_back_past_a_damaged_newest_step_and_keeps_it(tmp_path, damage, problem):
+    run = RunDirectory(tmp_path, "job")
+    run.create(overwrite=False)
+    saved_steps(run, 4, 8)
+    newest = run.path / "step_00000008"
+    size = next(newest.glob("*.distcp")).stat().st_size
+    damage(newest)
+    latest, damaged = run.checkpoint_to_resume()
+    assert latest == run.path / "step_00000004"
+    (step,) = damaged
+    assert step.step == 8 and problem.format(size=size) in step.problem
+    assert step.moved_to.local_path == run.path / "step_00000008.damaged" and step.moved_to.local_path.is_dir()
+    assert run.committed_checkpoints() == [run.path / "step_00000004"]  # the workers load step 4
+    model, optimizer = trained(1)
+    assert checkpoint.load(latest, model, optimizer)[0].step == 4
+
+
+def test_a_run_whose_every_step_is_damaged_says_so(tmp_path):
+    run = RunDirectory(tmp_path, "job")
+    run.create(overwrite=False)
+    saved_steps(run, 4)
+    (run.path / "step_00000004" / ".metadata").write_bytes(b"not a pickle")
+    with pytest.raises(CheckpointError, match="every committed checkpoint is damaged; the newest, step 4: "
+                                              ".metadata is unreadable"):
+        run.checkpoint_to_resume()
+    assert (run.path / "step_00000004.damaged").is_dir()
+
+
+def test_every_file_of_a_committed_step_has_its_checksum(tmp_path):
+    run = RunDirectory(tmp_path, "job")
+    run.create(overwrite=False)
+    saved_steps(run, 2)
+    step = run.path / "step_00000002"
+    sums = json.loads((step / "checksums.json").read_text())
+    assert set(sums) == {p.name for p in step.iterdir()} - {".metadata", "checksums.json"}
+    for name, written in sums.items():
+        data = (step / name).read_bytes()
+        assert written == {"bytes": len(data), "crc32": zlib.crc32(data)}

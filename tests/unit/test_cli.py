@@ -1,6 +1,5 @@
 """Bad input on the command line: one clear line, a non-zero exit, no traceback."""
 
-import json
 import subprocess
 import sys
 
@@ -8,7 +7,6 @@ import pytest
 
 from orchestrator.cli import main
 from tests.conftest import tiny_job
-from workers.models import make_workload
 
 
 def run_cli(capsys, *argv):
@@ -62,13 +60,15 @@ def test_prepare_into_an_occupied_directory(capsys, tmp_path, corpus_dir):
 
 def test_resume_with_a_checkpoint_of_another_model(capsys, tmp_path, dataset_dir):
     # A committed checkpoint of a 2-layer model, then a config for a 1-layer model resuming the run.
-    job = tiny_job(dataset_dir, tmp_path / "runs")
+    from tests.checkpoint_support import trained
+    from tests.engine_support import job_spec
+    from workers import checkpoint as checkpoints
+
+    two_layers = tiny_job(dataset_dir, tmp_path / "runs", model={"n_layer": 2})
     checkpoint = tmp_path / "runs" / "tiny" / "step_00000004"
-    checkpoint.mkdir(parents=True)
-    (checkpoint / ".metadata").write_bytes(b"")
-    info = {"step": 4, "consumed_samples": 32, "model": {**make_workload(job.model).identity(), "n_layer": 2},
-            "tokenizer": "bytes", "seed": 0, "global_batch_size": 8}
-    (checkpoint / "archipelago.json").write_text(json.dumps(info))
+    model, optimizer = trained(0, two_layers)
+    checkpoints.save(checkpoint, model, optimizer,
+                     checkpoints.CheckpointInfo.for_spec(job_spec(two_layers), 4, 32)).result()
     toml = "\n".join(['name = "tiny"', f'runs_dir = "{tmp_path / "runs"}"',
                       "[model]", "n_layer = 1", "n_head = 2", "n_embd = 32", "seq_len = 32",
                       "[data]", f'path = "{dataset_dir}"'])
@@ -96,3 +96,39 @@ def test_debug_shows_the_traceback(tmp_path):
     from core.errors import ConfigError
     with pytest.raises(ConfigError):
         main(["--debug", "fit", str(tmp_path / "nope.toml")])
+
+
+def test_an_interrupted_fit_names_its_config_in_the_resume_hint(capsys, tmp_path, monkeypatch, dataset_dir):
+    from orchestrator import Orchestrator
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(Orchestrator, "fit", interrupted)
+    job = write_job(tmp_path, f'[data]\npath = "{dataset_dir}"\n')
+    code, out = run_cli(capsys, "fit", job)
+    assert code == 130 and f"`archipelago fit {job} --resume` continues" in out.replace("\n", "")
+
+
+def test_an_address_that_answers_but_is_no_ray_head_stops_within_the_connect_timeout(capfd):
+    """The kernel completes TCP handshakes on a listening socket that never accepts: the port answers, and
+    Ray's join would retry for minutes. The command gives up after --connect-timeout with one line."""
+    import socket
+    import time
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        started = time.monotonic()
+        code = main(["topology", "--address", f"127.0.0.1:{silent.getsockname()[1]}", "--connect-timeout", "2"])
+        took = time.monotonic() - started
+    out = capfd.readouterr()
+    assert code == 2 and out.out.strip().count("\n") == 0 and "no gRPC handshake within 2 s" in out.out
+    assert out.err == "" and 2 <= took < 10  # nothing of Ray's: its join retries print to stderr
+
+
+def test_a_data_path_that_holds_no_dataset_is_named_and_nothing_is_prepared_there(capsys, tmp_path):
+    typo = tmp_path / "data" / "stdlib-byts"
+    job = write_job(tmp_path, f'runs_dir = "{tmp_path / "runs"}"\n[data]\npath = "{typo}"\n')
+    code, out = run_cli(capsys, "fit", job)
+    line = out.replace("\n", "")
+    assert code == 2 and f"[data] path = '{typo}': no prepared dataset there" in line
+    assert f"`archipelago prepare --source DIR --out {typo}`" in line
+    assert not typo.exists() and not (tmp_path / "runs").exists()  # nothing prepared, no run started

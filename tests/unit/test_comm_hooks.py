@@ -20,9 +20,9 @@ SIZES = (1000, 37, 4099)  # odd sizes: the hierarchical hook pads to the island 
 class Params(torch.nn.Module):
     """Gradient of each parameter = the input given for it, so tests choose the gradients exactly."""
 
-    def __init__(self):
+    def __init__(self, sizes: tuple[int, ...] = SIZES):
         super().__init__()
-        self.p = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(n)) for n in SIZES)
+        self.p = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(n)) for n in sizes)
 
     def forward(self, xs):
         return sum((p * x).sum() for p, x in zip(self.p, xs))
@@ -52,6 +52,38 @@ def reduce_with(hook_name: str, rank: int, world: int, integer: bool, steps: int
     return [p.grad.clone() for p in model.module.p], step_bytes
 
 
+FEEDBACK_SIZE = 2048
+"""One parameter, one bucket of two 1024-element scale blocks, for the error-feedback test."""
+
+
+def feedback_gradient(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gradient, where it is large): 10 % of the entries ±127 (a scale of exactly 1, codes ±127, so
+    what is sent is exact) at places that differ by rank, the rest small multiples of 2**-8."""
+    g = torch.Generator().manual_seed(7 + rank)
+    large = torch.zeros(FEEDBACK_SIZE, dtype=torch.bool)
+    large[torch.randperm(FEEDBACK_SIZE, generator=g)[:FEEDBACK_SIZE // 10]] = True
+    small = torch.randint(-4, 5, (FEEDBACK_SIZE,), generator=g) / 256
+    signs = torch.randint(0, 2, (FEEDBACK_SIZE,), generator=g) * 2 - 1
+    return torch.where(large, 127.0 * signs, small), large
+
+
+def carried_residuals(rank: int, world: int, steps: int = 3) -> dict:
+    """The top-k hook's residual after each step (the same gradient every step), and the averaged
+    gradient of the last."""
+    stats = CommStats()
+    model = DistributedDataParallel(Params((FEEDBACK_SIZE,)))
+    hook, state = make_hook("topk", stats=stats, world_size=world, islands=None, warmup_steps=0, powersgd_rank=2,
+                            topk_ratio=0.1)
+    model.register_comm_hook(state, hook)
+    residuals = []
+    for _ in range(steps):
+        model.zero_grad()
+        model([feedback_gradient(rank)[0]]).backward()
+        (residual,) = state.residuals.values()
+        residuals.append(residual.tolist())
+    return {"residuals": residuals, "averaged": model.module.p[0].grad.tolist()}
+
+
 def hook_ranks(rank: int, world: int) -> dict:
     plain, plain_bytes = reduce_with("allreduce", rank, world, integer=True)
     hier, hier_bytes = reduce_with("hierarchical", rank, world, integer=True)
@@ -70,6 +102,7 @@ def hook_ranks(rank: int, world: int) -> dict:
         "topk_ramp_bytes": ramp_bytes,
         "topk_warmup_bytes": warm_bytes,
         "topk_nonzero_share": sum(int((g != 0).sum()) for g in topk) / sum(SIZES),
+        "feedback": carried_residuals(rank, world),
     }
 
 
@@ -133,6 +166,19 @@ def test_topk_sends_a_fraction_and_reduces_to_sparse_gradients(results):
     # an element) a slot is 4.5% of fp32, plus headers and scales (3-byte entries would be 8.25%)
     assert results["bytes"]["topk"] < 0.055 * sum(SIZES) * 4
     assert 0.1 <= results["topk_nonzero_share"] <= 4 * 0.1 + 0.01  # union of 4 ranks' selections
+
+
+def test_topk_carries_what_it_did_not_send_into_the_next_step(results):
+    """Error feedback: each step sends the 10 % large entries of gradient + residual and keeps the rest
+    in the residual, so after step t it holds t times the small entries, exactly (the large ones are
+    sent exactly: codes ±127 at a scale of 1). A residual zeroed or lost between steps holds them
+    once; one never cleared of what was sent holds the large entries too."""
+    gradient, large = feedback_gradient(0)
+    for step, residual in enumerate(results["feedback"]["residuals"], start=1):
+        assert torch.equal(torch.tensor(residual), torch.where(large, 0.0, step * gradient)), step
+    # What the 4 ranks sent, averaged: their large entries, each rank's at its own places.
+    sent = sum(torch.where(large, gradient, 0.0) for gradient, large in map(feedback_gradient, range(4))) / 4
+    assert torch.equal(torch.tensor(results["feedback"]["averaged"]), sent)
 
 
 def test_an_unknown_topk_wire_is_refused_by_name():

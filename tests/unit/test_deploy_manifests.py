@@ -17,7 +17,6 @@ from tests.deploy_support import (
     DEPLOY,
     MANIFESTS,
     Manifest,
-    crd_directory,
     crd_schemas,
     devices_per_pod,
     job_config_toml,
@@ -25,9 +24,6 @@ from tests.deploy_support import (
     one,
     schema_errors,
 )
-
-pytestmark = pytest.mark.skipif(not crd_directory().is_dir(),
-                                reason=f"KubeRay CRDs not found at {crd_directory()} (set ARCHIPELAGO_KUBERAY_CRDS)")
 
 DOCS = load_manifests()
 

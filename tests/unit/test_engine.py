@@ -97,13 +97,22 @@ def distributed_runs(rank: int, world: int, data_dir: str) -> dict:
     text_job = {"model": {"n_layer": 2, "n_head": 2, "n_embd": 64, "seq_len": 32},
                 "train": {"global_batch_size": 16, "micro_batch_size": 8, "lr": 3e-3, "min_lr": 3e-3,
                           "warmup_steps": 0}, "cluster": {"num_workers": 2}}
-    for name, parallel in {"text_allreduce": {}, "text_topk": {"comm_hook": "topk", "topk_ratio": 0.07,
-                                                                "topk_ramp_steps": 80, "comm_warmup_steps": 0}}.items():
+    topk = {"comm_hook": "topk", "topk_ratio": 0.07, "topk_ramp_steps": 80, "comm_warmup_steps": 0}
+    for name, parallel in {"text_allreduce": {}, "text_topk": topk, "text_topk_no_feedback": topk}.items():
         engine = Engine(engine_spec(JobConfig.from_dict({**text_job, "parallel": parallel}), world, 8, 1), rank,
                         torch.device("cpu"))
+        if name == "text_topk_no_feedback":
+            engine.wrapped.hook_state.residuals = Forgetful()
         results[name] = {"losses": text_losses(engine, data_dir, rank, world, TEXT_STEPS),
                          **_plain(engine.window_metrics())}
     return results
+
+
+class Forgetful(dict):
+    """Error feedback off: the top-k hook's residuals, never kept, so every step starts from zeros."""
+
+    def __setitem__(self, key, value) -> None:
+        pass
 
 
 def _plain(metrics: dict) -> dict:
@@ -148,7 +157,10 @@ def test_ddp_reports_communication(runs):
     ddp = runs["ddp"]
     params = sum(p.numel() for p in GPT(job().model).parameters())
     assert ddp["comm_bytes"] == STEPS * params * 4  # every step all-reduces every fp32 gradient once
-    assert ddp["comm_s"] > 0 and 0.0 <= ddp["overlap_ratio"] <= 1.0 and ddp["exposed_comm_s"] >= 0
+    assert ddp["comm_s"] > 0 and 0.0 <= ddp["overlap_ratio"] <= 1.0
+    # Exposed is the communication that did not overlap backward (the ratio is rounded to 4 places).
+    assert ddp["exposed_comm_s"] == pytest.approx(ddp["comm_s"] * (1 - ddp["overlap_ratio"]),
+                                                  abs=1e-4 * ddp["comm_s"])
 
 
 def test_topk_with_error_feedback_tracks_uncompressed_training(runs):
@@ -252,6 +264,10 @@ def test_topk_with_error_feedback_tracks_uncompressed_training(runs):
     topk, plain = runs["text_topk"], runs["text_allreduce"]
     final = lambda losses: sum(losses[-10:]) / 10  # noqa: E731
     assert final(topk["losses"]) <= 1.05 * final(plain["losses"])
+    # Error feedback is what buys most of that: the same run with the residual forgotten every step
+    # ends further above plain all-reduce (+3.6 % against +0.9 % at this seed, measured).
+    gap = lambda run: final(run["losses"]) / final(plain["losses"]) - 1  # noqa: E731
+    assert gap(topk) < 0.5 * gap(runs["text_topk_no_feedback"])
     assert final(plain["losses"]) < plain["losses"][0] - 2.0
     assert topk["comm_bytes"] <= 0.05 * plain["comm_bytes"]
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from core.config import JobConfig
-from core.errors import DataError
+from core.errors import ConfigError, DataError
 from storage import chat
 from storage.flags import flag, unpack
 from storage.prepare import prepare_dataset
@@ -191,5 +191,5 @@ def test_a_built_in_llama_exports_to_the_transformers_model_of_its_logits(tmp_pa
     tokens = unpack(packed_sample()).inputs
     with torch.no_grad():
         torch.testing.assert_close(exported(input_ids=tokens).logits, model(tokens), rtol=1e-4, atol=1e-5)
-    with pytest.raises(Exception, match="not empty"):
+    with pytest.raises(ConfigError, match="is not an empty directory"):
         write_hf(model, config, tmp_path / "out")

@@ -1,8 +1,8 @@
 """The Elias-Fano wire's Triton kernels (kernels/triton_wire.py), run by Triton's CPU interpreter,
 against their torch twins in kernels/wire.py: the same wire bytes, the same decoded payloads.
 
-Skips where triton is not installed (the CPU-only venv); tests/gpu/test_kernels_triton.py runs the
-compiled kernels on a GPU."""
+Skips where triton is not installed (`make test` installs it; under CI=true a skip fails);
+tests/gpu/test_kernels_triton.py runs the compiled kernels on a GPU."""
 
 import importlib.util
 

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from core.config import ModelConfig, TrainConfig
+from core.schedule import LrSchedule
 from workers.models.gpt import GPT
-from workers.optim import build_optimizer, lr_at
+from workers.optim import build_optimizer
 
 CFG = ModelConfig(n_layer=2, n_head=2, n_embd=64, seq_len=32, vocab_size=257)
 
@@ -56,11 +57,11 @@ def test_weight_decay_only_on_matrices():
 
 
 def test_schedule_warms_up_then_decays_to_min_lr():
-    cfg = TrainConfig(steps=100, lr=1e-3, min_lr=1e-4, warmup_steps=10)
-    assert lr_at(0, cfg) == 1e-4
-    assert lr_at(9, cfg) == 1e-3
-    assert abs(lr_at(55, cfg) - 5.5e-4) < 1e-9  # cosine midpoint
-    assert abs(lr_at(100, cfg) - 1e-4) < 1e-12
+    schedule = LrSchedule.for_train(TrainConfig(steps=100, lr=1e-3, min_lr=1e-4, warmup_steps=10))
+    assert schedule.lr_at(0) == 1e-4
+    assert schedule.lr_at(9) == 1e-3
+    assert abs(schedule.lr_at(55) - 5.5e-4) < 1e-9  # cosine midpoint
+    assert abs(schedule.lr_at(100) - 1e-4) < 1e-12
 
 
 def test_an_unknown_loss_kernel_is_refused_not_taken_as_plain():

@@ -103,11 +103,10 @@ def test_overlap_trains_exactly_as_plain_ddp(runs, overlapped, plain):
     assert theirs["losses"][-1] < theirs["losses"][0]
 
 
-def test_overlap_counts_bytes_and_the_time_the_forward_waited(runs):
+def test_overlap_counts_bytes_and_leaves_out_ddps_overlap_ratio(runs):
     params = sum(p.numel() for p in GPT(job().model).parameters())
     assert runs["overlap"]["metrics"]["comm_bytes"] == STEPS * params * 4
     assert runs["overlap_bf16"]["metrics"]["comm_bytes"] == STEPS * params * 2
-    assert runs["overlap"]["metrics"]["exposed_comm_s"] >= 0
     assert "overlap_ratio" not in runs["overlap"]["metrics"]  # DDP's timers would see every bucket done at once
 
 

@@ -42,6 +42,9 @@ def test_plan_prints_the_table_beside_the_naive_plan_and_saves_it(capsys, tmp_pa
     assert "plan 'tiny-gpu' (fastest)" in out and "naive (Ray PACK, uniform)" in out and "naive / planned" in out
     assert "$/M tokens" in out and "exposed comm s" in out
     plan = Plan.load(tmp_path / "plan.json")
+    sizes = plan.replica_micro_batch_sizes()
+    stated = f"global batch {plan.global_batch_size} = ({' + '.join(map(str, sizes))}) × {plan.grad_accum_steps} accumulation"
+    assert stated in out.replace("\n", " ") and sum(sizes) * plan.grad_accum_steps == plan.global_batch_size
     assert json.loads((tmp_path / "plan.json").read_text())["format"] == "archipelago.plan"
     assert plan.job_name == "tiny-gpu" and plan.uses_gpus
     assert (tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"

@@ -64,3 +64,22 @@ def test_report_html_holds_the_numbers_the_events_and_every_plot(run_dir):
     assert "<td>step time (s)</td><td>0.4</td><td>0.5</td><td>+25%</td>" in page  # predicted, measured, error
     assert [p.name for p in rendered.plots] == [f"{name}.png" for name in PLOTS]
     assert page.count("data:image/png;base64,") == len(PLOTS)
+
+
+def test_comparing_runs_with_different_tokenizers_says_their_losses_do_not_compare(run_dir, tmp_path, capsys):
+    import dataclasses
+    import shutil
+
+    from orchestrator.cli import main
+
+    other = tmp_path / "bpe"
+    shutil.copytree(run_dir, other)
+    bpe = dataclasses.replace(RunReport.load(other), name="bpe", run_dir=str(other), tokenizer="hf-json:5c1f9a")
+    bpe.save(other / "report.json")
+    code = main(["report", str(run_dir), str(other), "--out", str(tmp_path / "both")])
+    out = capsys.readouterr().out.replace("\n", " ")
+    assert code == 0 and ("careful: their losses are not comparable: 'elastic' was trained on 'bytes' tokens and "
+                          "'bpe' on 'hf-json:5c1f9a'") in out
+    assert "Careful: their losses are not comparable" in (tmp_path / "both" / "report.html").read_text()
+    same = dataclasses.replace(bpe, tokenizer="bytes")
+    assert RunReport.load(run_dir).losses_compare_with(same) is None

@@ -162,3 +162,52 @@ def test_datasets_and_verify_take_a_manifest_read_once(dataset_dir, tmp_path):
     assert train.manifest is val.manifest is manifest and val.num_samples > 0
     assert train.batch(np.array([0, 5])).shape == (2, 33)
     assert verify_dataset(copy, manifest=manifest).ok
+
+
+def damaged_copy(dataset_dir, tmp_path, damage):
+    """A copy of the dataset whose first train shard went through `damage(bytes) -> bytes` (the same size)."""
+    import shutil
+    copy = tmp_path / "copy"
+    shutil.copytree(dataset_dir, copy)
+    path = copy / read_manifest(copy).split("train")[0].path
+    path.write_bytes(damage(path.read_bytes()))
+    return copy, path
+
+
+def test_a_shard_header_of_garbage_is_a_data_error_in_training_and_a_bad_shard_in_verify(dataset_dir, tmp_path,
+                                                                                        capsys):
+    from orchestrator.cli import main
+
+    copy, path = damaged_copy(dataset_dir, tmp_path, lambda b: b[:8] + b"\xff\xfe" * 100 + b[208:])
+    with pytest.raises(DataError) as info:
+        TokenDataset(copy, "train", 32).batch(np.arange(4))
+    assert str(info.value).startswith(f"{path}, offset 8: shard header is not a JSON object")
+    assert main(["verify", str(copy)]) == 1
+    out = capsys.readouterr().out
+    assert f"bad shard: {path}: shard header is not a JSON object" in out.replace("\n", "") and "Traceback" not in out
+
+
+def test_a_shard_whose_bytes_changed_is_named_at_its_first_read(dataset_dir, tmp_path):
+    every_a = lambda b: b[:HEADER_BYTES] + b"a\0" * ((len(b) - HEADER_BYTES) // 2)  # noqa: E731 - token 97 throughout
+    copy, path = damaged_copy(dataset_dir, tmp_path, every_a)
+    TokenDataset(copy, "train", 32, checksum_percent=0).batch(np.arange(4))  # in the vocabulary: unseen unchecked
+    with pytest.raises(DataError) as info:
+        TokenDataset(copy, "train", 32, checksum_percent=100).batch(np.arange(4))
+    assert str(info.value).startswith(f"{path}: crc32 mismatch") and f"archipelago verify {copy}" in str(info.value)
+
+
+def test_a_token_outside_the_vocabulary_is_named_by_shard_and_offset_whatever_the_checksum_share(dataset_dir,
+                                                                                                 tmp_path):
+    import torch
+
+    from storage.loader import BatchLoader
+    from storage.readers import choose_reader
+
+    bad_at = HEADER_BYTES + 2 * 40  # the 41st token of the shard: inside sample 1 (tokens 32–64)
+    copy, path = damaged_copy(dataset_dir, tmp_path, lambda b: b[:bad_at] + b"\xff\xff" + b[bad_at + 2:])
+    data = TokenDataset(copy, "train", 32, checksum_percent=0)
+    with BatchLoader(data, choose_reader("posix", data.location, torch.device("cpu")), torch.device("cpu")) as loader:
+        assert loader.load([np.array([0])])[0].shape == (1, 33)  # sample 0 is whole
+        with pytest.raises(DataError) as info:
+            loader.load([np.array([0, 1])])
+    assert str(info.value).startswith(f"{path}, offset {bad_at}: token id 65535 ≥ vocabulary size 257")

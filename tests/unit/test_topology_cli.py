@@ -115,3 +115,11 @@ def test_label_values_stay_valid_and_distinct():
         parse_node_labels_string(f"archipelago.io/x={value}")
     assert label_value(long_a) != label_value(long_b)
     assert label_value("host_7/nvl:0") == "host_7-nvl-0"
+
+
+def test_the_map_reads_at_80_columns_leaving_out_uuids_first(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    code, text = run(capsys, "topology", "--generate", "8xH100-SXM:1,1xH100-MIG7:1")
+    assert code == 0 and max(len(line) for line in text.splitlines()) <= 80 and "…" not in text
+    assert "H100-SXM5-80GB" in text and "8xh100-sxm-0-nvl0" in text and "bf16 TFLOP/s" in text
+    assert "(UUID, SMs, CPUs, NUMA left out at 80 columns" in text and "GPU-" not in text
