@@ -193,3 +193,26 @@ def test_a_built_in_llama_exports_to_the_transformers_model_of_its_logits(tmp_pa
         torch.testing.assert_close(exported(input_ids=tokens).logits, model(tokens), rtol=1e-4, atol=1e-5)
     with pytest.raises(ConfigError, match="is not an empty directory"):
         write_hf(model, config, tmp_path / "out")
+
+
+def test_shard_checks_read_the_token_ids_under_the_flags(tmp_path):
+    from storage.verify import verify_dataset
+
+    source = tmp_path / "chats"
+    source.mkdir()
+    lines = [json.dumps({"messages": [{"role": r, "content": c} for r, c in turns]}) for turns in TURNS * 30]
+    (source / "a.jsonl").write_text("\n".join(lines) + "\n")
+    prepare_dataset(str(source), tmp_path / "data", source_format="chat", seq_len=SEQ, workers=1)
+    train = TokenDataset(tmp_path / "data", "train", SEQ, checksum_percent=100.0)
+    words = train.batch(np.arange(train.num_samples))  # flagged words far above the vocabulary pass the checks
+    assert int(words.max()) >= 1 << 31 and verify_dataset(tmp_path / "data").ok
+    damaged = words[0].astype(np.uint32)
+    damaged[5] = (1 << 31) | 300  # a counted target whose id is past the bytes tokenizer's 257
+    with pytest.raises(DataError, match="token id 300 ≥ vocabulary size 257") as raised:
+        train.check_token_ids(train.extents(np.array([0])), damaged)
+    assert raised.value.where.endswith(f"offset {train.extents(np.array([0]))[0].file_offset + 5 * 4}")
+    shard = tmp_path / "data" / train.shards[0].path
+    payload = bytearray(shard.read_bytes())
+    payload[-4:] = np.uint32((1 << 31) | 300).tobytes()
+    shard.write_bytes(bytes(payload))
+    assert "token id 300 ≥ vocabulary size 257" in verify_dataset(tmp_path / "data").problems[0].problem
