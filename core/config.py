@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 import tomllib
 import types
@@ -21,6 +22,7 @@ from typing import Any, Literal
 
 from core import rules
 from core.errors import ConfigError
+from core.hf_config import CONFIG_FILE, builtin_llama_refusal, read_hf_config, shape_of
 
 
 def _check(ok: bool, key: str, problem: str, fix: str) -> None:
@@ -47,10 +49,16 @@ naming a preset starts from these, and the keys it gives itself win (seq_len is 
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
-    kind: Literal["gpt", "llama", "custom"] = "gpt"
+    kind: Literal["gpt", "llama", "custom", "hf"] = "gpt"
     """gpt: the built-in GPT-2-style transformer (workers/models/gpt.py); llama: the built-in Llama-3
     family (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU; workers/models/llama.py);
-    custom: the nn.Module (or workload) that `factory` returns."""
+    custom: the nn.Module (or workload) that `factory` returns; hf: the transformers causal LM that
+    `hf_dir`'s config.json describes (workers/models/hf.py)."""
+    hf_dir: str = ""
+    """A local directory holding a Hugging Face model's config.json, and its *.safetensors weights when
+    it has any (a sharded model's index too), seen by every node. kind = "hf": that model, from its
+    weights or initialised; kind = "llama": the built-in Llama shaped from it and started from its
+    weights (Llama and Mistral shapes). The shape keys (n_layer, n_embd, vocab_size, …) come from the file."""
     preset: str = ""
     """A named shape to start from: llama3-1b, llama3-3b or llama3-8b (MODEL_PRESETS)."""
     n_layer: int = 4
@@ -94,7 +102,7 @@ class ModelConfig:
                   seq_len=self.seq_len, vocab_size=self.vocab_size, norm_eps=self.norm_eps)
         _check(not self.preset or self.preset in MODEL_PRESETS, "[model] preset", f"{self.preset!r} is not a preset",
                f"use one of {', '.join(MODEL_PRESETS)}, or size the model with n_layer, n_embd, …")
-        _check(self.n_embd % self.n_head == 0, "[model] n_head",
+        _check(self.kind == "hf" or self.n_embd % self.n_head == 0, "[model] n_head",
                f"n_embd = {self.n_embd} is not divisible by n_head = {self.n_head}",
                "pick n_head so that n_embd / n_head is a whole number (e.g. 64 per head)")
         _check(0.0 <= self.dropout < 1.0, "[model] dropout", f"must be in [0, 1), got {self.dropout}",
@@ -113,10 +121,21 @@ class ModelConfig:
                    f"size; n_embd / n_head = {self.n_embd // self.n_head}", "pick n_head so that each head is even")
             _check(not self.bias and self.dropout == 0, "[model]", "the llama model has no bias terms and no dropout",
                    "set bias = false and dropout = 0.0")
+        self._check_hf_dir()
         _check(self.kind == "custom" or (not self.factory and not self.options), "[model] factory",
                f'kind = "{self.kind}" builds its own model', 'set kind = "custom" to train the factory\'s model')
         _check(self.kind != "custom" or bool(self.factory), "[model] factory", 'kind = "custom" needs a factory',
                'set factory = "package.module:function" (a function of the [model] table returning an nn.Module)')
+
+    def _check_hf_dir(self) -> None:
+        _check(self.kind != "hf" or bool(self.hf_dir), "[model] hf_dir", 'kind = "hf" needs a model directory',
+               'set hf_dir = "path/to/model" (a directory holding its config.json)')
+        _check(not self.hf_dir or self.kind in ("hf", "llama"), "[model] hf_dir",
+               f'kind = "{self.kind}" does not load a Hugging Face model',
+               'use kind = "hf" (the transformers model) or kind = "llama" (the built-in, Llama shapes)')
+        if self.kind == "llama" and self.hf_dir:
+            refusal = builtin_llama_refusal(read_hf_config(self.hf_dir), f"{self.hf_dir}/{CONFIG_FILE}", self.seq_len)
+            _check(refusal is None, "[model] hf_dir", refusal or "", "or leave hf_dir out to train the built-in from scratch")
 
     @property
     def kv_heads(self) -> int:
@@ -138,9 +157,11 @@ class DataConfig:
     """When `path` holds no dataset yet, prepare it from this source first: a directory of files, or
     "stdlib" (the .py files of the running Python's standard library: the demo's corpus). Empty (the
     default) requires a prepared dataset at `path`: a path that holds none is an error naming it."""
-    source_format: Literal["text", "jsonl", "parquet", "arrow"] = "text"
+    source_format: Literal["text", "jsonl", "parquet", "arrow", "chat", "instruction"] = "text"
     """What `prepare_from` holds: text files (one document each), JSON Lines (one document per line),
-    or a Parquet / Arrow IPC dataset (one document per row)."""
+    a Parquet / Arrow IPC dataset (one document per row), or fine-tuning JSON Lines: conversations
+    ("chat": {"messages": [{"role", "content"}, …]}) or pairs ("instruction": {"prompt", "response"}),
+    stored with a loss mask over the responses and packed into samples of [model] seq_len (storage/chat.py)."""
     pattern: str = ""
     """Glob (matched recursively) selecting the files of `prepare_from`; empty is *.py for text,
     *.jsonl, *.parquet or *.arrow for the other formats."""
@@ -247,7 +268,20 @@ class TrainConfig:
     vocab) logits never exist: saves about 1 GiB at GPT-2 124M, B=32, but cost 5 % of the step
     there (benchmarks/RESULTS.md)."""
 
+    qat: Literal["", "int8-dynamic-act-int4-weight", "int8-weight"] = ""
+    """Quantization-aware training (workers/qat.py, torchao): the linear layers train fake-quantized as
+    they will run once quantized, and `archipelago export RUN --hf OUT --quantized` writes the really
+    quantized model. "int8-dynamic-act-int4-weight": int8 activations per token, int4 weights per group
+    of qat_group_size; "int8-weight": int8 weights per row. "" trains in full precision. The planner's
+    memory estimate does not count the fake quantization's temporaries."""
+    qat_group_size: int = 32
+    """Input features sharing one int4 weight scale (int8-dynamic-act-int4-weight); layers whose width it
+    does not divide stay in full precision."""
+
     def __post_init__(self) -> None:
+        _check(not self.qat or (self.precision != "fp8" and not self.bf16_weights), "[train] qat",
+               f"fake quantization does not combine with precision = {self.precision!r} / bf16_weights",
+               'use precision "fp32", "bf16" or "auto" without bf16_weights for quantization-aware training')
         _positive("train", steps=self.steps, global_batch_size=self.global_batch_size,
                   micro_batch_size=self.micro_batch_size, lr=self.lr, log_every=self.log_every,
                   eval_every=self.eval_every, eval_samples=self.eval_samples)
@@ -593,9 +627,18 @@ class BillConfig:
     prometheus: bool = True
     """Export loss, tokens/s, MFU and dollars as Prometheus metrics through Ray's metrics agent
     (ray.util.metrics; scraped from each node's metrics export port)."""
+    mlflow: bool = False
+    """Track the run in MLflow too (pip install 'archipelago[mlflow]'): the job config as params, the
+    bill's per-step numbers (TensorBoard's names) as metrics, and at the end the plan, the bill and
+    the report as artifacts; a resumed run continues its MLflow run."""
+    mlflow_uri: str = ""
+    """The MLflow tracking URI: a server ("https://mlflow.example.com"), "sqlite:///mlflow.db", or
+    "" for a local file store at <runs_dir>/mlruns (`mlflow ui --backend-store-uri runs/mlruns`)."""
     alerts: AlertsConfig = field(default_factory=AlertsConfig)
 
     def __post_init__(self) -> None:
+        _check(not self.mlflow or importlib.util.find_spec("mlflow") is not None, "[bill] mlflow",
+               "MLflow is not installed", "pip install 'archipelago[mlflow]', or set mlflow = false")
         for i, target in enumerate(self.targets):
             _check(0 < target < float("inf"), f"[bill] targets[{i}]", f"must be a positive loss, got {target}",
                    "list validation losses to reach, e.g. targets = [3.0, 2.5]")
@@ -765,11 +808,26 @@ def _model_table(data: dict[str, Any], names: list[str]) -> dict[str, Any]:
     preset = data.get("preset")
     if isinstance(preset, str) and preset in MODEL_PRESETS:
         data = {**MODEL_PRESETS[preset], **data}
+    if isinstance(data.get("hf_dir"), str) and data["hf_dir"]:
+        data = _with_hf_shape(data)
     if data.get("kind") == "custom":
         unknown = {key: value for key, value in data.items() if key not in names}
         data = {key: value for key, value in data.items() if key in names}
         data["options"] = {**data.get("options", {}), **unknown}
     return data
+
+
+def _with_hf_shape(data: dict[str, Any]) -> dict[str, Any]:
+    """The [model] table with the shape its hf_dir's config.json fixes (a key the table gives too must
+    agree), and hf_dir made absolute: the workers read its weights, and export its tokenizer, from
+    wherever they run."""
+    data = {**data, "hf_dir": str(Path(data["hf_dir"]).resolve())}
+    shape = shape_of(read_hf_config(data["hf_dir"]))
+    for key, value in shape.items():
+        _check(key not in data or data[key] == value, f"[model] {key}",
+               f"{data.get(key)!r} disagrees with {data['hf_dir']}/{CONFIG_FILE}, which says {value!r}",
+               f"leave {key} out: hf_dir's config.json sizes the model")
+    return {**data, **shape}
 
 
 def _convert(value: Any, hint: Any, where: str, key: str, path: str) -> Any:

@@ -4,7 +4,9 @@
     archipelago fit job.toml --address auto             # join a running cluster (or set RAY_ADDRESS)
     archipelago fit examples/cpu-tiny.toml --resume     # continue from the latest committed checkpoint
     archipelago prepare --source stdlib --out data/stdlib-bytes
+    archipelago prepare --source chats/ --format chat --seq-len 2048 --tokenizer hf:tokenizer.json --out data/chat
     archipelago verify data/stdlib-bytes                 # every shard's checksum; names any bad shard
+    archipelago export runs/sft --hf exported/sft        # the trained model as transformers loads it
     archipelago report runs/cpu-tiny                     # runs/cpu-tiny/report.html and its PNG plots
     archipelago report runs/a runs/b                     # two runs side by side (runs/compare-a-b/)
     archipelago prices --config job.toml                 # devices, peaks and prices in one unit ($ per bf16 TFLOP/s·h)
@@ -39,6 +41,7 @@ from core.errors import ArchipelagoError, ConfigError
 from orchestrator.accounting import calibrate
 from orchestrator.accounting.report import RunReport
 from orchestrator.accounting.report_html import render_report
+from orchestrator.export import export_run
 from orchestrator.fit import Orchestrator
 from planning.calibration import DEFAULT_FILE as DEFAULT_CALIBRATION_FILE
 from planning.calibration import Calibration
@@ -111,12 +114,21 @@ def _prepare(args: argparse.Namespace, console: Console) -> int:
         summary = prepare_dataset(
             args.source, args.out, pattern=args.pattern, source_format=args.format, text_column=args.text_column,
             val_percent=args.val_percent, shard_tokens=args.shard_tokens, tokenizer=args.tokenizer,
-            workers=args.workers, overwrite=args.overwrite,
+            workers=args.workers, overwrite=args.overwrite, seq_len=args.seq_len,
             on_progress=lambda done, total, tokens: bar.update(task, completed=done, total=total, tokens=tokens))
     console.print(f"{summary.directory}: {summary.documents['train']:,} train documents "
                   f"({summary.tokens['train']:,} tokens), {summary.documents['val']:,} validation documents "
                   f"({summary.tokens['val']:,} tokens), {summary.shards} shards, tokenizer {summary.tokenizer}, "
                   f"{summary.workers} processes", markup=False, highlight=False)
+    return 0
+
+
+def _export(args: argparse.Namespace, console: Console) -> int:
+    exported = export_run(args.run, args.hf, quantized=args.quantized)
+    for skipped in exported.skipped:
+        console.print(f"left out the damaged {skipped}", markup=False, highlight=False)
+    files = ", ".join(sorted(p.name for p in exported.out.iterdir()))
+    console.print(f"wrote step {exported.step} to {exported.out} ({files})", markup=False, highlight=False)
     return 0
 
 
@@ -235,8 +247,12 @@ def _parser() -> argparse.ArgumentParser:
     prepare.add_argument("--source", required=True,
                          help='directory of source files, or "stdlib" for the .py files of this Python\'s standard library')
     prepare.add_argument("--out", required=True, help="dataset directory to write, e.g. data/mine")
-    prepare.add_argument("--format", default="text", choices=["text", "jsonl", "parquet", "arrow"],
-                         help="text: one document per file; jsonl: per line; parquet/arrow: per row")
+    prepare.add_argument("--format", default="text", choices=["text", "jsonl", "parquet", "arrow", "chat", "instruction"],
+                         help="text: one document per file; jsonl: per line; parquet/arrow: per row; chat: JSON lines "
+                              "of messages with roles; instruction: JSON lines of prompt and response (the loss "
+                              "counts the responses; samples packed to --seq-len)")
+    prepare.add_argument("--seq-len", type=int, default=0,
+                         help="chat and instruction: tokens per packed sample, the job's [model] seq_len")
     prepare.add_argument("--pattern", default=None,
                          help="glob of files to take, matched recursively (default *.py, *.jsonl, *.parquet, *.arrow)")
     prepare.add_argument("--text-column", default="text", help="JSON field or column holding the text (jsonl, parquet, arrow)")
@@ -247,6 +263,15 @@ def _parser() -> argparse.ArgumentParser:
     prepare.add_argument("--overwrite", action="store_true", help="replace an existing dataset at --out")
     prepare.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     prepare.set_defaults(command=_prepare)
+
+    export = commands.add_parser("export", help="write a run's newest checkpoint as a Hugging Face model directory")
+    export.add_argument("run", metavar="RUN_DIR", help="run directory (runs/<name>)")
+    export.add_argument("--hf", required=True, metavar="OUT", help="directory to write config.json, safetensors "
+                                                                   "and the tokenizer files into")
+    export.add_argument("--quantized", action="store_true",
+                        help="a [train] qat run's really quantized model (torchao; pytorch_model.bin)")
+    export.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    export.set_defaults(command=_export)
 
     verify = commands.add_parser("verify", help="check a dataset's manifest and every shard's checksum")
     verify.add_argument("directory", help="dataset directory or URI (s3://…)")
