@@ -18,8 +18,31 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels.loss import linear_cross_entropy
+from kernels.loss import ignore_masked, linear_cross_entropy, plain_cross_entropy
 from workers.models.chunked_loss import chunked_cross_entropy
+
+LOSS_KERNELS = ("fused", "plain", "chunked")
+
+
+def head_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor | None, loss_kernel: str,
+              norm: nn.Module | None = None, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The output projection (after `norm`, when given) and its loss: the mean cross-entropy over the
+    targets `loss_mask` keeps (all without one) when targets are given, else the logits. loss_kernel:
+    "plain" (F.cross_entropy over fp32 logits), "fused" (kernels.loss: the final norm and the logits'
+    gradient made in the forward pass, inside one op) or "chunked" (workers.models.chunked_loss: the
+    (tokens × vocab) logits never exist whole)."""
+    if loss_kernel not in LOSS_KERNELS:
+        raise ValueError(f"loss_kernel must be one of {LOSS_KERNELS}, got {loss_kernel!r}")
+    identity = norm if norm is not None else nn.Identity()
+    if targets is None:
+        return F.linear(identity(x), weight)
+    targets = ignore_masked(targets, loss_mask).reshape(-1)
+    if loss_kernel == "fused":  # the op runs the final norm itself (kernels/loss.py)
+        return linear_cross_entropy(x.reshape(-1, x.size(-1)), weight, targets, norm)
+    x = identity(x).reshape(-1, x.size(-1))
+    if loss_kernel == "chunked":
+        return chunked_cross_entropy(x, weight, targets)
+    return plain_cross_entropy(F.linear(x, weight), targets)
 
 
 class BlockStack(nn.Module, ABC):
@@ -34,23 +57,10 @@ class BlockStack(nn.Module, ABC):
         if self.before_stage is not None:
             self.before_stage(index)
 
-    def head(self, x: torch.Tensor, targets: torch.Tensor | None, loss_kernel: str) -> torch.Tensor:
-        """Final norm, output projection and loss: the mean cross-entropy when targets are given,
-        else the logits. loss_kernel: "plain" (F.cross_entropy over fp32 logits), "fused"
-        (kernels.loss: the final norm and the logits' gradient made in the forward pass, inside one
-        op) or "chunked" (workers.models.chunked_loss: the (tokens × vocab) logits never exist whole)."""
-        weight = self.output_weight()
-        if targets is not None and loss_kernel == "fused":  # the op runs the final norm itself (kernels/loss.py)
-            return linear_cross_entropy(x.reshape(-1, x.size(-1)), weight, targets.reshape(-1), self.final_norm)
-        x = self.final_norm(x)
-        if targets is None:
-            return F.linear(x, weight)
-        if loss_kernel == "chunked":
-            return chunked_cross_entropy(x.reshape(-1, x.size(-1)), weight, targets.reshape(-1))
-        if loss_kernel != "plain":
-            raise ValueError(f"loss_kernel must be 'fused', 'chunked' or 'plain', got {loss_kernel!r}")
-        logits = F.linear(x, weight)
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+    def head(self, x: torch.Tensor, targets: torch.Tensor | None, loss_kernel: str,
+             loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Final norm, output projection and loss (head_loss)."""
+        return head_loss(x, self.output_weight(), targets, loss_kernel, self.final_norm, loss_mask)
 
     @property
     @abstractmethod
