@@ -1,9 +1,11 @@
 """The adaptive batch's policy (core/adaptive_batch.py), its re-split of a plan (core/plan.py) and the
-config's refusals (core/config.py), all before anything starts."""
+config's refusals (core/config.py), all before anything starts: `archipelago fit` stops on a bad
+adaptive config with its ConfigError, before Ray starts or the run directory is made."""
 
 import math
 
 import pytest
+import ray
 
 from core.adaptive_batch import AdaptiveBatch, BatchPolicy, batch_choices
 from core.config import JobConfig, TrainConfig
@@ -11,6 +13,8 @@ from core.errors import ConfigError
 from core.noise_scale import NoiseScaleEstimator
 from core.plan import Plan, split_batch
 from core.schedule import LrSchedule
+from orchestrator.cli import main
+from tests.conftest import toml_text
 
 ADAPTIVE = dict(batch_size="adaptive", global_batch_size=8, min_batch_size=8, max_batch_size=64, micro_batch_size=8)
 
@@ -79,16 +83,21 @@ def test_the_state_a_checkpoint_keeps_round_trips():
     (dict(min_batch_size=64, max_batch_size=16), {}, {}, "[train] min_batch_size"),          # min above max
     (dict(lr_scaling="linear-ish"), {}, {}, "[train] lr_scaling"),                           # unknown LR rule
     (dict(min_batch_size=2), dict(min_workers=3), dict(num_workers=3), "[train] min_batch_size"),  # 2 over 3 workers
-    (dict(min_batch_size=2), {}, dict(num_workers=4), "[train] min_batch_size"),            # a fixed size of 4
+    (dict(min_batch_size=2, micro_batch_size=2), {}, dict(num_workers=4), "[train] min_batch_size"),  # a fixed size of 4
     (dict(global_batch_size=128), {}, {}, "[train] global_batch_size"),                      # start outside range
 ])
-def test_bad_adaptive_configs_are_config_errors_naming_the_key(train, elastic, cluster, key):
-    table = {"train": {**ADAPTIVE, **train}, "elastic": elastic, "cluster": cluster}
-    if "global_batch_size" not in train and cluster.get("num_workers") == 4:
-        table["train"]["micro_batch_size"] = 2
+def test_bad_adaptive_configs_stop_fit_before_ray_starts_naming_the_key_and_the_fix(capsys, tmp_path, train, elastic,
+                                                                                   cluster, key):
+    table = {"runs_dir": str(tmp_path / "runs"), "data": {"path": str(tmp_path / "data"), "prepare_from": ""},
+             "train": {**ADAPTIVE, **train}, "elastic": elastic, "cluster": cluster}
+    job = tmp_path / "job.toml"
+    job.write_text(toml_text(table) + "\n")
     with pytest.raises(ConfigError) as error:
-        JobConfig.from_dict(table)
+        JobConfig.from_toml(job)
     assert key in str(error.value) and error.value.fix
+    assert main(["fit", str(job)]) == 2
+    assert str(error.value) in capsys.readouterr().out.replace("\n", "")
+    assert not ray.is_initialized() and not (tmp_path / "runs").exists()
 
 
 def test_an_adaptive_batch_refuses_what_it_cannot_measure():
