@@ -1,7 +1,7 @@
 """Goodput: the adaptive batch against the config's fixed batch and the best fixed batch of a sweep,
 each trained to the same validation loss, in one run; and the noise scale's cost per step.
 
-    python benchmarks/goodput.py                                   # CPU tiny model, ~10 min on 2 cores
+    python benchmarks/goodput.py --threads 1                       # CPU tiny shape, ~1 min on 2 cores
     python benchmarks/goodput.py --shape config                    # the config's own model (4 × 128, T=128)
     python benchmarks/goodput.py --batches 8 16 32 64 --target 2.45 --json goodput.json
     python benchmarks/goodput.py --noise-cost --device cuda        # on a GPU: GPT-2 124M, bf16
@@ -19,10 +19,12 @@ seven runs finish on 2 cores). Compared, each to the target:
 - adaptive: [train] batch_size = "adaptive" from the config batch, min/max the sweep's ends, lr
   scaled by AdaScale (core/adaptive_batch.py), decisions every log window as in a job.
 
-Dollars are the wall time of the training steps (evaluations excluded) at the CPU core price of
-planning/prices.py times the threads used. One worker has no replica to compare with, so the noise
-scale comes from the first micro-batch's gradient against the whole batch's: the micro-batch is
---micro (4), so every batch accumulates.
+Dollars are the CPU time of the training steps (evaluations excluded), in core-seconds, at the CPU
+core price of planning/prices.py: on a machine of its own that is the wall time times the threads
+used, and on a shared one it leaves out the cores other processes took (the wall time, printed
+beside it, does not; --threads 1 keeps threads from spinning while the other waits for a core).
+One worker has no replica to compare with, so the noise scale comes from the first micro-batch's
+gradient against the whole batch's: the micro-batch is --micro (4), so every batch accumulates.
 
 --noise-cost times the engine step with the noise measurement on and off (Engine.measures_noise),
 alternating, on one device; the cost is the extra read of the gradients after the first
@@ -72,6 +74,9 @@ class Outcome:
     samples: int
     tokens: int
     train_seconds: float
+    """Wall time of the training steps."""
+    cpu_seconds: float
+    """CPU time of the training steps, all threads: the core-seconds the dollars price."""
     dollars: float
     final_val_loss: float
     batch_changes: list
@@ -79,7 +84,8 @@ class Outcome:
     def line(self) -> str:
         status = "reached" if self.reached else "NOT reached"
         return (f"{self.name:<22} {self.batch:<14} {status:<11} steps {self.steps:>5}  tokens {self.tokens:>9,}  "
-                f"wall {self.train_seconds:7.1f} s  ${self.dollars:.6f}  val {self.final_val_loss:.4f}")
+                f"wall {self.train_seconds:6.1f} s  cpu {self.cpu_seconds:6.1f} s  ${self.dollars:.6f}  "
+                f"val {self.final_val_loss:.4f}")
 
 
 def load_config(path: Path, data: Path, shape: str) -> JobConfig:
@@ -105,7 +111,7 @@ def train_config(config: JobConfig, batch: int, *, adaptive: tuple[int, int] | N
 
 
 def run(name: str, config: JobConfig, data: Path, *, target: float, eval_every: int, max_samples: int,
-        micro: int, threads: int, price_per_core_hour: float, log_every: int) -> Outcome:
+        micro: int, price_per_core_hour: float, log_every: int) -> Outcome:
     train = config.train
     spec = uniform_spec(config, world_size=1, micro_batch_size=micro, grad_accum_steps=train.global_batch_size // micro,
                         data_location=str(data))
@@ -121,11 +127,12 @@ def run(name: str, config: JobConfig, data: Path, *, target: float, eval_every: 
     val_batches = [val_ids[i:i + 64] for i in range(0, len(val_ids), 64)]
     sampler = DeterministicSampler(train_set.num_samples, train.seed)
     step = consumed = 0
-    train_seconds, next_eval, val_loss, changes = 0.0, eval_every, math.inf, []
+    train_seconds = cpu_seconds = 0.0
+    next_eval, val_loss, changes = eval_every, math.inf, []
     while consumed < max_samples:
         layout = adapter.plan.batch_layout()
         batches = loader.load(sampler.rank_micro_batches(consumed, layout, 0))
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         lr = adapter.lr(spec.lr_schedule, step, consumed)
         _, grad_norm = engine(batches, lr)
         local = engine.local_gradient
@@ -139,6 +146,7 @@ def run(name: str, config: JobConfig, data: Path, *, target: float, eval_every: 
                 engine.replan(adapter.plan)
                 changes.append({k: change[k] for k in ("step", "from", "to", "noise_scale")} | {"samples": consumed})
         train_seconds += time.perf_counter() - started
+        cpu_seconds += time.process_time() - cpu_started
         if consumed >= next_eval:
             next_eval += eval_every
             loss_sum, tokens = engine.evaluate(val_loader.load(val_batches))
@@ -148,9 +156,9 @@ def run(name: str, config: JobConfig, data: Path, *, target: float, eval_every: 
     loader.close()
     val_loader.close()
     batch = "adaptive" if adapter.policy.adaptive else str(train.global_batch_size)
-    dollars = train_seconds / 3600 * threads * price_per_core_hour
+    dollars = cpu_seconds / 3600 * price_per_core_hour
     return Outcome(name, batch, val_loss <= target, step, consumed, consumed * config.model.seq_len, train_seconds,
-                   dollars, val_loss, changes)
+                   cpu_seconds, dollars, val_loss, changes)
 
 
 def noise_cost(args) -> dict:
@@ -194,7 +202,7 @@ def noise_cost(args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, default=ROOT / "examples/cpu-tiny.toml")
     parser.add_argument("--data", type=Path, default=ROOT / "data/stdlib-bytes")
     parser.add_argument("--shape", choices=["config", *sorted(MODEL_SHAPES)], default="tiny",
@@ -226,10 +234,10 @@ def main() -> None:
     config = load_config(args.config, data, args.shape)
     price = PriceTable().dollars_per_hour("cpu", spot=False)
     common = dict(target=args.target, eval_every=args.eval_every, max_samples=args.max_samples, micro=args.micro,
-                  threads=args.threads, price_per_core_hour=price, log_every=config.train.log_every)
+                  price_per_core_hour=price, log_every=config.train.log_every)
     base = config.train.global_batch_size
     print(f"target val loss {args.target}; config batch {base}; sweep {args.batches}; micro {args.micro}; "
-          f"${price}/core-hour × {args.threads}")
+          f"${price}/core-hour of CPU time; {args.threads} threads")
     fixed = run("fixed (config)", train_config(config, base, adaptive=None, micro=args.micro), data, **common)
     print(fixed.line(), flush=True)
     sweep = []
