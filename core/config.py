@@ -225,7 +225,20 @@ class TrainConfig:
     steps: int = 300
     """Optimizer steps to train for (the total, counting steps done before a resume)."""
     global_batch_size: int = 32
-    """Samples per optimizer step across all workers; stays fixed when workers come and go."""
+    """Samples per optimizer step across all workers; stays fixed when workers come and go. With
+    batch_size = "adaptive": the first batch, and the one `lr` is tuned for."""
+    batch_size: Literal["fixed", "adaptive"] = "fixed"
+    """adaptive: the global batch follows the gradient noise scale between min_batch_size and
+    max_batch_size, re-split over the running workers at a step boundary, and the learning rate
+    follows it by `lr_scaling` (core/adaptive_batch.py); the run trains steps × global_batch_size
+    samples, and the schedule (warmup, decay) counts them in steps of global_batch_size."""
+    min_batch_size: int = 0
+    """adaptive: the smallest global batch (0 = global_batch_size)."""
+    max_batch_size: int = 0
+    """adaptive: the largest global batch (0 = global_batch_size)."""
+    lr_scaling: Literal["adascale", "sqrt"] = "adascale"
+    """adaptive: how the learning rate follows the batch B: adascale multiplies it by AdaScale's gain
+    (1 + φ/global_batch_size) / (1 + φ/B), φ the measured noise scale; sqrt by sqrt(B / global_batch_size)."""
     micro_batch_size: int = 16
     """Samples per worker per forward pass; gradient accumulation makes up the rest."""
     lr: float = 1e-3
@@ -293,6 +306,25 @@ class TrainConfig:
                "set weight_decay = 0.1")
         _check(self.grad_clip >= 0, "[train] grad_clip", f"must be 0 or more, got {self.grad_clip}",
                "set grad_clip = 1.0, or 0 to disable clipping")
+        self._check_adaptive()
+
+    def _check_adaptive(self) -> None:
+        _check(self.lr_scaling in ("adascale", "sqrt"), "[train] lr_scaling", f"{self.lr_scaling!r} is not a rule",
+               'set lr_scaling = "adascale" or "sqrt"')
+        if self.batch_size != "adaptive":
+            _check(self.min_batch_size == self.max_batch_size == 0, "[train] min_batch_size",
+                   "min_batch_size and max_batch_size only apply to an adaptive batch",
+                   'set batch_size = "adaptive", or leave them out')
+            return
+        self.min_batch_size = self.min_batch_size or self.global_batch_size
+        self.max_batch_size = self.max_batch_size or self.global_batch_size
+        _positive("train", min_batch_size=self.min_batch_size)
+        _check(self.min_batch_size <= self.max_batch_size, "[train] min_batch_size",
+               f"{self.min_batch_size} is above max_batch_size = {self.max_batch_size}",
+               "set min_batch_size at most max_batch_size")
+        _check(self.min_batch_size <= self.global_batch_size <= self.max_batch_size, "[train] global_batch_size",
+               f"the first batch {self.global_batch_size} is outside [min_batch_size, max_batch_size] = "
+               f"[{self.min_batch_size}, {self.max_batch_size}]", "set global_batch_size inside the range")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -682,10 +714,17 @@ class JobConfig:
         _check(not elastic or self.elastic.min_workers <= self.cluster.num_workers, "[elastic] min_workers",
                f"{self.elastic.min_workers} is above [cluster] num_workers = {self.cluster.num_workers}",
                "set min_workers to at most num_workers, or 0 for a fixed size")
+        if self.train.batch_size == "adaptive":
+            self._check_adaptive_batch()
         if self.cluster.use_gpu:
             return
+        world_sizes = range(self.elastic.min_workers if elastic else self.cluster.num_workers,
+                            self.cluster.num_workers + 1)
+        if self.train.batch_size == "adaptive":  # its ends must split; the batches between are picked among those that do
+            for key in ("min_batch_size", "max_batch_size"):
+                self._check_batch_splits(world_sizes, getattr(self.train, key), key)
         if elastic:
-            self._check_batch_splits(range(self.elastic.min_workers, self.cluster.num_workers + 1))
+            self._check_batch_splits(world_sizes, self.train.global_batch_size, "global_batch_size")
             return
         per_pass = self.train.micro_batch_size * self.cluster.num_workers
         _check(self.train.global_batch_size % per_pass == 0, "[train] global_batch_size",
@@ -730,19 +769,36 @@ class JobConfig:
             return self.parallel.backend
         return "nccl" if self.cluster.use_gpu else "gloo"
 
-    def _check_batch_splits(self, world_sizes: range) -> None:
-        """Every worker count the elastic range allows can split the global batch: some accumulation
-        count a leaves global_batch / a samples per micro-step, between one and micro_batch_size per worker."""
-        batch, micro = self.train.global_batch_size, self.train.micro_batch_size
+    def _check_adaptive_batch(self) -> None:
+        """An adaptive batch is measured from each replica's gradient bucket (or each micro-batch's
+        gradient on one worker) and re-split between steps; these setups have neither."""
+        unsupported = [(self.parallel.strategy == "fsdp", 'strategy = "fsdp" (no whole local gradient to measure)',
+                        '[parallel] strategy = "ddp"'),
+                       (self.parallel.overlap != "off", "overlap = \"next_forward\" (its own hook)",
+                        '[parallel] overlap = "off"'),
+                       (self.compile.uses_compiled_autograd, "compiled autograd (no comm hook runs)",
+                        '[compile] ddp_mode = "auto"'),
+                       (self.placement.tensor_parallel_size > 1, "tensor parallelism (partial local gradients)",
+                        "[placement] tensor_parallel_size = 1"),
+                       (self.train.precision == "fp16", "fp16 (the buckets hold loss-scaled gradients)",
+                        '[train] precision = "bf16"')]
+        for refused, what, fix in unsupported:
+            _check(not refused, "[train] batch_size", f'"adaptive" does not run with {what}',
+                   f'set {fix}, or batch_size = "fixed"')
+
+    def _check_batch_splits(self, world_sizes: range, batch: int, key: str) -> None:
+        """Every worker count in `world_sizes` can split `batch` ([train] `key`): some accumulation
+        count a leaves batch / a samples per micro-step, between one and micro_batch_size per worker."""
+        micro = self.train.micro_batch_size
         bad = [w for w in world_sizes
                if not any(batch % a == 0 and w <= batch // a <= w * micro for a in range(1, batch + 1))]
         if not bad:
             return
         lcm = math.lcm(*world_sizes)
-        _check(False, "[train] global_batch_size",
+        _check(False, f"[train] {key}",
                f"{batch} samples cannot be split over {' or '.join(map(str, bad))} workers of at most "
                f"micro_batch_size = {micro} (the [elastic] range is {world_sizes.start}–{world_sizes.stop - 1} workers)",
-               f"make global_batch_size a multiple of {lcm} (e.g. {lcm * max(1, round(batch / lcm))}), raise "
+               f"make {key} a multiple of {lcm} (e.g. {lcm * max(1, round(batch / lcm))}), raise "
                "micro_batch_size, or narrow the range with [elastic] min_workers")
 
     @property

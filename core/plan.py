@@ -279,6 +279,21 @@ class Plan:
         """The sampler's layout; a worker reads `rank_micro_batches(consumed, layout, worker.data_parallel_rank)`."""
         return BatchLayout(self.replica_micro_batch_sizes(), self.grad_accum_steps)
 
+    def with_global_batch(self, batch: int) -> Plan:
+        """This plan re-split for a global batch of `batch` samples (an adaptive batch's change): the
+        same workers and groups, each replica's micro-batch at most what this plan gives it (what
+        fits its memory), one accumulation count (`split_batch`). Re-split from the planned plan, never
+        from a re-split one, whose micro-batches may be smaller than memory allows."""
+        split = split_batch(batch, self.replica_micro_batch_sizes())
+        if split is None:
+            raise PlacementError(f"{batch} samples cannot be split over {len(self.replica_micro_batch_sizes())} "
+                                 f"replicas of at most {self.replica_micro_batch_sizes()} samples a micro-step",
+                                 where="plan", fix="pick the batch among adaptive_batch.batch_choices(…)")
+        sizes, accum = split
+        workers = [replace(w, micro_batch_size=sizes[w.data_parallel_rank], grad_accum_steps=accum)
+                   for w in self.workers]
+        return replace(self, workers=workers, global_batch_size=batch, grad_accum_steps=accum)
+
     def reordered(self, plan_ranks: list[int]) -> Plan:
         """The same plan renumbered so that rank i is the worker that had rank plan_ranks[i]: Ray Train
         numbers its workers itself, and each worker claims its plan entry by node and local rank
@@ -327,6 +342,26 @@ class Plan:
     def load(cls, path: str | Path) -> Plan:
         text = read_text(path, error=PlacementError, fix=f"write one with `{_WRITE_COMMAND}`")
         return cls.from_json(text, where=str(path))
+
+
+def split_batch(batch: int, max_micro: tuple[int, ...]) -> tuple[tuple[int, ...], int] | None:
+    """Micro-batch per replica and one accumulation count that make `batch` samples, each replica's
+    micro-batch between 1 and its `max_micro`: the fewest accumulation steps (the least time), the
+    micro-batches in proportion to the maxima (faster devices take more). None when nothing splits it."""
+    replicas, room = len(max_micro), sum(max_micro)
+    for accum in range(max(1, -(-batch // room)), batch // replicas + 1):
+        if batch % accum:
+            continue
+        per_pass = batch // accum
+        sizes = [max(1, per_pass * m // room) for m in max_micro]
+        for r in sorted(range(replicas), key=lambda r: -max_micro[r]):  # hand out what rounding left
+            while sum(sizes) < per_pass and sizes[r] < max_micro[r]:
+                sizes[r] += 1
+        while sum(sizes) > per_pass:  # the floor of 1 overshot: take back from the largest
+            sizes[sizes.index(max(sizes))] -= 1
+        if sum(sizes) == per_pass and all(1 <= s <= m for s, m in zip(sizes, max_micro)):
+            return tuple(sizes), accum
+    return None
 
 
 def cross_island_groups(intra_island_groups: list[list[int]]) -> list[list[int]]:

@@ -52,8 +52,9 @@ class LrSchedule:
     def end_step(self) -> int:
         return self.decays[-1].end_step
 
-    def lr_at(self, step: int) -> float:
-        """The rate of the optimizer step taken after `step` completed steps."""
+    def lr_at(self, step: float) -> float:
+        """The rate of the optimizer step taken after `step` completed steps. An adaptive batch passes
+        the samples trained in steps of the base batch (a fraction: the schedule is in tokens)."""
         if step < self.warmup_steps:
             return self.peak_lr * (step + 1) / self.warmup_steps
         decay = next(d for d in reversed(self.decays) if d.start_step <= step)

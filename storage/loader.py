@@ -111,14 +111,19 @@ class BatchLoader:
             slot.released.record(stream)
         return [t.view(n, per_sample) for t, n in zip(flat.split([n * per_sample for n in slot.sizes]), slot.sizes)]
 
-    def close(self) -> None:
-        """Waits for reads in flight, then frees the IO thread and the reader's open files."""
+    def discard_ahead(self) -> None:
+        """Drops the steps read ahead (waiting for reads in flight): the batch layout changed, and a new
+        `stream` begins at the sample after the last step trained."""
         while self._pending:
             _, future = self._pending.popleft()
             try:
                 future.result()
             except Exception:  # noqa: BLE001 - a read nobody will use; its error does not matter now
                 pass
+
+    def close(self) -> None:
+        """Waits for reads in flight, then frees the IO thread and the reader's open files."""
+        self.discard_ahead()
         self._io.shutdown(wait=True)
         self.reader.close()
 

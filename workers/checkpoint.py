@@ -68,11 +68,17 @@ class CheckpointInfo:
     """Workers that saved it (for the log; any world size can load it)."""
     lr_schedule: LrSchedule | None = None
     """The schedule the steps were trained under (None in checkpoints that predate it); a resume continues it."""
+    adaptive_batch: dict | None = None
+    """With [train] batch_size = "adaptive": the batch of the next step and the noise-scale estimate
+    (core.adaptive_batch.AdaptiveBatch.to_dict), so a resume goes on with the batch and learning rate it had."""
 
     @classmethod
-    def for_spec(cls, spec: WorkerSpec, step: int, consumed_samples: int, world_size: int = 0) -> CheckpointInfo:
+    def for_spec(cls, spec: WorkerSpec, step: int, consumed_samples: int, world_size: int = 0,
+                 adaptive_batch: dict | None = None) -> CheckpointInfo:
+        """`spec` is the group's, as the coordinator made it: its plan's batch is [train]'s; an adaptive
+        run's current batch is in `adaptive_batch`."""
         return cls(step, consumed_samples, spec.workload.identity(), spec.data.tokenizer, spec.train.seed,
-                   spec.plan.global_batch_size, SAMPLER_NAME, world_size, spec.lr_schedule)
+                   spec.plan.global_batch_size, SAMPLER_NAME, world_size, spec.lr_schedule, adaptive_batch)
 
 
 def read_info(directory: str | Path | Location) -> CheckpointInfo:

@@ -128,6 +128,10 @@ class LedgerKeeper:
                 self._handed.append(np.concatenate(micro_batches))
             yield micro_batches
 
+    def forget_ahead(self) -> None:
+        """The loader dropped what it read ahead (BatchLoader.discard_ahead): those ids were never trained."""
+        self._handed.clear()
+
     def trained(self, step: int) -> None:
         if self.enabled:
             self._trained.append((step, self._handed.popleft()))

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from core.errors import ConfigError
+from core.plan import Plan
 from core.spec import WorkerSpec
 from kernels.backend import use_triton
 from storage.flags import unpack
@@ -38,6 +39,7 @@ class Engine:
         self.spec = spec
         plan, train = spec.plan, spec.train
         self.device = device
+        self.rank = rank
         self.worker = plan.worker(rank)
         self.precision = precision_on(plan.precision, device)
         self.workload = spec.workload
@@ -73,13 +75,12 @@ class Engine:
         # unfused path) override it; jobs do not.
         self.fused_bf16_step = (self.compute_copy is not None and self.clip_in_optimizer
                                 and use_triton(next(self.model.parameters())))
-        # Each micro-batch's mean loss is weighted by its share of the global batch, times the number
-        # of replicas DDP/FSDP divide by: the reduced gradient is then the global batch's mean whatever
-        # micro-batch each (possibly heterogeneous) worker got. Uniform plans give 1 / accumulation.
-        replicas = len(plan.replica_micro_batch_sizes())
-        self.micro_batch_weight = replicas * self.worker.micro_batch_size / plan.global_batch_size
-        # Evaluation passes are collective under FSDP: every rank cuts the same number of chunks.
-        self.eval_batch_size = min(plan.replica_micro_batch_sizes())
+        self.trained = trained
+        self._measures_noise = True
+        self.local_gradient: tuple[torch.Tensor, int] | None = None
+        """The last step's (|g|² of a smaller batch's mean gradient, that batch): this rank's own
+        gradient, or on one worker its first micro-batch's; None where neither is seen."""
+        self.replan(plan)
         # The first micro-batch's compiled step is checked against eager PyTorch's (workers/compile_check.py).
         compile_config = spec.compile
         self.compile_checker = (CompileCheck(trained, self.workload.blocks(trained),
@@ -89,12 +90,37 @@ class Engine:
                                 if compile_config.enable and compile_config.check_tolerance > 0
                                 and spec.model.dropout == 0 and self.precision.name != "fp8" else None)
 
+    @property
+    def measures_noise(self) -> bool:
+        """Whether steps read the smaller batch's gradient norm (the noise scale); benchmarks/goodput.py
+        turns it off to price it."""
+        return self._measures_noise
+
+    @measures_noise.setter
+    def measures_noise(self, on: bool) -> None:
+        self._measures_noise = on
+        if self.wrapped.local_norm is not None:
+            self.wrapped.local_norm.enabled = on
+
+    def replan(self, plan: Plan) -> None:
+        """Takes another split of the batch over the same workers (an adaptive batch's change), between steps."""
+        self.spec = self.spec.with_plan(plan)
+        self.worker = plan.worker(self.rank)
+        # Each micro-batch's mean loss is weighted by its share of the global batch, times the number
+        # of replicas DDP/FSDP divide by: the reduced gradient is then the global batch's mean whatever
+        # micro-batch each (possibly heterogeneous) worker got. Uniform plans give 1 / accumulation.
+        replicas = len(plan.replica_micro_batch_sizes())
+        self.micro_batch_weight = replicas * self.worker.micro_batch_size / plan.global_batch_size
+        # Evaluation passes are collective under FSDP: every rank cuts the same number of chunks.
+        self.eval_batch_size = min(plan.replica_micro_batch_sizes())
+
     def __call__(self, micro_batches: list[torch.Tensor], lr: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Trains on `micro_batches` (each (B, seq_len + 1) tokens); returns (this rank's weighted loss,
         grad norm) as tensors: averaged over the ranks, the loss is the global batch's mean.
 
         With fp16, a step whose gradients hold inf/NaN is skipped (and counted) instead of applied."""
         set_lr(self.optimizer, lr)
+        self.local_gradient = None
         if self.overlap is not None:
             self.overlap.begin_step(lr)
         if self.compute_copy is not None:
@@ -102,7 +128,8 @@ class Engine:
         total_loss = torch.zeros((), device=self.device)
         check = self.compile_checker if self.compile_checker is not None and self.compile_checker.pending else None
         arguments = [loss_arguments(batch, self.spec.data.token_flags) for batch in micro_batches]
-        for i, (weight, (tokens, masks)) in enumerate(zip(self._micro_batch_weights(arguments), arguments)):
+        weights = self._micro_batch_weights(arguments)
+        for i, (weight, (tokens, masks)) in enumerate(zip(weights, arguments)):
             forward = functools.partial(self._forward, tokens, masks)
             backward = functools.partial(self._backward, weight=weight)
             eager_loss = check.run_eagerly(forward, backward) if check is not None and i == 0 else None
@@ -113,12 +140,36 @@ class Engine:
                 backward(loss)
                 if eager_loss is not None and check.compare_gradients:
                     check.check_gradients()
+            if (i == 0 and len(micro_batches) > 1 and self._measures_noise and self.wrapped.ddp is None
+                    and not self.wrapped.fsdp):
+                self._first_micro_batch_norm(weight)
             total_loss += loss.detach() * weight
+        self._take_local_norm(sum(weights))
         if self.overlap is not None:  # the update follows in the next forward (or settle())
             return total_loss, self.overlap.end_step()
         grad_norm = self._fused_bf16_step() if self.fused_bf16_step else self._clip_and_step()
         self.optimizer.zero_grad(set_to_none=True)
         return total_loss, grad_norm
+
+    def _first_micro_batch_norm(self, weight: float | torch.Tensor) -> None:
+        """One worker has no replica to compare with: its first micro-batch's mean gradient is the
+        smaller batch (what the gradients hold before the second is added, over its loss weight)."""
+        if self.scaler.enabled:  # loss-scaled gradients
+            return
+        grads = [p.grad for p in self.trained.parameters() if p.grad is not None]
+        sq = torch.nn.utils.get_total_norm(grads, foreach=True).float().square()
+        self.local_gradient = (sq / weight ** 2, self.worker.micro_batch_size)
+
+    def _take_local_norm(self, bucket_weight: float | torch.Tensor) -> None:
+        """This rank's mean gradient over its own samples, from DDP's buckets before the all-reduce."""
+        probe = self.wrapped.local_norm
+        sq = probe.take() if probe is not None else None
+        if sq is None or self.scaler.enabled:
+            return
+        # The buckets hold Σ micro-batch weight × that micro-batch's mean = Σ weights × this rank's mean
+        # (without a loss mask: replicas × samples / global batch; with one, its share of counted targets).
+        samples = self.worker.micro_batch_size * self.worker.grad_accum_steps
+        self.local_gradient = (sq / bucket_weight ** 2, samples)
 
     def _forward(self, tokens: tuple[torch.Tensor, torch.Tensor], masks: dict[str, torch.Tensor]) -> torch.Tensor:
         """One micro-batch's mean loss (collective under DDP and FSDP: every rank makes it)."""

@@ -21,6 +21,7 @@ sample ids of every committed step.
 from __future__ import annotations
 
 import contextlib
+import math
 import socket
 import time
 from collections.abc import Iterator
@@ -41,6 +42,7 @@ from storage.readers import choose_reader
 from storage.sampler import DeterministicSampler
 from storage.shards import TokenDataset
 from workers import binding, checkpoint
+from workers.batch_adapter import BatchAdapter
 from workers.elastic import LedgerKeeper, PreemptionWatch, join_group, preemption_row
 from workers.engine import Engine
 from workers.pretrained import load_pretrained
@@ -67,6 +69,8 @@ class WorkerJob:
 class Progress:
     step: int = 0
     consumed_samples: int = 0
+    adaptive_batch: dict | None = None
+    """The checkpoint's adaptive batch state (core/adaptive_batch.py); None for a fixed batch or a fresh start."""
 
 
 @dataclass
@@ -75,29 +79,33 @@ class MetricsWindow:
 
     steps: list[int] = field(default_factory=list)
     lrs: list[float] = field(default_factory=list)
-    values: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    values: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
     data_waits: list[float] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
 
     def record(self, step: int, lr: float, loss: torch.Tensor, grad_norm: torch.Tensor,
-               data_wait_s: float = 0.0) -> None:
-        """data_wait_s: how long the step waited for its input (rank 0's wait; the loader reads ahead)."""
+               data_wait_s: float = 0.0, local_gradient: tuple[torch.Tensor, int] | None = None) -> None:
+        """data_wait_s: how long the step waited for its input (rank 0's wait; the loader reads ahead).
+        local_gradient: the engine's (|g|², samples) of this rank's smaller batch (the noise scale)."""
         self.steps.append(step)
         self.lrs.append(lr)
         # Kept as they are until flush: under the next-forward overlap a step's norm is written
-        # only once its updates are applied (Engine.settle).
-        self.values.append((loss, grad_norm))
+        # only once its updates are applied (Engine.settle). The local norm rides the same
+        # all-reduce as the averaged mean of the ranks', with the mean of 1/samples (core/noise_scale.py).
+        small_sq, samples = local_gradient if local_gradient is not None else (loss.new_tensor(math.nan), math.inf)
+        self.values.append((loss, grad_norm, small_sq, loss.new_tensor(1.0 / samples)))
         self.data_waits.append(data_wait_s)
 
     def flush(self, tokens_per_step: int, consumed_samples: int) -> list[dict]:
-        values = torch.stack([torch.stack([loss.float(), norm.float()]) for loss, norm in self.values])
+        values = torch.stack([torch.stack([v.float() for v in step]) for step in self.values])
         if dist.is_initialized():
             dist.all_reduce(values)
             values /= dist.get_world_size()
         values = values.tolist()  # waits for the GPU: the window's time below is honest
         seconds = time.perf_counter() - self.started
         tokens_per_s = tokens_per_step * len(self.steps) / seconds
-        rows = [{"step": s, "loss": v[0], "grad_norm": v[1], "lr": lr, "tokens_per_s": tokens_per_s, "data_wait_s": w}
+        rows = [{"step": s, "loss": v[0], "grad_norm": v[1], "lr": lr, "tokens_per_s": tokens_per_s, "data_wait_s": w,
+                 "local_grad_sq": v[2], "inverse_local_batch": v[3]}
                 for s, lr, v, w in zip(self.steps, self.lrs, values, self.data_waits)]
         rows[-1]["consumed_samples"] = consumed_samples
         self.steps, self.lrs, self.values, self.data_waits = [], [], [], []
@@ -142,10 +150,12 @@ def train(job: WorkerJob, ctx, started_at: float) -> dict:
     restored_step = progress.step
     replica = plan.worker(rank).data_parallel_rank
     ledger = open_ledger(spec, checkpoints, rank, replica, restored_step)
+    adapter = BatchAdapter(spec, progress.adaptive_batch)
+    engine.replan(adapter.plan)
 
     train_loader, val_loader = open_loaders(spec, device)
     sampler = DeterministicSampler(train_loader.dataset.num_samples, train_cfg.seed)
-    layout = plan.batch_layout()
+    layout = adapter.plan.batch_layout()
     steps = train_loader.stream(ledger.tap(sampler.steps(progress.consumed_samples, layout, replica)))
     preemption = PreemptionWatch(spec.preemption_check_steps)
     window = MetricsWindow()
@@ -153,20 +163,21 @@ def train(job: WorkerJob, ctx, started_at: float) -> dict:
                       "device_model": plan.worker(rank).device_model, "precision": engine.precision.name,
                       "params": sum(p.numel() for p in engine.model.parameters()),
                       "flops_per_token": spec.flops_per_token, "model": spec.workload.name,
-                      "micro_batch_sizes": list(layout.micro_batch_sizes), "grad_accum_steps": plan.grad_accum_steps,
+                      "micro_batch_sizes": list(layout.micro_batch_sizes),
+                      "grad_accum_steps": adapter.plan.grad_accum_steps, "global_batch": layout.global_batch,
                       "reader": train_loader.reader_choice, "checkpoint_readers": sorted(checkpoint_readers)}])
 
     last_val_loss = None
-    while progress.step < train_cfg.steps:
+    while not adapter.finished(progress.step, progress.consumed_samples, train_cfg.steps):
         waiting = time.perf_counter()
         batches = next(steps)
         data_wait_s = time.perf_counter() - waiting
-        lr = spec.lr_schedule.lr_at(progress.step)
+        lr = adapter.lr(spec.lr_schedule, progress.step, progress.consumed_samples)
         loss, grad_norm = engine(batches, lr)
         progress.step += 1
         progress.consumed_samples += layout.global_batch
         ledger.trained(progress.step)
-        window.record(progress.step, lr, loss, grad_norm, data_wait_s)
+        window.record(progress.step, lr, loss, grad_norm, data_wait_s, engine.local_gradient)
         if rank == 0:
             job.coordinator.reached.remote(progress.step, time.time())
             if progress.step == restored_step + 1:
@@ -174,20 +185,30 @@ def train(job: WorkerJob, ctx, started_at: float) -> dict:
                 marks["first_step_done"] = time.time()
                 job.coordinator.first_step.remote(restored_step, marks)
 
-        final = progress.step == train_cfg.steps
+        final = adapter.finished(progress.step, progress.consumed_samples, train_cfg.steps)
         if progress.step % train_cfg.log_every == 0 or final:
             engine.settle()
-            rows = window.flush(plan.tokens_per_step, progress.consumed_samples)
+            rows = window.flush(adapter.plan.tokens_per_step, progress.consumed_samples)
+            adapter.measured(rows)
             rows[-1].update(engine.window_metrics())
             if progress.step % train_cfg.eval_every == 0 or final:
                 with window.paused():
                     last_val_loss = rows[-1]["val_loss"] = validate(engine, val_loader, train_cfg.eval_samples,
                                                                     rank, world)
+            change = None if final else adapter.maybe_change(progress.step)
+            if change is not None:  # re-split in place: the same workers go on from the next sample
+                engine.replan(adapter.plan)
+                layout = adapter.plan.batch_layout()
+                train_loader.discard_ahead()
+                ledger.forget_ahead()
+                steps = train_loader.stream(ledger.tap(sampler.steps(progress.consumed_samples, layout, replica)))
+                rows.append(change)
             send(job, rank, rows)
         notice = preemption.check(progress.step)
         if progress.step % spec.checkpoint.every_steps == 0 or final or notice:
             engine.settle()
-            info = checkpoint.CheckpointInfo.for_spec(spec, progress.step, progress.consumed_samples, world)
+            info = checkpoint.CheckpointInfo.for_spec(spec, progress.step, progress.consumed_samples, world,
+                                                      adapter.checkpointed())
             saving = time.perf_counter()
             with window.paused():
                 # On a preemption notice, wait for the commit: the node may go any moment.
@@ -247,7 +268,7 @@ def restore(job: WorkerJob, checkpoints: checkpoint.RunCheckpoints, model: torch
     if restored is None:
         return Progress(), set()
     info, readers = restored
-    return Progress(info.step, info.consumed_samples), readers
+    return Progress(info.step, info.consumed_samples, info.adaptive_batch), readers
 
 
 def open_loaders(spec: WorkerSpec, device: torch.device) -> tuple[BatchLoader, BatchLoader]:

@@ -25,6 +25,7 @@ from core.spec import WorkerSpec
 from workers.activation_checkpointing import set_activation_checkpointing
 from workers.comm.groups import build_island_groups
 from workers.comm.hooks import HookState, make_hook
+from workers.comm.local_norm import LocalGradientNorm
 from workers.comm.overlap import NextForwardOverlap
 from workers.comm.stats import CommStats
 from workers.compiler import compile_options, maybe_compile
@@ -42,6 +43,8 @@ class WrappedModel:
     """The DDP comm hook's state (it counts bytes and holds deferred checks); None without a hook."""
     compiled_autograd: bool = False
     """Backward runs under compiled autograd, which traces DDP's all-reduces into the backward graph."""
+    local_norm: LocalGradientNorm | None = None
+    """Reads this rank's gradient buckets before their reduction (the noise scale); None where no comm hook runs."""
 
     def backward_context(self):
         """Context for loss.backward(). Compiled autograd is entered only around the backward call:
@@ -105,7 +108,7 @@ def _wrap_ddp(model: torch.nn.Module, spec: WorkerSpec, device: torch.device, wo
     inductor_config.reorder_for_compute_comm_overlap = compiled_autograd
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                   bucket_cap_mb=plan.bucket_cap_mb, gradient_as_bucket_view=True)
-    state = None
+    state, local_norm = None, None
     if not (compiled_autograd or by_block):  # the overlap registers its own hook (attach_overlap)
         islands = (build_island_groups(plan.intra_island_groups, plan.inter_island_groups)
                    if plan.comm_hook == "hierarchical" else None)
@@ -113,12 +116,13 @@ def _wrap_ddp(model: torch.nn.Module, spec: WorkerSpec, device: torch.device, wo
                                 warmup_steps=hooks.warmup_steps, powersgd_rank=hooks.powersgd_rank,
                                 topk_ratio=hooks.topk_ratio, topk_ramp_steps=hooks.topk_ramp_steps,
                                 topk_wire=hooks.topk_wire)
-        ddp.register_comm_hook(state, hook)
+        local_norm = LocalGradientNorm()
+        ddp.register_comm_hook(state, local_norm.wrap(hook))
     # DDP times compute, communication and their overlap on sampled iterations; a sampled iteration
     # waits for the previous one's timing events, so sample once per metrics window, not every step.
     ddp._set_ddp_runtime_logging_sample_rate(spec.train.log_every * plan.grad_accum_steps)
     forward = ddp if by_block else maybe_compile(ddp, spec.compile, fullgraph=compiled_autograd)
-    return WrappedModel(forward, ddp, False, state, compiled_autograd=compiled_autograd)
+    return WrappedModel(forward, ddp, False, state, compiled_autograd=compiled_autograd, local_norm=local_norm)
 
 
 def _wrap_fsdp(model: torch.nn.Module, blocks: Sequence[torch.nn.Module], compile_config: CompileConfig,

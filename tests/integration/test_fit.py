@@ -53,9 +53,15 @@ def test_the_finished_run_calibrates_the_cpus_it_ran_on(straight, tmp_path, caps
     fitted = Calibration.load(out)
     expected = run.plan.predicted.compute_seconds * run.applied_efficiency["cpu"] / run.measured_compute_seconds
     assert fitted.compute_efficiency["cpu"] == pytest.approx(expected, rel=1e-3)
-    # Under the fitted efficiency the run's compute is predicted as it was measured.
-    assert calibrate.predict(run, fitted) == pytest.approx(
-        run.measured_compute_seconds + run.plan.predicted.exposed_communication_seconds, rel=1e-3)
+    # Under the fitted efficiency the run's compute is predicted as it was measured; its exposed communication
+    # too when its plan waited on the wire for LINK_SHARE_MIN of the step or more, so that the run fitted its
+    # link (that share follows the CPUs' measured speed: on a fast machine the wait is the larger share).
+    predicted = run.plan.predicted
+    fitted_link = run.link in fitted.links
+    waited = predicted.exposed_communication_seconds >= calibrate.LINK_SHARE_MIN * predicted.step_seconds
+    assert fitted_link == (waited and run.exposed_seconds > 0)
+    exposed = run.exposed_seconds if fitted_link else predicted.exposed_communication_seconds
+    assert calibrate.predict(run, fitted) == pytest.approx(run.measured_compute_seconds + exposed, rel=1e-3)
 
 
 def test_resume_refuses_a_checkpoint_of_another_model(straight, small_dataset):

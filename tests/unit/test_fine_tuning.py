@@ -5,9 +5,11 @@
 - Packed documents do not see each other: changing the first conversation of a packed sample leaves
   the second's loss and the gradients unchanged.
 - The engine's loss is the mean over the counted targets of the whole step, however they fall into
-  micro-batches.
+  micro-batches; the noise scale's read of the first micro-batch's gradient divides by the weight
+  that micro-batch's loss was given, so it is that micro-batch's own mean gradient with a mask too.
 """
 
+import copy
 import dataclasses
 import json
 
@@ -18,13 +20,13 @@ import torch
 from core.config import JobConfig
 from core.errors import ConfigError, DataError
 from storage import chat
-from storage.flags import flag, unpack
+from storage.flags import TOKEN_MASK, flag, unpack
 from storage.prepare import prepare_dataset
 from storage.shards import TokenDataset
 from storage.tokenizers import ByteTokenizer
 from tests.engine_support import engine_spec
 from tests.hf_support import write_model
-from workers.engine import Engine
+from workers.engine import Engine, loss_arguments
 from workers.models import make_workload
 
 SEQ = 96
@@ -111,13 +113,17 @@ def test_a_packed_conversation_does_not_see_the_one_before(tmp_path):
         assert_same(loss_and_grads(workload, model, only_second, "plain"), loss_and_grads(workload, model, changed, "plain"))
 
 
-def test_the_step_loss_is_the_mean_over_every_counted_target(tmp_path):
+def two_micro_batch_engine(token_flags: bool = True) -> Engine:
     config = JobConfig.from_dict({"model": {"kind": "llama", "n_layer": 1, "n_head": 2, "n_embd": 32, "seq_len": SEQ},
                                   "train": {"global_batch_size": 2, "micro_batch_size": 1, "lr": 1e-9, "min_lr": 0.0,
                                             "grad_clip": 0.0}})
     spec = engine_spec(config, 1, 1, 2)
-    spec = dataclasses.replace(spec, data=dataclasses.replace(spec.data, token_flags=True))
-    engine = Engine(spec, 0, torch.device("cpu"))
+    return Engine(dataclasses.replace(spec, data=dataclasses.replace(spec.data, token_flags=token_flags)), 0,
+                  torch.device("cpu"))
+
+
+def test_the_step_loss_is_the_mean_over_every_counted_target():
+    engine = two_micro_batch_engine()
     first = packed_sample()
     second = first.clone()
     second[:, 1:SEQ // 2] &= ~(1 << 31)  # fewer counted targets: the micro-batches weigh differently
@@ -128,6 +134,23 @@ def test_the_step_loss_is_the_mean_over_every_counted_target(tmp_path):
         expected = engine.workload.loss(engine.model, b.inputs, b.targets, loss_mask=b.loss_mask, positions=b.positions)
     assert float(loss) == pytest.approx(float(expected), rel=1e-5)
     assert int(unpack(first).loss_mask.sum()) != int(unpack(second).loss_mask.sum())
+
+
+@pytest.mark.parametrize("token_flags", [True, False])
+def test_the_noise_read_on_one_worker_is_the_first_micro_batch_s_own_mean_gradient(token_flags):
+    engine = two_micro_batch_engine(token_flags)
+    first = packed_sample()
+    second = first.clone()
+    second[:, 1:SEQ // 2] &= ~(1 << 31)  # fewer counted targets: a loss weight other than 1/2 for each
+    if not token_flags:
+        first, second = first & TOKEN_MASK, second & TOKEN_MASK
+    model = copy.deepcopy(engine.model)
+    tokens, masks = loss_arguments(first, token_flags)
+    engine.workload.loss(model, *tokens, **masks).backward()
+    expected = sum(float(p.grad.square().sum()) for p in model.parameters() if p.grad is not None)
+    engine([first, second], lr=1e-9)
+    small_sq, small_batch = engine.local_gradient
+    assert float(small_sq) == pytest.approx(expected, rel=1e-4) and small_batch == 1
 
 
 def test_prepare_chat_packs_conversations_and_refuses_a_line_without_roles(tmp_path):
