@@ -45,7 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
 from core.config import JobConfig  # noqa: E402
-from orchestrator.accounting import calibrate  # noqa: E402
+from planning import calibration_fit  # noqa: E402
 from planning import make_plan  # noqa: E402
 from planning.compute import CPU_UTILISATION_OF_MEASURED, ComputeModel  # noqa: E402
 from planning.model_size import model_facts  # noqa: E402
@@ -170,11 +170,11 @@ def plan_check(warmup: int, steps: int) -> list[dict]:
                                       "train": {"global_batch_size": micro, "micro_batch_size": micro,
                                                 "precision": "bf16", "warmup_steps": 0}})
         plan = make_plan(topology, config)
-        runs.append(calibrate.FinishedRun(name=name, plan=plan, step_seconds=engine_step_seconds(
+        runs.append(calibration_fit.FinishedRun(name=name, plan=plan, step_seconds=engine_step_seconds(
             config, micro, warmup, steps), exposed_seconds=0.0))
         torch.cuda.empty_cache()
     rows = []
-    for run, check in zip(runs, calibrate.leave_one_out(runs, {})):
+    for run, check in zip(runs, calibration_fit.leave_one_out(runs, {})):
         rows.append({"plan_check": run.name, "device": run.plan.workers[0].device_model,
                      "figures": run.plan.device_bases[0].source, "measured_ms": round(check.measured_s * 1e3, 2),
                      "planned_ms": round(check.before_s * 1e3, 2), "error_planned": round(check.error_before, 4),

@@ -39,6 +39,7 @@ from core.columns import Column, print_fitted
 from core.config import JobConfig
 from core.errors import ArchipelagoError, ConfigError
 from orchestrator.accounting import calibrate
+from planning import calibration_fit
 from orchestrator.accounting.report import RunReport
 from orchestrator.accounting.report_html import render_report
 from orchestrator.export import export_run
@@ -50,7 +51,8 @@ from planning.planner import Planner
 from planning.prices import PriceTable
 from storage.prepare import prepare_dataset
 from storage.verify import verify_dataset
-from topology import ClusterTopology, catalog, discover_cluster, load_files, machines
+from topology import ClusterTopology, catalog, load_files, machines
+from topology.discover import discover_cluster
 from topology.connect import CONNECT_TIMEOUT_S, check_seconds
 from topology.device_figures import DeviceBench
 from topology.discover import TIMEOUT_S
@@ -195,14 +197,14 @@ def _prices(args: argparse.Namespace, console: Console) -> int:
 
 def _calibrate(args: argparse.Namespace, console: Console) -> int:
     sweeps = calibrate.load_sweeps(args.sweep or [])  # small files first: a bad one answers before the runs load
-    runs = [calibrate.FinishedRun.load(run) for run in args.runs]
+    runs = [calibrate.load_run(run) for run in args.runs]
     if len(runs) > 1:
-        _print_checks(calibrate.leave_one_out(runs, sweeps), console)
+        _print_checks(calibration_fit.leave_one_out(runs, sweeps), console)
     else:
         console.print("one run: nothing is left to check the fit on (give two or more for the leave-one-out error)",
                       markup=False, highlight=False)
     out = Path(args.out) if args.out else Path(args.runs[0]).resolve().parent / DEFAULT_CALIBRATION_FILE
-    fitted = calibrate.merged(Calibration.load(out) if out.is_file() else Calibration(), calibrate.fit(runs, sweeps))
+    fitted = calibration_fit.merged(Calibration.load(out) if out.is_file() else Calibration(), calibration_fit.fit(runs, sweeps))
     console.print(json.dumps(fitted.to_dict(), indent=1), markup=False, highlight=False)
     if args.dry_run:
         return 0
@@ -216,7 +218,7 @@ _CHECK_COLUMNS = (Column("run"), Column("devices", drop=2), Column("measured ms"
                   Column("error after", "right"), Column("other runs", "right", drop=1))
 
 
-def _print_checks(checks: list[calibrate.Check], console: Console) -> None:
+def _print_checks(checks: list[calibration_fit.Check], console: Console) -> None:
     rows = [(c.run, c.devices, f"{c.measured_s * 1e3:,.1f}", f"{c.before_s * 1e3:,.1f}", f"{c.error_before:+.1%}",
              f"{c.after_s * 1e3:,.1f}", f"{c.error_after:+.1%}", str(c.fitted_on)) for c in checks]
     print_fitted(console, _CHECK_COLUMNS, rows, title="each run predicted by a calibration fitted on the others "

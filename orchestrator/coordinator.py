@@ -31,7 +31,6 @@ from ray.train import FailureConfig, UserCallback
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import planning
-import topology
 from core.config import JobConfig
 from core.errors import ArchipelagoError, ClusterError, ConfigError, PlacementError
 from core.plan import Plan
@@ -40,6 +39,7 @@ from orchestrator.accounting.bill import Rates
 from planning.calibration import Calibration
 from planning.memory import measure_steps
 from topology.cluster import ClusterTopology, NodeTopology
+from topology.discover import discover_cluster
 from topology.sysfs import format_cpu_list, parse_cpu_list
 from workers.elastic import WorkerReport
 
@@ -327,7 +327,7 @@ class PlanCoordinator:
 
 
 def _discover() -> ClusterTopology:
-    return topology.discover_cluster()
+    return discover_cluster()
 
 
 def on_this_node():

@@ -49,6 +49,7 @@ from storage.prepare import prepare_dataset
 from storage.shards import TokenDataset, check_files, has_dataset
 from storage.verify import verify_dataset
 from topology.connect import ray_session
+from topology.discover import discover_cluster
 from topology.device_figures import DeviceBench
 from topology.probe import probe_local_node
 from workers import binding, checkpoint
@@ -153,7 +154,7 @@ class Orchestrator:
             # quiet, before Ray's processes start. The probe then reads the figures from the cache.
             probe_local_node(bench=DeviceBench.from_environment())
         with self._ray():
-            cluster = topology.discover_cluster()
+            cluster = discover_cluster()
             memory = profile(self.config, device_type="cuda" if self.config.cluster.use_gpu else "cpu")
             calibration = Calibration.for_job(self.config)  # [placement] calibration_file, or <runs_dir>'s
             plan = self._plan(cluster, memory, calibration)

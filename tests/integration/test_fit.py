@@ -10,6 +10,7 @@ import pytest
 
 from orchestrator import CheckpointError, ConfigError, Orchestrator
 from orchestrator.accounting import calibrate
+from planning import calibration_fit
 from orchestrator.cli import main
 from planning.calibration import Calibration
 from tests.integration.conftest import SEQ_LEN, job
@@ -48,7 +49,7 @@ def test_the_finished_run_calibrates_the_cpus_it_ran_on(straight, tmp_path, caps
     the plan's compute at efficiency 1 over the compute the run measured (its step less exposed communication)."""
     out = tmp_path / "calibration.json"  # not <runs_dir>/calibration.json: the module's other fits would read it
     assert main(["calibrate", str(straight.dir), "--out", str(out)]) == 0, capsys.readouterr().out
-    run = calibrate.FinishedRun.load(straight.dir)
+    run = calibrate.load_run(straight.dir)
     assert run.models == {"cpu": 1.0} and run.step_seconds >= run.measured_compute_seconds > 0
     fitted = Calibration.load(out)
     expected = run.plan.predicted.compute_seconds * run.applied_efficiency["cpu"] / run.measured_compute_seconds
@@ -58,10 +59,10 @@ def test_the_finished_run_calibrates_the_cpus_it_ran_on(straight, tmp_path, caps
     # link (that share follows the CPUs' measured speed: on a fast machine the wait is the larger share).
     predicted = run.plan.predicted
     fitted_link = run.link in fitted.links
-    waited = predicted.exposed_communication_seconds >= calibrate.LINK_SHARE_MIN * predicted.step_seconds
+    waited = predicted.exposed_communication_seconds >= calibration_fit.LINK_SHARE_MIN * predicted.step_seconds
     assert fitted_link == (waited and run.exposed_seconds > 0)
     exposed = run.exposed_seconds if fitted_link else predicted.exposed_communication_seconds
-    assert calibrate.predict(run, fitted) == pytest.approx(run.measured_compute_seconds + exposed, rel=1e-3)
+    assert calibration_fit.predict(run, fitted) == pytest.approx(run.measured_compute_seconds + exposed, rel=1e-3)
 
 
 def test_resume_refuses_a_checkpoint_of_another_model(straight, small_dataset):

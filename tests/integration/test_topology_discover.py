@@ -8,7 +8,8 @@ import pytest
 import ray
 
 from core.errors import ClusterError
-from topology import discover_cluster, machines
+from topology import machines
+from topology.discover import discover_cluster
 from topology.ray_resources import ray_start_arguments
 
 pytestmark = pytest.mark.integration
