@@ -119,6 +119,7 @@ def kernels_copy_gb_per_s() -> float:
     benchmarks/ is not a package, and it needs triton, which only GPU machines have)."""
     spec = importlib.util.spec_from_file_location("kernels_benchmark", ROOT / "benchmarks/kernels.py")
     kernels = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = kernels  # its dataclasses look their module up there while it loads
     spec.loader.exec_module(kernels)
     return kernels.copy_gbs(kernels.Buffers.make(1000.0))
 
