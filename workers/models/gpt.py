@@ -18,19 +18,24 @@ from workers.models.stack import BlockStack
 
 
 class CausalSelfAttention(nn.Module):
+    """The query, key and value projections are one matrix whose rows run head by head ([q_h; k_h; v_h]
+    for each head h), so that any contiguous cut of its rows holds whole heads: tensor parallelism
+    shards it by rows (column-wise) and each rank attends with the heads it holds."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_head = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        B, T, _ = x.shape
+        # -1 heads: all of them, or this rank's share under tensor parallelism.
+        q, k, v = self.qkv(x).view(B, T, -1, 3, self.head_dim).unbind(dim=3)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        return F.dropout(self.proj(y.transpose(1, 2).reshape(B, T, C)), self.dropout, self.training)
+        return F.dropout(self.proj(y.transpose(1, 2).reshape(B, T, -1)), self.dropout, self.training)
 
 
 class MLP(nn.Module):

@@ -5,7 +5,11 @@ Sized by `ModelConfig` (kind = "llama"), or a preset: llama3-1b, llama3-3b and l
 of Llama-3.2-1B, Llama-3.2-3B and Llama-3.1-8B. Names follow Meta's reference (tok_embeddings, layers,
 attention, feed_forward, norm, output); the query, key and value projections are one matrix (wqkv),
 and SwiGLU's gate and up projections another (w13), so each is one matmul. Rotary embeddings rotate
-interleaved pairs (x0, x1), (x2, x3), … as Meta's reference does.
+interleaved pairs (x0, x1), (x2, x3), … as Meta's reference does. Both stacked matrices order their
+rows so that any contiguous cut holds whole units of work: wqkv key/value group by group (the query
+heads that share a key/value head, then that key and value head), w13 gate and up row by row. Tensor
+parallelism shards them by rows (workers/models/tensor_plans.py), and each rank computes with the
+groups and hidden units it holds, with no reordering.
 
 Initialisation: every projection N(0, 0.02), the ones writing into the residual stream (wo, w2)
 scaled by 1/sqrt(2 · n_layer) so its variance does not grow with depth, embeddings N(0, 0.02), and
@@ -62,17 +66,20 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        kv_width = self.n_kv_head * self.head_dim
-        q, k, v = self.wqkv(x).split([self.n_head * self.head_dim, kv_width, kv_width], dim=-1)
-        q = apply_rope(q.view(B, T, self.n_head, self.head_dim), cos, sin).transpose(1, 2)
-        k = apply_rope(k.view(B, T, self.n_kv_head, self.head_dim), cos, sin).transpose(1, 2)
-        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
+        group = self.n_head // self.n_kv_head
+        # Rows by key/value group: [q heads of the group; k; v]. -1 groups: all, or this rank's share.
+        grouped = self.wqkv(x).view(B, T, -1, group + 2, self.head_dim)
+        q = grouped[:, :, :, :group].flatten(2, 3)
+        k, v = grouped[:, :, :, group], grouped[:, :, :, group + 1]
+        q = apply_rope(q, cos, sin).transpose(1, 2)
+        k = apply_rope(k, cos, sin).transpose(1, 2)
+        v = v.transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=group > 1)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(x w1) * x w3), with w1 and w3 stacked in one matrix (w13)."""
+    """SwiGLU: w2(silu(x w1) * x w3), with w1 and w3 interleaved row by row in one matrix (w13)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -80,7 +87,7 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(cfg.hidden_dim, cfg.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)
+        gate, up = self.w13(x).unflatten(-1, (-1, 2)).unbind(dim=-1)
         return self.w2(F.silu(gate) * up)
 
 
