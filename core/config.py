@@ -307,9 +307,13 @@ class CompileConfig:
 
 @dataclass(kw_only=True, slots=True)
 class ParallelConfig:
-    strategy: Literal["ddp", "fsdp"] = "ddp"
+    strategy: Literal["ddp", "fsdp", "hsdp", "auto"] = "ddp"
     """ddp replicates the model on every worker; fsdp (FSDP2, one shard group per block) shards
-    parameters, gradients and optimizer state for models that do not fit one device."""
+    parameters, gradients and optimizer state for models that do not fit one device; hsdp shards
+    inside each NVLink island and replicates across islands (all-gathers on NVLink, one all-reduce
+    of a shard across). auto lets the planner cost all three and take the best (Plan.data_parallel
+    says which). With tensor parallelism the data-parallel side runs on FSDP2 whatever this says
+    (DDP does not take DTensor parameters): ddp there is FSDP2 with shards of one rank."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend: auto is nccl on GPUs, gloo on CPUs."""
     activation_checkpointing: Literal["off", "selective", "full"] = "off"

@@ -60,7 +60,7 @@ class Engine:
         # instead of read for it and then read and written again to scale them (1.3B: ~10 GB a step).
         # Not with fp16, whose GradScaler owns grad_scale, nor FSDP's sharded DTensor gradients.
         self.clip_in_optimizer = (self.optimizer.defaults.get("fused") is True and not self.scaler.enabled
-                                  and not self.wrapped.fsdp)
+                                  and not self.wrapped.dtensor_parameters)
         # With bf16 weights, the step from the copy's bf16 gradients to the masters and back into the
         # copy runs as one Triton pass (Bf16ComputeCopy.step_masters): the same numbers as pushing fp32
         # gradients and stepping fused AdamW, moving 30 bytes a parameter instead of 48, norm included
@@ -83,7 +83,9 @@ class Engine:
                                              gradient_tolerance=compile_config.gradient_tolerance,
                                              compare_gradients=self.wrapped.ddp is None and not self.wrapped.fsdp)
                                 if compile_config.enable and compile_config.check_tolerance > 0
-                                and spec.model.dropout == 0 and self.precision.name != "fp8" else None)
+                                and spec.model.dropout == 0 and self.precision.name != "fp8"
+                                # its eager rerun reads whole losses; under TP they are DTensors on shards
+                                and not self.wrapped.tensor_parallel else None)
 
     def __call__(self, micro_batches: list[torch.Tensor], lr: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Trains on `micro_batches` (each (B, seq_len + 1) tokens); returns (this rank's weighted loss,
@@ -108,7 +110,7 @@ class Engine:
                 self._backward(loss)
                 if eager_loss is not None and check.compare_gradients:
                     check.check_gradients()
-            total_loss += loss.detach() * self.micro_batch_weight
+            total_loss += _whole(loss.detach()) * self.micro_batch_weight
         if self.overlap is not None:  # the update follows in the next forward (or settle())
             return total_loss, self.overlap.end_step()
         grad_norm = self._fused_bf16_step() if self.fused_bf16_step else self._clip_and_step()
@@ -117,7 +119,7 @@ class Engine:
 
     def _forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One micro-batch's mean loss (collective under DDP and FSDP: every rank makes it)."""
-        with self._training_autocast():
+        with self._training_autocast(), self.wrapped.loss_context():
             return self.workload.loss(self.wrapped.forward, inputs, targets, loss_kernel=self.spec.train.loss_kernel)
 
     def _backward(self, loss: torch.Tensor) -> None:
@@ -184,9 +186,9 @@ class Engine:
         loss_sum, tokens = 0.0, 0
         for batch in batches:
             inputs, targets = batch[:, :-1], batch[:, 1:]
-            with self.precision.autocast(self.device):
+            with self.precision.autocast(self.device), self.wrapped.loss_context():
                 loss = self.workload.loss(forward, inputs, targets, loss_kernel=self.spec.train.loss_kernel)
-            loss_sum += float(loss) * targets.numel()
+            loss_sum += float(_whole(loss)) * targets.numel()
             tokens += targets.numel()
         self.model.train()
         return loss_sum, tokens
@@ -213,6 +215,11 @@ class Engine:
         if self.float8_layers:
             metrics["float8_layers"] = self.float8_layers
         return metrics
+
+
+def _whole(value: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor: under tensor parallelism it is a replicated DTensor."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 SAME_WEIGHTS_TOLERANCE = 1e-6

@@ -14,7 +14,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from core.config import ModelConfig
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
+
 from workers.models.stack import BlockStack
+from workers.models.tensor_plans import embedding_style, final_norm_styles, gpt_block_plan
 
 
 class CausalSelfAttention(nn.Module):
@@ -96,6 +100,18 @@ class GPT(BlockStack):
             self.stage(i + 1)
             x = block(x)
         return self.head(x, targets, loss_kernel)
+
+    def tensor_parallel_plan(self) -> dict[str, list[ParallelStyle]]:
+        # Positions split by rows too: each rank gets its sequence shard's positions to add.
+        plan = {"tok_emb": [embedding_style()],
+                "pos_emb": [RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0))],
+                "ln_f": final_norm_styles()}
+        for i in range(len(self.blocks)):
+            plan.update({f"blocks.{i}.{path}": [style] for path, style in gpt_block_plan().items()})
+        return plan
+
+    def tie_weights(self) -> None:
+        self.lm_head.weight = self.tok_emb.weight
 
     @property
     def final_norm(self) -> nn.Module:

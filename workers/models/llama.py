@@ -26,7 +26,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from core.config import ModelConfig
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
+
 from workers.models.stack import BlockStack
+from workers.models.tensor_plans import embedding_style, final_norm_styles, llama_block_plan
 
 ROPE_LOW_FREQ_FACTOR = 1.0
 ROPE_HIGH_FREQ_FACTOR = 4.0
@@ -150,6 +153,18 @@ class Llama(BlockStack):
             self.stage(i + 1)
             x = layer(x, cos, sin)
         return self.head(x, targets, loss_kernel)
+
+    def tensor_parallel_plan(self) -> dict[str, list[ParallelStyle]]:
+        plan = {"tok_embeddings": [embedding_style()], "norm": final_norm_styles()}
+        if not self.cfg.tie_embeddings:  # split by vocabulary rows; head() multiplies by it (the module is not called)
+            plan["output"] = [ColwiseParallel()]
+        for i in range(len(self.layers)):
+            plan.update({f"layers.{i}.{path}": [style] for path, style in llama_block_plan().items()})
+        return plan
+
+    def tie_weights(self) -> None:
+        if self.cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
 
     @property
     def final_norm(self) -> nn.Module:

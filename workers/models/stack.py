@@ -6,7 +6,10 @@ do only with a model written for them, which the built-in GPT and Llama are:
   the forward calls before the embeddings (0) and before block i (i + 1), and reads which stage first
   uses each parameter (`forward_stages`);
 - compile the head apart: FSDP2 compiles block by block, and `head` (final norm, output projection
-  and loss) is compiled too, since its logits cost time and memory eagerly.
+  and loss) is compiled too, since its logits cost time and memory eagerly;
+- split across a tensor-parallel group: `tensor_parallel_plan` (workers/models/tensor_plans.py) says
+  how each module splits, and `head` computes the loss on vocabulary shards when the output
+  projection is split (loss parallel).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from kernels.loss import linear_cross_entropy
 from workers.models.chunked_loss import chunked_cross_entropy
@@ -40,6 +45,8 @@ class BlockStack(nn.Module, ABC):
         (kernels.loss: the final norm and the logits' gradient made in the forward pass, inside one
         op) or "chunked" (workers.models.chunked_loss: the (tokens × vocab) logits never exist whole)."""
         weight = self.output_weight()
+        if isinstance(weight, DTensor):
+            return self._vocabulary_sharded_head(x, targets)
         if targets is not None and loss_kernel == "fused":  # the op runs the final norm itself (kernels/loss.py)
             return linear_cross_entropy(x.reshape(-1, x.size(-1)), weight, targets.reshape(-1), self.final_norm)
         x = self.final_norm(x)
@@ -51,6 +58,24 @@ class BlockStack(nn.Module, ABC):
             raise ValueError(f"loss_kernel must be 'fused', 'chunked' or 'plain', got {loss_kernel!r}")
         logits = F.linear(x, weight)
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+    def _vocabulary_sharded_head(self, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+        """The head under tensor parallelism: the final norm hands over the whole sequence as a DTensor
+        (tensor_plans.final_norm_styles), the logits stay split by vocabulary, and cross-entropy runs
+        on the shards (call it inside torch's loss_parallel(), forward and backward). The fused and
+        chunked kernels need whole vocabulary rows, so every loss_kernel is this one here."""
+        logits = F.linear(self.final_norm(x), self.output_weight())
+        if targets is None:
+            return logits.full_tensor()
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.reshape(-1))
+
+    @abstractmethod
+    def tensor_parallel_plan(self) -> dict[str, list[ParallelStyle]]:
+        """Module path -> the parallel styles applied to it, in order (workers/models/tensor_plans.py)."""
+
+    def tie_weights(self) -> None:
+        """Shares the embedding's matrix with the head again where the model ties them: parallelizing
+        replaces each module's parameters with new DTensors, one per module."""
 
     @property
     @abstractmethod

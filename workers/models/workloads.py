@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from core.config import ModelConfig
 from core.errors import ConfigError
@@ -64,6 +65,13 @@ class BuiltinWorkload:
 
     def blocks(self, model: nn.Module) -> Sequence[nn.Module]:
         return list(model.blocks)
+
+    def tensor_parallel_plan(self, model: BlockStack) -> dict[str, list[ParallelStyle]]:
+        """How each module splits over a tensor-parallel group (workers/tensor_parallel.py applies it)."""
+        return model.tensor_parallel_plan()
+
+    def tie_weights(self, model: BlockStack) -> None:
+        model.tie_weights()
 
     def __repr__(self) -> str:  # the memory estimate's cache key
         return f"{type(self).__name__}({self.identity()!r})"
