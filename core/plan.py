@@ -370,6 +370,9 @@ def _check_choices(plan: Plan) -> None:
     if refusal is None and plan.overlap == "next_forward":
         refusal = rules.overlap_refusal(strategy=plan.data_parallel.value, hook=plan.comm_hook,
                                         precision=plan.precision)
+    if refusal is None:
+        refusal = rules.tensor_parallel_refusal(plan.tensor_parallel_size, hook=plan.comm_hook, overlap=plan.overlap,
+                                                precision=plan.precision)
     if refusal is not None:
         raise PlacementError(refusal.what, where=f"plan: {refusal.where}", fix=refusal.fix)
 

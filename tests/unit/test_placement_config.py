@@ -23,7 +23,7 @@ def test_prices_are_a_table_of_numbers(tmp_path):
 @pytest.mark.parametrize("placement, where, message", [
     ({"objective": "cheapest_under_deadline"}, "[placement] deadline_hours", "needs a deadline"),
     ({"min_gpus": 8, "max_gpus": 4}, "[placement] max_gpus", "is below min_gpus = 8"),
-    ({"tensor_parallel_size": 0}, "[placement] tensor_parallel_size", "must be positive"),
+    ({"tensor_parallel_size": -1}, "[placement] tensor_parallel_size", "must be 0 (the planner picks) or more"),
     ({"prices": {"L4": -1.0}}, "[placement] prices.L4", "must be 0 or more"),
     ({"prices": {"L4": "cheap"}}, "[placement] prices.L4", "must be a number"),
     ({"prices": 3}, "[placement] prices", "must be a table"),

@@ -22,8 +22,8 @@ RESUME_AT = 10
 
 
 def tiny(kind: str, strategy: str = "fsdp") -> JobConfig:
-    model = ({"n_layer": 2, "n_head": 4, "n_embd": 32, "seq_len": 32} if kind == "gpt" else
-             {"kind": "llama", "n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 32, "seq_len": 32,
+    model = ({"n_layer": 1, "n_head": 4, "n_embd": 32, "seq_len": 32} if kind == "gpt" else
+             {"kind": "llama", "n_layer": 1, "n_head": 4, "n_kv_head": 2, "n_embd": 32, "seq_len": 32,
               "rope_scaling": 8.0, "tie_embeddings": False})
     return JobConfig.from_dict({
         "model": model, "parallel": {"strategy": strategy},
@@ -35,6 +35,7 @@ def tiny(kind: str, strategy: str = "fsdp") -> JobConfig:
 def engine(kind: str, world: int, rank: int, *, tp: int, strategy: str = "fsdp",
            islands: list[list[int]] | None = None) -> tuple[Engine, int]:
     """An engine on `world` ranks with tensor-parallel groups of `tp`; returns it and its replica."""
+    torch.set_num_threads(1)  # tiny matmuls: threads only contend with the other ranks
     replicas = world // tp
     spec = uniform_spec(tiny(kind, strategy), world_size=world, micro_batch_size=2 * MICRO // replicas,
                         grad_accum_steps=1, tensor_parallel_size=tp, intra_island_groups=islands)
