@@ -66,10 +66,10 @@ def uniform_spec(config: JobConfig, *, world_size: int, micro_batch_size: int, g
                  tensor_parallel_size: int = 1, data_location: str = "", tokenizer: str = "bytes") -> WorkerSpec:
     """A spec of `world_size` identical workers with equal micro-batches, resolved from `config` as the
     planner resolves it, for running the worker engine without the planner: [parallel] comm_hook
-    "auto" runs plain all-reduce (nothing is costed), the buckets are [parallel] bucket_mb.
+    "auto" runs plain all-reduce and strategy "auto" ddp (nothing is costed), the buckets are [parallel] bucket_mb.
     use_gpu defaults to [cluster] use_gpu; tensor_parallel_size consecutive ranks form each group."""
     use_gpu = config.cluster.use_gpu if use_gpu is None else use_gpu
-    data_parallel = DataParallel(config.parallel.strategy)
+    data_parallel = DataParallel("ddp" if config.parallel.strategy == "auto" else config.parallel.strategy)
     hook = "allreduce" if config.parallel.comm_hook == "auto" else config.parallel.comm_hook
     choices = plan_choices(config, use_gpu=use_gpu, replicas=world_size // tensor_parallel_size,
                            data_parallel=data_parallel, comm_hook=hook,
