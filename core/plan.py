@@ -130,6 +130,8 @@ class WorkerPlacement:
     predicted_peak_memory_bytes: int = 0
     memory_capacity_bytes: int = 0
     """What the device (or, for CPU workers, the node) has; 0 when unknown."""
+    gpu_index: int | None = None
+    """NVML index of the GPU on its node, for messages (Ray's GPU ids count the same way)."""
     island_resource: str = ""
     """The Ray custom resource of the worker's NVLink island (`nvlink_island_<id>`, what
     `archipelago node-resources` advertises) that the worker reserves one unit of; "" outside islands."""

@@ -58,6 +58,8 @@ from planning.prices import PriceTable
 from planning.resolve import plan_choices
 from topology import catalog
 from topology.cluster import ClusterTopology
+from topology.nccl_env import nccl_environment
+from topology.ray_resources import island_resource
 from topology.sysfs import format_cpu_list, parse_cpu_list
 
 REFINE_ROUNDS = 64
@@ -558,7 +560,9 @@ class Planner:
             ray_node_id=device.node.ray_node_id,
             predicted_compute_seconds=accum * costing.replica_group(
                 device.type, 1, 1, domain.intra_hop).micro_step_seconds(micro_batches[rank]),
-            predicted_peak_memory_bytes=peaks[rank], memory_capacity_bytes=device.type.memory_bytes)
+            predicted_peak_memory_bytes=peaks[rank], memory_capacity_bytes=device.type.memory_bytes,
+            gpu_index=_gpu_index(device), island_resource=_island_resource(device, domain),
+            environment=nccl_environment(device.node, device.uuid) if self._nccl_nics(device) else {})
             for rank, (device, domain) in enumerate(devices)]
         islands: dict[int, list[int]] = defaultdict(list)
         for rank, (_, domain) in enumerate(devices):
@@ -580,6 +584,11 @@ class Planner:
             data_parallel_groups=[list(range(j, len(workers), t)) for j in range(t)],
             ddp_bucket_bytes=buckets, bottleneck_link_class=bottleneck,
             price_basis="spot" if job.spot else "on_demand", predicted=prediction, notes=notes, **choices)
+
+    def _nccl_nics(self, device: Device) -> bool:
+        """Whether the plan names NCCL's NICs for this device: whole GPUs and MIG slices, unless
+        [placement] nccl_nics is off."""
+        return self.config.placement.nccl_nics and device.uuid is not None and device.type.kind != DeviceKind.CPU
 
     def _peaks(self, outcome: Outcome, costing: Costing, devices: list, micro_batches: list[int]) -> list[int]:
         accumulating = outcome.split.grad_accum_steps > 1
@@ -623,6 +632,18 @@ def _has_float8(device: DeviceType) -> bool:
         return device.kind != DeviceKind.CPU
     major, minor = (int(part) for part in model.compute_capability.split("."))
     return (major, minor) >= (8, 9)
+
+
+def _gpu_index(device: Device) -> int | None:
+    return next((gpu.index for gpu in device.node.gpus if gpu.uuid == device.uuid), None)
+
+
+def _island_resource(device: Device, domain: Domain) -> str:
+    """The Ray resource `archipelago node-resources` advertises for the device's NVLink island of two or
+    more GPUs on one node; "" elsewhere (fabric islands span nodes, PCIe GPUs and MIG slices have none)."""
+    if not domain.nvlink or domain.fabric_id or len(domain.devices) < 2 or device.island_id is None:
+        return ""
+    return island_resource(device.island_id)
 
 
 def _plan_score(plan: Plan, job: PlanningJob) -> tuple:
