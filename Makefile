@@ -25,9 +25,10 @@ demo: $(STAMP)
 # pytest exits 5 when it collects no tests; make treats any non-zero exit as a failure.
 # lint-imports holds the layers of ARCHITECTURE.md: an import back up the stack fails the build.
 # -rs prints why each skipped test skipped (under CI=true only gpu-marked tests may: tests/conftest.py).
+# -n 2 --dist loadgroup: the Ray integration tests in one worker, in order, the unit tests beside them.
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
-	$(PYTHON) -m pytest --timeout=900 --durations=15 -rs
+	$(PYTHON) -m pytest --timeout=900 --durations=15 -rs -n 2 --dist loadgroup
 
 test-gpu:
 	PYTHONPATH=.:$$PYTHONPATH python3 -m pytest -m gpu tests/gpu -p no:cacheprovider -rs

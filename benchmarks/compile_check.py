@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import step  # noqa: E402
 from core.config import CompileConfig  # noqa: E402
-from kernels.loss import linear_cross_entropy  # noqa: E402
+from kernels.loss import ignore_masked, linear_cross_entropy  # noqa: E402
 from planning.resolve import uniform_spec  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 from workers.models.gpt import GPT  # noqa: E402
@@ -47,10 +47,11 @@ WAYS = ("as tuned", "norm outside, largest block", "norm outside, smallest block
 PRECISIONS = {"autocast": {}, "bf16 weights": {"train": {"bf16_weights": True}}}
 
 
-def head_with_the_norm_outside(self, x: torch.Tensor, targets, loss_kernel: str) -> torch.Tensor:
+def head_with_the_norm_outside(self, x: torch.Tensor, targets, loss_kernel: str, loss_mask=None) -> torch.Tensor:
     """GPT.head before the fused loss ran the final norm itself: Inductor fuses the norm with the last
     residual add into one kernel that feeds the op."""
-    return linear_cross_entropy(self.ln_f(x).reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1))
+    targets = ignore_masked(targets, loss_mask).reshape(-1)
+    return linear_cross_entropy(self.ln_f(x).reshape(-1, x.size(-1)), self.lm_head.weight, targets)
 
 
 class HeldBlockSize:

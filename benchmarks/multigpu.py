@@ -10,7 +10,8 @@ prediction against the measured step, and the DDP comm hooks against plain all-r
 
 Sections (--only picks some):
   sweep   all-reduce of 1 MB–1 GB over all ranks: bus bandwidth per size, and the (alpha, bus GB/s)
-          calibration row for the machine's link class (calibration.json; `CollectiveCostModel.load`);
+          calibration row for the machine's link class (calibration.json; `Calibration.load`, and
+          `archipelago calibrate --sweep DIR` takes it into a fitted calibration);
           with train, the row also gets ddp_compute_slowdown: DDP's step beyond one GPU's, less its
           exposed communication
   train   per model: engine DDP, engine FSDP2 and plain DDP + compile on all ranks, the engine alone on

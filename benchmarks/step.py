@@ -9,6 +9,8 @@
     python3 benchmarks/step.py --models gpt-1.3b --curve-steps 200 --skip-plain --variants fp8 "seed 1"
     python3 benchmarks/step.py --variants "chunked loss" "cudnn attention+plain loss" --profile --json step.json
     python3 benchmarks/step.py --models gpt2-124m --ddp-modes           # compile + DDP on a 1-rank NCCL group
+    python3 benchmarks/step.py --models hf hf-builtin --hf-dir models/Llama-3.2-1B --skip-eager --variants "bf16 weights"
+                                                                # kind = "hf" against the built-in Llama from it
 
 Every configuration of a model trains the same model (the built-in GPT, pre-norm with tied embeddings
 and vocab 50304, or the built-in Llama at a preset's shape) in bf16 autocast with fused AdamW on the
@@ -58,6 +60,7 @@ from planning.model_size import ModelFacts, model_facts  # noqa: E402
 from planning.resolve import uniform_spec  # noqa: E402
 from topology import catalog  # noqa: E402
 from topology.nvml import Nvml  # noqa: E402
+from kernels.loss import ignore_masked  # noqa: E402
 from workers.comm.stats import CommStats  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 from workers.models import make_workload  # noqa: E402
@@ -69,6 +72,9 @@ MODELS = {  # name: ([model] table, micro-batch)
     "llama3-3b": ({"preset": "llama3-3b", "seq_len": 2048}, 2),
 }
 DEFAULT_MODELS = ("gpt2-124m", "gpt-1.3b")
+HF_MODELS = {"hf": "hf", "hf-builtin": "llama"}
+"""With --hf-dir (a Hugging Face Llama or Mistral directory): name -> [model] kind; "hf" trains transformers'
+model, "hf-builtin" the built-in Llama shaped (and started) from the same directory: which is faster."""
 
 LR = 3e-4
 VARIANTS = {  # name: (JobConfig sections to override, SDPA backends in priority order or None)
@@ -273,9 +279,9 @@ def liger(name: str, data: TextBatches, args, everything: bool) -> tuple[dict, o
     model = make_workload(model_config(name)).build().to(DEVICE)
     fused_loss = LigerFusedLinearCrossEntropyLoss()
 
-    def head(x, targets, loss_kernel):
+    def head(x, targets, loss_kernel, loss_mask=None):  # liger's loss ignores kernels.loss.IGNORE_INDEX too
         x = model.norm(x)
-        return fused_loss(model.output_weight(), x.reshape(-1, x.size(-1)), targets.reshape(-1))
+        return fused_loss(model.output_weight(), x.reshape(-1, x.size(-1)), ignore_masked(targets, loss_mask).reshape(-1))
 
     model.head = head
     if everything:
@@ -644,7 +650,7 @@ def run_model(name: str, args, out: list[dict]) -> None:
         labels = [v for v in labels if "fp8" not in v]
     runs = [] if args.skip_plain or args.skip_eager else [("plain eager", lambda: plain(name, False, data, args))]
     runs += [] if args.skip_plain else [("plain compile", lambda: plain(name, True, data, args))]
-    if model_config(name).kind == "llama" and not args.skip_plain and torchtitan_available():
+    if "preset" in MODELS[name][0] and not args.skip_plain and torchtitan_available():
         runs += [("torchtitan", lambda: torchtitan(name, data, args))]
     if model_config(name).kind == "llama" and args.liger:
         runs += [(f"liger {everything}", lambda everything=everything: liger(name, data, args, everything))
@@ -694,7 +700,9 @@ def run_model(name: str, args, out: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), choices=[*MODELS, *HF_MODELS])
+    parser.add_argument("--hf-dir", help="a Hugging Face Llama/Mistral directory (its config.json; weights optional) "
+                                         "for the models hf and hf-builtin, B=4, T=2048")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--curve-steps", type=int, default=0,
@@ -710,6 +718,11 @@ def main() -> None:
     parser.add_argument("--no-repeat", action="store_true", help="no second plain compile row after the engine's")
     parser.add_argument("--json", help="write the rows here too")
     args = parser.parse_args()
+    if any(name in HF_MODELS for name in args.models) and not args.hf_dir:
+        parser.error("the models hf and hf-builtin need --hf-dir")
+    for name, kind in HF_MODELS.items():
+        if args.hf_dir:
+            MODELS[name] = ({"kind": kind, "hf_dir": args.hf_dir, "seq_len": 2048}, 4)
     torch.backends.cuda.matmul.allow_tf32 = True
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
           flush=True)

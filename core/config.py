@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 import tomllib
 import types
@@ -21,6 +22,7 @@ from typing import Any, Literal
 
 from core import rules
 from core.errors import ConfigError
+from core.hf_config import CONFIG_FILE, builtin_llama_refusal, read_hf_config, shape_of
 
 
 def _check(ok: bool, key: str, problem: str, fix: str) -> None:
@@ -47,10 +49,16 @@ naming a preset starts from these, and the keys it gives itself win (seq_len is 
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
-    kind: Literal["gpt", "llama", "custom"] = "gpt"
+    kind: Literal["gpt", "llama", "custom", "hf"] = "gpt"
     """gpt: the built-in GPT-2-style transformer (workers/models/gpt.py); llama: the built-in Llama-3
     family (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU; workers/models/llama.py);
-    custom: the nn.Module (or workload) that `factory` returns."""
+    custom: the nn.Module (or workload) that `factory` returns; hf: the transformers causal LM that
+    `hf_dir`'s config.json describes (workers/models/hf.py)."""
+    hf_dir: str = ""
+    """A local directory holding a Hugging Face model's config.json, and its *.safetensors weights when
+    it has any (a sharded model's index too), seen by every node. kind = "hf": that model, from its
+    weights or initialised; kind = "llama": the built-in Llama shaped from it and started from its
+    weights (Llama and Mistral shapes). The shape keys (n_layer, n_embd, vocab_size, …) come from the file."""
     preset: str = ""
     """A named shape to start from: llama3-1b, llama3-3b or llama3-8b (MODEL_PRESETS)."""
     n_layer: int = 4
@@ -94,7 +102,7 @@ class ModelConfig:
                   seq_len=self.seq_len, vocab_size=self.vocab_size, norm_eps=self.norm_eps)
         _check(not self.preset or self.preset in MODEL_PRESETS, "[model] preset", f"{self.preset!r} is not a preset",
                f"use one of {', '.join(MODEL_PRESETS)}, or size the model with n_layer, n_embd, …")
-        _check(self.n_embd % self.n_head == 0, "[model] n_head",
+        _check(self.kind == "hf" or self.n_embd % self.n_head == 0, "[model] n_head",
                f"n_embd = {self.n_embd} is not divisible by n_head = {self.n_head}",
                "pick n_head so that n_embd / n_head is a whole number (e.g. 64 per head)")
         _check(0.0 <= self.dropout < 1.0, "[model] dropout", f"must be in [0, 1), got {self.dropout}",
@@ -113,10 +121,21 @@ class ModelConfig:
                    f"size; n_embd / n_head = {self.n_embd // self.n_head}", "pick n_head so that each head is even")
             _check(not self.bias and self.dropout == 0, "[model]", "the llama model has no bias terms and no dropout",
                    "set bias = false and dropout = 0.0")
+        self._check_hf_dir()
         _check(self.kind == "custom" or (not self.factory and not self.options), "[model] factory",
                f'kind = "{self.kind}" builds its own model', 'set kind = "custom" to train the factory\'s model')
         _check(self.kind != "custom" or bool(self.factory), "[model] factory", 'kind = "custom" needs a factory',
                'set factory = "package.module:function" (a function of the [model] table returning an nn.Module)')
+
+    def _check_hf_dir(self) -> None:
+        _check(self.kind != "hf" or bool(self.hf_dir), "[model] hf_dir", 'kind = "hf" needs a model directory',
+               'set hf_dir = "path/to/model" (a directory holding its config.json)')
+        _check(not self.hf_dir or self.kind in ("hf", "llama"), "[model] hf_dir",
+               f'kind = "{self.kind}" does not load a Hugging Face model',
+               'use kind = "hf" (the transformers model) or kind = "llama" (the built-in, Llama shapes)')
+        if self.kind == "llama" and self.hf_dir:
+            refusal = builtin_llama_refusal(read_hf_config(self.hf_dir), f"{self.hf_dir}/{CONFIG_FILE}", self.seq_len)
+            _check(refusal is None, "[model] hf_dir", refusal or "", "or leave hf_dir out to train the built-in from scratch")
 
     @property
     def kv_heads(self) -> int:
@@ -145,9 +164,11 @@ class DataConfig:
     """When `path` holds no dataset yet, prepare it from this source first: a directory of files, or
     "stdlib" (the .py files of the running Python's standard library: the demo's corpus). Empty (the
     default) requires a prepared dataset at `path`: a path that holds none is an error naming it."""
-    source_format: Literal["text", "jsonl", "parquet", "arrow"] = "text"
+    source_format: Literal["text", "jsonl", "parquet", "arrow", "chat", "instruction"] = "text"
     """What `prepare_from` holds: text files (one document each), JSON Lines (one document per line),
-    or a Parquet / Arrow IPC dataset (one document per row)."""
+    a Parquet / Arrow IPC dataset (one document per row), or fine-tuning JSON Lines: conversations
+    ("chat": {"messages": [{"role", "content"}, …]}) or pairs ("instruction": {"prompt", "response"}),
+    stored with a loss mask over the responses and packed into samples of [model] seq_len (storage/chat.py)."""
     pattern: str = ""
     """Glob (matched recursively) selecting the files of `prepare_from`; empty is *.py for text,
     *.jsonl, *.parquet or *.arrow for the other formats."""
@@ -254,7 +275,20 @@ class TrainConfig:
     vocab) logits never exist: saves about 1 GiB at GPT-2 124M, B=32, but cost 5 % of the step
     there (benchmarks/RESULTS.md)."""
 
+    qat: Literal["", "int8-dynamic-act-int4-weight", "int8-weight"] = ""
+    """Quantization-aware training (workers/qat.py, torchao): the linear layers train fake-quantized as
+    they will run once quantized, and `archipelago export RUN --hf OUT --quantized` writes the really
+    quantized model. "int8-dynamic-act-int4-weight": int8 activations per token, int4 weights per group
+    of qat_group_size; "int8-weight": int8 weights per row. "" trains in full precision. The planner's
+    memory estimate does not count the fake quantization's temporaries."""
+    qat_group_size: int = 32
+    """Input features sharing one int4 weight scale (int8-dynamic-act-int4-weight); layers whose width it
+    does not divide stay in full precision."""
+
     def __post_init__(self) -> None:
+        _check(not self.qat or (self.precision != "fp8" and not self.bf16_weights), "[train] qat",
+               f"fake quantization does not combine with precision = {self.precision!r} / bf16_weights",
+               'use precision "fp32", "bf16" or "auto" without bf16_weights for quantization-aware training')
         _positive("train", steps=self.steps, global_batch_size=self.global_batch_size,
                   micro_batch_size=self.micro_batch_size, lr=self.lr, log_every=self.log_every,
                   eval_every=self.eval_every, eval_samples=self.eval_samples)
@@ -459,9 +493,11 @@ class PlacementConfig:
     calibration_file: str = ""
     """A JSON table of measured collective costs by link class, {"nvswitch": {"alpha_us": 30.1,
     "bus_gb_per_s": 323.1}}, as benchmarks/multigpu.py writes it (calibration.json) from an all-reduce
-    sweep; rows it gives replace planning/collectives.py's defaults. A row may also give
-    ddp_compute_slowdown (a share; the link class's figure when left out). Relative paths are from
-    the working directory."""
+    sweep, and of compute efficiency by device model, "compute_efficiency": {"cpu": 0.94}, as
+    `archipelago calibrate RUN...` fits it from finished runs (planning/calibration.py); rows it gives
+    replace planning/collectives.py's and planning/compute.py's defaults. A link row may also give
+    ddp_compute_slowdown (a share; the link class's figure when left out). Empty: `fit` and `plan` read
+    <runs_dir>/calibration.json when there is one. Relative paths are from the working directory."""
 
     def __post_init__(self) -> None:
         _positive("placement", min_gpus=self.min_gpus)
@@ -477,6 +513,29 @@ class PlacementConfig:
         for model, price in self.prices.items():
             _check(price >= 0, f"[placement] prices.{model}", f"must be 0 or more, got {price}",
                    "give dollars per device-hour, e.g. 2.10")
+
+
+@dataclass(kw_only=True, slots=True)
+class DeviceSpec:
+    """A GPU model described by hand, for GPUs the device catalog lacks (or to replace its figures):
+
+        [devices."NVIDIA GeForce RTX 3090"]     # the name `nvidia-smi -L` prints, or a catalog key
+        bf16_tflops = 71.0                       # dense, per GPU (fp16 if it has no bf16; fp32 if neither)
+        memory_gib = 24.0
+        price = 0.35                             # dollars per GPU-hour, in the [placement] pricing column
+
+    The planner uses these over measured and catalog figures; every field is needed."""
+
+    bf16_tflops: float | None = None
+    """Dense bf16 tensor TFLOP/s of one GPU (the rate the planner's utilisation is a share of)."""
+    memory_gib: float | None = None
+    """Memory of one GPU, GiB; replaces what the map says (nvidia-smi texts carry no memory)."""
+    price: float | None = None
+    """Dollars per GPU-hour in the [placement] pricing column; [placement] prices still override it."""
+
+
+DEVICE_FIELDS = ("bf16_tflops", "memory_gib", "price")
+_DEVICE_EXAMPLE = {"bf16_tflops": "bf16_tflops = 71.0", "memory_gib": "memory_gib = 24.0", "price": "price = 0.35"}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -588,9 +647,18 @@ class BillConfig:
     prometheus: bool = True
     """Export loss, tokens/s, MFU and dollars as Prometheus metrics through Ray's metrics agent
     (ray.util.metrics; scraped from each node's metrics export port)."""
+    mlflow: bool = False
+    """Track the run in MLflow too (pip install 'archipelago[mlflow]'): the job config as params, the
+    bill's per-step numbers (TensorBoard's names) as metrics, and at the end the plan, the bill and
+    the report as artifacts; a resumed run continues its MLflow run."""
+    mlflow_uri: str = ""
+    """The MLflow tracking URI: a server ("https://mlflow.example.com"), "sqlite:///mlflow.db", or
+    "" for a local file store at <runs_dir>/mlruns (`mlflow ui --backend-store-uri runs/mlruns`)."""
     alerts: AlertsConfig = field(default_factory=AlertsConfig)
 
     def __post_init__(self) -> None:
+        _check(not self.mlflow or importlib.util.find_spec("mlflow") is not None, "[bill] mlflow",
+               "MLflow is not installed", "pip install 'archipelago[mlflow]', or set mlflow = false")
         for i, target in enumerate(self.targets):
             _check(0 < target < float("inf"), f"[bill] targets[{i}]", f"must be a positive loss, got {target}",
                    "list validation losses to reach, e.g. targets = [3.0, 2.5]")
@@ -612,11 +680,14 @@ class JobConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     bill: BillConfig = field(default_factory=BillConfig)
+    devices: dict[str, DeviceSpec] = field(default_factory=dict)
+    """GPU models described by hand, by the name nvidia-smi prints: [devices."NVIDIA GeForce RTX 3090"]."""
 
     def __post_init__(self) -> None:
         for refusal in self._refusals():
             if refusal is not None:
                 raise refusal.error()
+        self._check_devices()
         # DDP's first bucket is 1 MiB; Dynamo's DDPOptimizer, which splits the compiled DDP graph at
         # bucket boundaries, asserts that no bucket is smaller (torch 2.11, found on two H200s).
         _check(not (self.compile.enable and self.parallel.strategy == "ddp" and self.parallel.overlap == "off"
@@ -658,6 +729,21 @@ class JobConfig:
         yield rules.tensor_parallel_refusal(self.placement.tensor_parallel_size, builtin_model=self.model.kind != "custom",
                                             hook=parallel.comm_hook, overlap=parallel.overlap, precision=train.precision,
                                             bf16_weights=train.bf16_weights, divisible=self.model.tensor_split_sizes())
+
+    def _check_devices(self) -> None:
+        """Every [devices."NAME"] table gives every figure, each a finite number ≥ 0 (a figure above 0
+        for the TFLOP/s and memory)."""
+        for name, spec in self.devices.items():
+            _check(bool(name.strip()), "[devices]", "a device table has an empty name",
+                   'name it as `nvidia-smi -L` prints the GPU, e.g. [devices."NVIDIA GeForce RTX 3090"]')
+            for key in DEVICE_FIELDS:
+                value = getattr(spec, key)
+                where = f'[devices."{name}"] {key}'
+                _check(value is not None, where, "is missing", f"every device table needs {', '.join(DEVICE_FIELDS)}: "
+                       f"add {_DEVICE_EXAMPLE[key]}")
+                _check(math.isfinite(value) and value >= 0 and (value > 0 or key == "price"), where,
+                       f"must be a {'number ≥ 0' if key == 'price' else 'positive number'}, got {value}",
+                       f"give the GPU's figure from its data sheet, e.g. {_DEVICE_EXAMPLE[key]}")
 
     @property
     def gradient_backend(self) -> str:
@@ -745,11 +831,26 @@ def _model_table(data: dict[str, Any], names: list[str]) -> dict[str, Any]:
     preset = data.get("preset")
     if isinstance(preset, str) and preset in MODEL_PRESETS:
         data = {**MODEL_PRESETS[preset], **data}
+    if isinstance(data.get("hf_dir"), str) and data["hf_dir"]:
+        data = _with_hf_shape(data)
     if data.get("kind") == "custom":
         unknown = {key: value for key, value in data.items() if key not in names}
         data = {key: value for key, value in data.items() if key in names}
         data["options"] = {**data.get("options", {}), **unknown}
     return data
+
+
+def _with_hf_shape(data: dict[str, Any]) -> dict[str, Any]:
+    """The [model] table with the shape its hf_dir's config.json fixes (a key the table gives too must
+    agree), and hf_dir made absolute: the workers read its weights, and export its tokenizer, from
+    wherever they run."""
+    data = {**data, "hf_dir": str(Path(data["hf_dir"]).resolve())}
+    shape = shape_of(read_hf_config(data["hf_dir"]))
+    for key, value in shape.items():
+        _check(key not in data or data[key] == value, f"[model] {key}",
+               f"{data.get(key)!r} disagrees with {data['hf_dir']}/{CONFIG_FILE}, which says {value!r}",
+               f"leave {key} out: hf_dir's config.json sizes the model")
+    return {**data, **shape}
 
 
 def _convert(value: Any, hint: Any, where: str, key: str, path: str) -> Any:
@@ -770,7 +871,10 @@ def _convert(value: Any, hint: Any, where: str, key: str, path: str) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"must be a table, got {value!r}", where=where, fix=f"write it as {key} = {{ name = value }}")
-        return {name: _convert(item, typing.get_args(hint)[1], f"{where}.{name}", key, path) for name, item in value.items()}
+        item_hint = typing.get_args(hint)[1]
+        # A table of sections ([devices."NAME"]) names each section in its errors.
+        sub = (lambda name: f'{path}."{name}"') if dataclasses.is_dataclass(item_hint) else (lambda name: path)
+        return {name: _convert(item, item_hint, f"{where}.{name}", key, sub(name)) for name, item in value.items()}
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"must be a list, got {value!r}", where=where, fix=f"write it as {key} = [ ... ]")

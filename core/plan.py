@@ -30,10 +30,11 @@ from core.atomic import read_text, write_text_atomically
 from core.errors import PlacementError, TopologyError
 
 FORMAT = "archipelago.plan"
-VERSION = 4
+VERSION = 5
 """2 added comm_hook; 3 made the plan the workers' one instruction: precision, hook settings, bucket
-size, overlap and activation checkpointing resolved; 4 named the device mesh and each worker's
-environment. Older plans read with allreduce, defaults and the mesh their groups imply."""
+size, overlap and activation checkpointing resolved; 4 added device_bases; 5 named the device mesh
+and each worker's environment. Older plans read with allreduce, defaults and the mesh their groups
+imply."""
 _WRITE_COMMAND = "archipelago plan --json FILE"
 
 
@@ -160,6 +161,27 @@ class Prediction:
     job_dollars: float
 
 
+@dataclass(kw_only=True, slots=True)
+class DeviceBasis:
+    """What the planner took one device model of the plan to do: where its figures came from, and the
+    calibration's factor on its compute (`archipelago calibrate` reads these back)."""
+
+    device_model: str
+    """As the workers' WorkerPlacement.device_model names it."""
+    model: str
+    """The key prices and calibrations use for it: the catalog key, the GPU's name, or "cpu" (a MIG
+    slice's is its GPU's)."""
+    source: str
+    """declared ([devices] in the job), measured (the probe's micro-benchmark), catalog (the data sheet),
+    or nominal (CPU workers without a measurement)."""
+    tflops: float
+    """The figure as its source gives it, at the plan's compute dtype, per device (a CPU worker: its
+    cores together): a measured product rate, or a declared, catalog or nominal peak."""
+    compute_efficiency: float = 1.0
+    """How much faster than the cost model's own figures this model's compute was predicted to run: the
+    calibration's factor (1 without one)."""
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class HookSettings:
     """The comm hook's own settings, as [parallel] gives them (workers/comm/hooks.py)."""
@@ -204,6 +226,10 @@ class Plan:
     """Gradient bucket size per link class the reduction crosses (nvswitch, pcie, infiniband, …)."""
     bottleneck_link_class: str = ""
     """The slowest link class of the flat all-reduce: the bucket size a single DDP group uses."""
+    bottleneck_gb_per_s: float = 0.0
+    bottleneck_alpha_us: float = 0.0
+    """The bandwidth and latency that slowest hop was costed at (its calibration row's), for
+    `archipelago calibrate` to fit the link from what the run then waited; 0 without a reduction."""
     comm_hook: str = "allreduce"
     """The DDP comm hook the workers run (core.rules.COMM_HOOKS): [parallel] comm_hook, or what the
     planner picked for "auto"."""
@@ -229,6 +255,8 @@ class Plan:
     predicted: Prediction
     notes: list[str] = field(default_factory=list)
     """Why the planner chose what it did, in words (shown under the table)."""
+    device_bases: list[DeviceBasis] = field(default_factory=list)
+    """One per device model the workers run on; empty for plans made without the planner."""
 
     def __post_init__(self) -> None:
         if not self.mesh_dim_names:
@@ -323,7 +351,7 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: object, *, where: str = "plan") -> Plan:
-        if isinstance(data, dict) and data.get("version") in (1, 2, 3):  # later fields take their defaults
+        if isinstance(data, dict) and data.get("version") in (1, 2, 3, 4):  # the fields added since take their defaults
             data = {**data, "version": VERSION, "comm_hook": data.get("comm_hook") or "allreduce"}
         fields = codec.check_header(data, format=FORMAT, version=VERSION, noun="plan", command=_WRITE_COMMAND,
                                     error=PlacementError, where=where)

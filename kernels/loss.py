@@ -3,6 +3,11 @@
     loss = linear_cross_entropy(hidden, weight, targets)         # mean of CE(hidden @ weight.T, targets)
     loss = linear_cross_entropy(hidden, weight, targets, norm)   # the same of norm(hidden), norm inside
                                                                  # (a LayerNorm or an RMSNorm)
+    targets = ignore_masked(targets, loss_mask)                  # rows a loss mask leaves out: IGNORE_INDEX
+
+Rows whose target is IGNORE_INDEX (a fine-tuning batch's prompt tokens, padding) have no loss and no
+gradient, and the mean is over the other rows (F.cross_entropy's ignore_index, without its NaN when
+every row is ignored: the mean of no rows is 0 here).
 
 The logits are made by one matmul in the autocast dtype (bf16; the op casts its fp32 inputs itself,
 and runs the final layer norm when given one, see below). One kernel then writes each row's loss and
@@ -26,12 +31,30 @@ import torch.nn.functional as F
 
 from kernels.backend import use_triton
 
+IGNORE_INDEX = -100
+"""A target that does not count (F.cross_entropy's default ignore_index)."""
+
+
+def ignore_masked(targets: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
+    """targets with IGNORE_INDEX where loss_mask (bool, same shape) is False; targets itself without a mask."""
+    return targets if loss_mask is None else targets.masked_fill(~loss_mask, IGNORE_INDEX)
+
+
+def counted_rows(targets: torch.Tensor) -> torch.Tensor:
+    """How many targets count, at least 1 (a mean of no rows is 0, not NaN), as an fp32 scalar."""
+    return (targets != IGNORE_INDEX).sum().clamp_min(1).float()
+
+
+def plain_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """F.cross_entropy over fp32 logits (rows, vocab): the mean over the rows whose target counts."""
+    return F.cross_entropy(logits.float(), targets, reduction="sum") / counted_rows(targets)
+
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          norm: torch.nn.LayerNorm | torch.nn.RMSNorm | None = None) -> torch.Tensor:
     """Mean cross-entropy of `norm(hidden) @ weight.T` against `targets` (no norm when None); hidden
-    is (rows, C), weight (vocab, C), targets (rows,) class indices. Matches
-    `F.cross_entropy((norm(hidden) @ weight.T).float(), targets)` and its gradients, the matmuls in the
+    is (rows, C), weight (vocab, C), targets (rows,) class indices or IGNORE_INDEX. Matches
+    `plain_cross_entropy(norm(hidden) @ weight.T, targets)` and its gradients, the matmuls in the
     autocast dtype where autocast is on; in fp16 it is that plain loss. In training the norm runs
     inside the op, so that no compiler fuses it with what makes the op's input (see below)."""
     dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) else None
@@ -41,10 +64,10 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         hidden = norm(hidden) if norm is not None else hidden
         if not training:
             # Evaluation: the losses alone, without fp32 logits (twice the bf16 logits' size).
-            return _cross_entropy_rows(_logits(hidden, weight, dtype), targets).mean()
+            return _cross_entropy_rows(_logits(hidden, weight, dtype), targets).sum() / counted_rows(targets)
         # The fused gradient is made before a loss scale is known, and fp16 cannot hold it
         # unscaled (probabilities / rows fall below its range): fp16 takes the plain loss.
-        return F.cross_entropy(_logits(hidden, weight, dtype).float(), targets)
+        return plain_cross_entropy(_logits(hidden, weight, dtype), targets)
     if norm is not None and norm.weight is None:
         raise ValueError("linear_cross_entropy runs a LayerNorm or RMSNorm with a weight (elementwise_affine=True); "
                          "apply one without it before the call and pass norm=None")
@@ -74,16 +97,21 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype | Non
 @torch.library.custom_op("archipelago::linear_cross_entropy", mutates_args=())
 def _linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype,
                           norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None, eps: float,
-                          rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(mean loss, gradient of the mean loss with respect to the logits in dtype, the normed hidden
-    in dtype for backward (see _kept_for_backward), the norm's mean and 1/std: empty without a norm;
-    an RMSNorm (rms) has no mean)."""
+                          rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                              torch.Tensor]:
+    """(mean loss over the counted rows, gradient of the mean over all rows with respect to the logits
+    in dtype, the normed hidden in dtype for backward (see _kept_for_backward), the norm's mean and
+    1/std: empty without a norm; an RMSNorm (rms) has no mean, and rows / counted rows, by which backward
+    turns the gradient into the counted rows' mean's: 1 exactly when every row counts, so the
+    unmasked loss rounds as the plain loss's backward does)."""
     normed, mean, rstd = _norm(hidden, norm_weight, norm_bias, eps, rms)
     low_hidden = normed.to(dtype)
     logits = low_hidden @ weight.to(dtype).t()
     scale = 1.0 / logits.shape[0]
     losses = _rows(logits, targets, scale)
-    return losses.sum() * scale, logits, _kept_for_backward(hidden, low_hidden), mean, rstd
+    counted = counted_rows(targets)
+    return (losses.sum() / counted, logits, _kept_for_backward(hidden, low_hidden), mean, rstd,
+            logits.shape[0] / counted)
 
 
 def _norm(hidden: torch.Tensor, norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None,
@@ -117,27 +145,29 @@ def _kept_for_backward(hidden: torch.Tensor, low_hidden: torch.Tensor) -> torch.
 @_linear_cross_entropy.register_fake
 def _(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype,
       norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None, eps: float,
-      rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+      rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # The op's own norm, casts and matmul on fake tensors: the memory estimator (planning/memory.py),
     # which runs this, sees them alive beside the logits as they are in the op.
     normed, mean, rstd = _norm(hidden, norm_weight, norm_bias, eps, rms)
     low_hidden = _kept_for_backward(hidden, normed.to(dtype))
-    return hidden.new_empty((), dtype=torch.float32), _logits(normed, weight, dtype), low_hidden, mean, rstd
+    scalar = hidden.new_empty((), dtype=torch.float32)
+    return scalar, _logits(normed, weight, dtype), low_hidden, mean, rstd, scalar.clone()
 
 
 def _save_for_backward(ctx, inputs, output) -> None:
     hidden, weight, _, _, norm_weight, norm_bias, _, rms = inputs
-    _, grad_logits, low_hidden, mean, rstd = output
+    _, grad_logits, low_hidden, mean, rstd, rows_per_counted = output
     ctx.hidden_dtype = hidden.dtype
     ctx.normed = norm_weight is not None
     ctx.rms = rms
     # The fp32 weight is a parameter, alive anyway: casting it again in backward keeps no copy.
-    ctx.save_for_backward(low_hidden if low_hidden.numel() else hidden, weight, grad_logits,
+    ctx.save_for_backward(low_hidden if low_hidden.numel() else hidden, weight, grad_logits, rows_per_counted,
                           *((hidden, mean, rstd, norm_weight, norm_bias) if ctx.normed else ()))
 
 
 def _backward(ctx, grad_loss: torch.Tensor, *_grads_of_the_other_outputs: torch.Tensor):
-    low_hidden, weight, grad_logits, *norm_saved = ctx.saved_tensors
+    low_hidden, weight, grad_logits, rows_per_counted, *norm_saved = ctx.saved_tensors
+    grad_loss = grad_loss * rows_per_counted
     # The matmuls in the logits' dtype; scaled in fp32 after them: grad_loss (a loss weight, a
     # loss scale) need not be exact in bf16.
     grad_normed = ((grad_logits @ weight.to(grad_logits.dtype)).float() * grad_loss).to(ctx.hidden_dtype)
@@ -171,25 +201,27 @@ def _(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def _rows(logits: torch.Tensor, targets: torch.Tensor, gradient_scale: float | None) -> torch.Tensor:
     if use_triton(logits):
         from kernels import triton_loss
-        return triton_loss.cross_entropy_rows(logits, targets, gradient_scale)
+        return triton_loss.cross_entropy_rows(logits, targets, gradient_scale, ignore_index=IGNORE_INDEX)
     return cross_entropy_rows_twin(logits, targets, gradient_scale)
 
 
 def cross_entropy_rows_twin(logits: torch.Tensor, targets: torch.Tensor,
                             gradient_scale: float | None = None) -> torch.Tensor:
     """The Triton kernel's twin: per-row losses (fp32); with gradient_scale, logits become
-    (softmax - one_hot) * gradient_scale. fp32 logits are worked on in place, as the kernel does,
-    so no (rows x vocab) temporary is made (the memory estimator counts none); others through one
-    fp32 copy."""
+    (softmax - one_hot) * gradient_scale. A row whose target is IGNORE_INDEX has loss 0 and gradient 0.
+    fp32 logits are worked on in place, as the kernel does, so no (rows x vocab) temporary is made
+    (the memory estimator counts none); others through one fp32 copy."""
     x = logits.float()  # logits themselves when they are fp32
     log_sum = torch.logsumexp(x, dim=-1)
     rows = torch.arange(len(targets), device=targets.device)
-    losses = log_sum - x[rows, targets]
+    counted = targets != IGNORE_INDEX
+    safe_targets = targets.masked_fill(~counted, 0)
+    losses = torch.where(counted, log_sum - x[rows, safe_targets], 0.0)
     if gradient_scale is None:
         return losses
     x.sub_(log_sum[:, None]).exp_()
-    x[rows, targets] -= 1.0
-    x.mul_(gradient_scale)
+    x[rows, safe_targets] -= counted.to(x.dtype)
+    x.mul_(torch.where(counted, gradient_scale, 0.0)[:, None])
     if x is not logits:
         logits.copy_(x)
     return losses

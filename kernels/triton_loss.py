@@ -32,7 +32,7 @@ LOSS_TUNING = LossTuning(block=4096, warps=8)
 
 @triton.jit
 def _cross_entropy_kernel(logits_ptr, targets_ptr, losses_ptr, vocab, stride, scale, GRADIENT: tl.constexpr,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, IGNORE: tl.constexpr):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride
     target = tl.load(targets_ptr + row).to(tl.int32)
@@ -45,29 +45,35 @@ def _cross_entropy_kernel(logits_ptr, targets_ptr, losses_ptr, vocab, stride, sc
         running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), 0)
         running_max = new_max
     log_sum = running_max + tl.log(running_sum)
-    # A target outside the vocabulary makes the row's loss NaN (loudly wrong, not quietly).
+    # A target outside the vocabulary makes the row's loss NaN (loudly wrong, not quietly); IGNORE
+    # (a loss mask's row) makes it 0 and its gradient 0.
+    counted = target != IGNORE
     valid = (target >= 0) & (target < vocab)
     target_logit = tl.load(row_ptr + target, mask=valid, other=float("nan")).to(tl.float32)
-    tl.store(losses_ptr + row, log_sum - target_logit)
+    tl.store(losses_ptr + row, tl.where(counted, log_sum - target_logit, 0.0))
     if not GRADIENT:
         return
+    row_scale = tl.where(counted, scale, 0.0)
     for start in range(0, vocab, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         inside = cols < vocab
         x = tl.load(row_ptr + cols, mask=inside, other=0.0).to(tl.float32)
         p = tl.exp(x - log_sum)
         p = tl.where(cols == target, p - 1.0, p)
-        tl.store(row_ptr + cols, (p * scale).to(logits_ptr.dtype.element_ty), mask=inside)
+        tl.store(row_ptr + cols, (p * row_scale).to(logits_ptr.dtype.element_ty), mask=inside)
 
 
-def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, gradient_scale: float | None = None) -> torch.Tensor:
+def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, gradient_scale: float | None = None, *,
+                       ignore_index: int = -100) -> torch.Tensor:
     """Per-row losses (fp32) of logits (rows, vocab, unit stride along vocab); with gradient_scale,
-    the logits become their gradient times it, in place."""
+    the logits become their gradient times it, in place. Rows whose target is ignore_index
+    (kernels.loss.IGNORE_INDEX, F.cross_entropy's): loss 0, gradient 0."""
     rows, vocab = logits.shape
     losses = torch.empty(rows, dtype=torch.float32, device=logits.device)
     tuning = LOSS_TUNING
     # On the logits' GPU, not merely the current one; CPU tensors arrive only under TRITON_INTERPRET=1.
     with torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext():
         _cross_entropy_kernel[(rows,)](logits, targets, losses, vocab, logits.stride(0), gradient_scale or 0.0,
-                                       GRADIENT=gradient_scale is not None, BLOCK=tuning.block, num_warps=tuning.warps)
+                                       GRADIENT=gradient_scale is not None, BLOCK=tuning.block, IGNORE=ignore_index,
+                                       num_warps=tuning.warps)
     return losses

@@ -4,17 +4,20 @@
     archipelago fit job.toml --address auto             # join a running cluster (or set RAY_ADDRESS)
     archipelago fit examples/cpu-tiny.toml --resume     # continue from the latest committed checkpoint
     archipelago prepare --source stdlib --out data/stdlib-bytes
+    archipelago prepare --source chats/ --format chat --seq-len 2048 --tokenizer hf:tokenizer.json --out data/chat
     archipelago verify data/stdlib-bytes                 # every shard's checksum; names any bad shard
+    archipelago export runs/sft --hf exported/sft        # the trained model as transformers loads it
     archipelago report runs/cpu-tiny                     # runs/cpu-tiny/report.html and its PNG plots
     archipelago report runs/a runs/b                     # two runs side by side (runs/compare-a-b/)
     archipelago prices --config job.toml                 # devices, peaks and prices in one unit ($ per bf16 TFLOP/s·h)
     archipelago topology                                 # the live Ray cluster's map (RAY_ADDRESS, else embedded)
-    archipelago topology --local                         # this machine through NVML, without Ray
+    archipelago topology --local                         # this machine through NVML and its measured figures
     archipelago topology --from node-a.txt --from node-b.txt   # `nvidia-smi -L; nvidia-smi topo -m` texts
     archipelago topology --generate 8xH100-SXM:4,8xL40S:2      # a made-up cluster, for planning
     ray start --head $(archipelago node-resources)       # advertise islands and MIG profiles to Ray
     archipelago plan --config job.toml                   # place a job on the live cluster
     archipelago plan --topology cluster.json --config job.toml --json plan.json --png plan.png
+    archipelago calibrate runs/a runs/b                  # fit the cost model to finished runs: runs/calibration.json
 
 User errors print one line and exit 2; --debug shows the traceback.
 """
@@ -22,6 +25,8 @@ User errors print one line and exit 2; --debug shows the traceback.
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -33,9 +38,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from core.columns import Column, print_fitted
 from core.config import JobConfig
 from core.errors import ArchipelagoError, ConfigError
+from orchestrator.accounting import calibrate
 from orchestrator.accounting.report import RunReport
 from orchestrator.accounting.report_html import render_report
+from orchestrator.export import export_run
 from orchestrator.fit import Orchestrator
+from planning.calibration import DEFAULT_FILE as DEFAULT_CALIBRATION_FILE
+from planning.calibration import Calibration
 from planning.plan_table import print_plan
 from planning.planner import Planner
 from planning.prices import PriceTable
@@ -43,6 +52,7 @@ from storage.prepare import prepare_dataset
 from storage.verify import verify_dataset
 from topology import ClusterTopology, catalog, discover_cluster, load_files, machines
 from topology.connect import CONNECT_TIMEOUT_S, check_seconds
+from topology.device_figures import DeviceBench
 from topology.discover import TIMEOUT_S
 from topology.probe import probe_local_node
 from topology.ray_resources import ray_start_arguments
@@ -90,6 +100,9 @@ def _fit(args: argparse.Namespace, console: Console) -> int:
                           resume=args.resume, overwrite=args.overwrite, console=console, verbose=args.debug).fit()
     if result.trained:
         result.report.print_summary(console)
+        console.print(f"teach the planner this run's speed: archipelago calibrate {result.report.run_dir} (writes "
+                      f"{Path(config.runs_dir) / DEFAULT_CALIBRATION_FILE}, which later plans and fits read)",
+                      markup=False, highlight=False, soft_wrap=True)
     return 0
 
 
@@ -101,12 +114,21 @@ def _prepare(args: argparse.Namespace, console: Console) -> int:
         summary = prepare_dataset(
             args.source, args.out, pattern=args.pattern, source_format=args.format, text_column=args.text_column,
             val_percent=args.val_percent, shard_tokens=args.shard_tokens, tokenizer=args.tokenizer,
-            workers=args.workers, overwrite=args.overwrite,
+            workers=args.workers, overwrite=args.overwrite, seq_len=args.seq_len,
             on_progress=lambda done, total, tokens: bar.update(task, completed=done, total=total, tokens=tokens))
     console.print(f"{summary.directory}: {summary.documents['train']:,} train documents "
                   f"({summary.tokens['train']:,} tokens), {summary.documents['val']:,} validation documents "
                   f"({summary.tokens['val']:,} tokens), {summary.shards} shards, tokenizer {summary.tokenizer}, "
                   f"{summary.workers} processes", markup=False, highlight=False)
+    return 0
+
+
+def _export(args: argparse.Namespace, console: Console) -> int:
+    exported = export_run(args.run, args.hf, quantized=args.quantized)
+    for skipped in exported.skipped:
+        console.print(f"left out the damaged {skipped}", markup=False, highlight=False)
+    files = ", ".join(sorted(p.name for p in exported.out.iterdir()))
+    console.print(f"wrote step {exported.step} to {exported.out} ({files})", markup=False, highlight=False)
     return 0
 
 
@@ -171,6 +193,40 @@ def _prices(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _calibrate(args: argparse.Namespace, console: Console) -> int:
+    sweeps = calibrate.load_sweeps(args.sweep or [])  # small files first: a bad one answers before the runs load
+    runs = [calibrate.FinishedRun.load(run) for run in args.runs]
+    if len(runs) > 1:
+        _print_checks(calibrate.leave_one_out(runs, sweeps), console)
+    else:
+        console.print("one run: nothing is left to check the fit on (give two or more for the leave-one-out error)",
+                      markup=False, highlight=False)
+    out = Path(args.out) if args.out else Path(args.runs[0]).resolve().parent / DEFAULT_CALIBRATION_FILE
+    fitted = calibrate.merged(Calibration.load(out) if out.is_file() else Calibration(), calibrate.fit(runs, sweeps))
+    console.print(json.dumps(fitted.to_dict(), indent=1), markup=False, highlight=False)
+    if args.dry_run:
+        return 0
+    console.print(f"wrote {fitted.save(out)}" + ("" if args.out else " (fit and plan read it for jobs with runs_dir "
+                                                                     f"{out.parent})"), markup=False, highlight=False)
+    return 0
+
+
+_CHECK_COLUMNS = (Column("run"), Column("devices", drop=2), Column("measured ms", "right"),
+                  Column("planned ms", "right", drop=3), Column("error", "right"), Column("after ms", "right", drop=4),
+                  Column("error after", "right"), Column("other runs", "right", drop=1))
+
+
+def _print_checks(checks: list[calibrate.Check], console: Console) -> None:
+    rows = [(c.run, c.devices, f"{c.measured_s * 1e3:,.1f}", f"{c.before_s * 1e3:,.1f}", f"{c.error_before:+.1%}",
+             f"{c.after_s * 1e3:,.1f}", f"{c.error_after:+.1%}", str(c.fitted_on)) for c in checks]
+    print_fitted(console, _CHECK_COLUMNS, rows, title="each run predicted by a calibration fitted on the others "
+                 "(leave-one-out)", title_justify="left")
+    before = statistics.mean(abs(c.error_before) for c in checks)
+    after = statistics.mean(abs(c.error_after) for c in checks)
+    console.print(f"mean |error|: {before:.1%} as planned, {after:.1%} calibrated on the other runs",
+                  markup=False, highlight=False)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="archipelago", description="Elastic training on heterogeneous GPU clusters.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and worker logs")
@@ -191,8 +247,12 @@ def _parser() -> argparse.ArgumentParser:
     prepare.add_argument("--source", required=True,
                          help='directory of source files, or "stdlib" for the .py files of this Python\'s standard library')
     prepare.add_argument("--out", required=True, help="dataset directory to write, e.g. data/mine")
-    prepare.add_argument("--format", default="text", choices=["text", "jsonl", "parquet", "arrow"],
-                         help="text: one document per file; jsonl: per line; parquet/arrow: per row")
+    prepare.add_argument("--format", default="text", choices=["text", "jsonl", "parquet", "arrow", "chat", "instruction"],
+                         help="text: one document per file; jsonl: per line; parquet/arrow: per row; chat: JSON lines "
+                              "of messages with roles; instruction: JSON lines of prompt and response (the loss "
+                              "counts the responses; samples packed to --seq-len)")
+    prepare.add_argument("--seq-len", type=int, default=0,
+                         help="chat and instruction: tokens per packed sample, the job's [model] seq_len")
     prepare.add_argument("--pattern", default=None,
                          help="glob of files to take, matched recursively (default *.py, *.jsonl, *.parquet, *.arrow)")
     prepare.add_argument("--text-column", default="text", help="JSON field or column holding the text (jsonl, parquet, arrow)")
@@ -203,6 +263,15 @@ def _parser() -> argparse.ArgumentParser:
     prepare.add_argument("--overwrite", action="store_true", help="replace an existing dataset at --out")
     prepare.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     prepare.set_defaults(command=_prepare)
+
+    export = commands.add_parser("export", help="write a run's newest checkpoint as a Hugging Face model directory")
+    export.add_argument("run", metavar="RUN_DIR", help="run directory (runs/<name>)")
+    export.add_argument("--hf", required=True, metavar="OUT", help="directory to write config.json, safetensors "
+                                                                   "and the tokenizer files into")
+    export.add_argument("--quantized", action="store_true",
+                        help="a [train] qat run's really quantized model (torchao; pytorch_model.bin)")
+    export.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    export.set_defaults(command=_export)
 
     verify = commands.add_parser("verify", help="check a dataset's manifest and every shard's checksum")
     verify.add_argument("directory", help="dataset directory or URI (s3://…)")
@@ -222,6 +291,18 @@ def _parser() -> argparse.ArgumentParser:
     prices.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     prices.set_defaults(command=_prices)
 
+    calibrate_command = commands.add_parser("calibrate", help="fit the cost model's compute efficiency and link "
+                                                                "costs to finished runs")
+    calibrate_command.add_argument("runs", nargs="+", metavar="RUN_DIR", help="finished run directories (runs/<name>)")
+    calibrate_command.add_argument("--sweep", action="append", metavar="PATH",
+                                   help="benchmarks/multigpu.py output (its --out folder or multigpu.json) whose "
+                                        "all-reduce sweep gives link rows; repeat for more")
+    calibrate_command.add_argument("--out", type=_output("--out"), help="calibration file to write (default: calibration.json beside the "
+                                                 "first run, in its runs directory, where fit and plan look)")
+    calibrate_command.add_argument("--dry-run", action="store_true", help="print the fit, write nothing")
+    calibrate_command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    calibrate_command.set_defaults(command=_calibrate)
+
     _add_topology_commands(commands)
     _add_plan_command(commands)
     return parser
@@ -232,7 +313,8 @@ def _add_topology_commands(commands: argparse._SubParsersAction) -> None:
     topology = commands.add_parser("topology", help="map GPUs, MIG slices, NVLink islands, PCIe/NUMA and NICs")
     source = topology.add_mutually_exclusive_group()
     source.add_argument("--address", help="Ray cluster to map (default: RAY_ADDRESS, else an embedded cluster)")
-    source.add_argument("--local", action="store_true", help="map this machine through NVML, without Ray")
+    source.add_argument("--local", action="store_true",
+                        help="map this machine through NVML, without Ray, and measure its devices")
     source.add_argument("--from", dest="from_files", action="append", metavar="FILE",
                         help="a saved topology JSON, or `nvidia-smi -L; nvidia-smi topo -m` text (one node "
                              "per text file); repeat for more nodes")
@@ -305,7 +387,7 @@ def _topology(args: argparse.Namespace, console: Console) -> int:
 def _load(args: argparse.Namespace) -> ClusterTopology:
     """The map `topology` and `plan` were pointed at: this machine, files, a made-up cluster, or the live one."""
     if getattr(args, "local", False):
-        return ClusterTopology(nodes=[probe_local_node()])
+        return ClusterTopology(nodes=[probe_local_node(bench=DeviceBench.from_environment())])
     if args.from_files:
         return load_files(args.from_files)
     if args.generate:
@@ -341,7 +423,7 @@ def _add_plan_command(commands: argparse._SubParsersAction) -> None:
 def _plan(args: argparse.Namespace, console: Console) -> int:
     config = JobConfig.from_toml(args.config)
     topology = _load(args)
-    planner = Planner(topology, config)
+    planner = Planner(topology, config, calibration=Calibration.for_job(config))
     plan = planner.plan()
     naive = planner.naive(plan.world_size)
     reason = "" if naive else (f"no single micro-batch divides {plan.global_batch_size} samples over "

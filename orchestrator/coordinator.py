@@ -37,6 +37,7 @@ from core.errors import ArchipelagoError, ClusterError, ConfigError, PlacementEr
 from core.plan import Plan
 from core.spec import WorkerSpec
 from orchestrator.accounting.bill import Rates
+from planning.calibration import Calibration
 from planning.memory import measure_steps
 from topology.cluster import ClusterTopology, NodeTopology
 from topology.sysfs import format_cpu_list, parse_cpu_list
@@ -265,8 +266,9 @@ class PlanCoordinator:
     """The Ray actor around ElasticState: one per fit, on the driver's node (it outlives any worker node),
     named after the run so tests and benchmarks can watch a run from outside (`status`)."""
 
-    def __init__(self, config: JobConfig, spec: WorkerSpec, topology: ClusterTopology, plan_path: str, sink, memory):
-        self.plan_path, self.sink, self.memory = plan_path, sink, memory
+    def __init__(self, config: JobConfig, spec: WorkerSpec, topology: ClusterTopology, plan_path: str, sink, memory,
+                 calibration: Calibration):
+        self.plan_path, self.sink, self.memory, self.calibration = plan_path, sink, memory, calibration
         self.state = ElasticState(config, spec, topology.nodes, plan_for=self._plan_for, discover=_discover)
         self.events: list[dict] = []
         # Now, not during a recovery: the exact memory of every micro-batch a re-plan can hand out (the
@@ -321,7 +323,7 @@ class PlanCoordinator:
                 "events": list(self.events)}
 
     def _plan_for(self, topology: ClusterTopology, config: JobConfig) -> Plan:
-        return planning.make_plan(topology, config, memory=self.memory)
+        return planning.make_plan(topology, config, memory=self.memory, calibration=self.calibration)
 
 
 def _discover() -> ClusterTopology:
@@ -333,12 +335,14 @@ def on_this_node():
     return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
 
 
-def start_coordinator(config: JobConfig, spec: WorkerSpec, topology: ClusterTopology, plan_path: str, sink, memory):
+def start_coordinator(config: JobConfig, spec: WorkerSpec, topology: ClusterTopology, plan_path: str, sink, memory,
+                      calibration: Calibration):
     """Starts the run's PlanCoordinator on the driver's node; returns its handle. `memory`: the job's
-    MemoryProfile (the slow part of planning, the same for every world size)."""
+    MemoryProfile (the slow part of planning, the same for every world size); `calibration`: the one
+    the first plan used, read on the driver."""
     actor = ray.remote(num_cpus=0, max_restarts=0)(PlanCoordinator)
     return actor.options(name=COORDINATOR_NAME.format(config.name), scheduling_strategy=on_this_node()).remote(
-        config, spec, topology, str(plan_path), sink, memory)
+        config, spec, topology, str(plan_path), sink, memory, calibration)
 
 
 def failure_config(config: JobConfig):

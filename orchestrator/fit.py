@@ -36,10 +36,12 @@ from core.schedule import LrSchedule
 from core.spec import WorkerSpec
 from core.workload import Workload
 from orchestrator import coordinator
+from orchestrator.accounting.exporters import finish_mlflow
 from orchestrator.accounting.report import RunReport
 from orchestrator.progress import MetricsSink, ProgressDisplay
 from orchestrator.run_dir import RunDirectory, SetAside
 from orchestrator.shipping import modules_to_ship
+from planning.calibration import Calibration
 from planning.memory import MemoryProfile, profile
 from planning.model_size import model_facts
 from storage.fs import Location
@@ -47,9 +49,11 @@ from storage.prepare import prepare_dataset
 from storage.shards import TokenDataset, check_files, has_dataset
 from storage.verify import verify_dataset
 from topology.connect import ray_session
+from topology.device_figures import DeviceBench
+from topology.probe import probe_local_node
 from workers import binding, checkpoint
 from workers.loop import WorkerJob, train_loop
-from workers.models import make_workload, register_factory
+from workers.models import check_takes_loss_masks, make_workload, register_factory
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,35 +128,44 @@ class Orchestrator:
         self._clock, self._rows = _Clock(), []
         _refuse_before_start(self.config)
         _ = self.workload  # a factory's errors, before anything starts
-        data_dir, tokenizer = self._dataset()
+        data_dir, tokenizer, token_flags = self._dataset()
+        if token_flags:
+            check_takes_loss_masks(self.workload)
         self._tokenizer = tokenizer
         resume_from = self._resume_point(tokenizer)
         if resume_from is not None and resume_from[1].step >= self.config.train.steps:
             return self._already_trained(*resume_from)
         start = self._open_run(resume_from)
         try:
-            plan = self._train_on_ray(data_dir, tokenizer, start)
+            plan = self._train_on_ray(data_dir, tokenizer, token_flags, start)
         except BaseException as e:
             self._stopped("interrupted" if isinstance(e, (KeyboardInterrupt, SystemExit)) else "failed")
             raise
         self._committed()
         report = self._save_report("completed", plan)
+        finish_mlflow(self.run.path)
         return FitResult(self._rows, self.run.latest_checkpoint(), plan, report)
 
-    def _train_on_ray(self, data_dir: str, tokenizer: str, start: _Start) -> Plan:
+    def _train_on_ray(self, data_dir: str, tokenizer: str, token_flags: bool, start: _Start) -> Plan:
         """Plans the job on the cluster and trains it; returns the plan the last worker group ran."""
+        if not (self.address or ray.is_initialized()):
+            # An embedded cluster runs on this machine: measure its devices (once; cached) while it is
+            # quiet, before Ray's processes start. The probe then reads the figures from the cache.
+            probe_local_node(bench=DeviceBench.from_environment())
         with self._ray():
             cluster = topology.discover_cluster()
             memory = profile(self.config, device_type="cuda" if self.config.cluster.use_gpu else "cpu")
-            plan = self._plan(cluster, memory)
+            calibration = Calibration.for_job(self.config)  # [placement] calibration_file, or <runs_dir>'s
+            plan = self._plan(cluster, memory, calibration)
             if not self.resume:  # a report from the start, so that a run killed at any point can be reported
                 self._save_report("running", plan)
             facts = model_facts(self.workload, self.config.model.seq_len)
             spec = WorkerSpec.for_plan(self.config, plan, workload=self.workload, flops_per_token=facts.flops_per_token,
-                                       data_location=str(data_dir), tokenizer=tokenizer, lr_schedule=start.lr_schedule)
+                                       data_location=str(data_dir), tokenizer=tokenizer, token_flags=token_flags,
+                                       lr_schedule=start.lr_schedule)
             sink = MetricsSink.options(scheduling_strategy=coordinator.on_this_node()).remote()  # outlives worker nodes
             plan_coordinator = coordinator.start_coordinator(self.config, spec, cluster, str(self.run.plan_path),
-                                                             sink, memory)
+                                                             sink, memory, calibration)
             try:
                 job = WorkerJob(uses_gpus=plan.uses_gpus, metrics_sink=sink, coordinator=plan_coordinator,
                                 resume_from=str(start.checkpoint) if start.checkpoint else None)
@@ -177,8 +190,10 @@ class Orchestrator:
 
     def _stopped(self, status: str) -> None:
         """fit is leaving before the end. A replacement that committed nothing gives the earlier run back;
-        otherwise a run that trained a step this time says how far it got in report.json."""
+        otherwise a run that trained a step this time says how far it got in report.json. Its MLflow run ends
+        as killed or failed."""
         if self._aside is not None and not self.run.committed_checkpoints():
+            self._end_mlflow(status)
             self._aside.restore()
             self._aside = None
             self.console.print(f"the earlier run is back in {self.run.path}: this one stopped before it committed "
@@ -187,6 +202,14 @@ class Orchestrator:
         self._committed()
         if any("loss" in row for row in self._rows) and self.run.plan_path.is_file():
             self._save_report(status, Plan.load(self.run.plan_path))
+        self._end_mlflow(status)
+
+    def _end_mlflow(self, status: str) -> None:
+        # The error that stopped the run is the one to raise: a tracking server that is down too only gets a line.
+        try:
+            finish_mlflow(self.run.path, status="KILLED" if status == "interrupted" else "FAILED")
+        except Exception as e:  # noqa: BLE001 - whatever the MLflow client raises
+            self.console.print(f"MLflow: could not end the run's tracking ({e})", markup=False, highlight=False)
 
     def _save_report(self, status: str, plan: Plan) -> RunReport:
         latest = self.run.latest_checkpoint()
@@ -199,7 +222,7 @@ class Orchestrator:
         report.save(self.run.report_path)
         return report
 
-    def _plan(self, cluster: topology.ClusterTopology, memory: MemoryProfile) -> Plan:
+    def _plan(self, cluster: topology.ClusterTopology, memory: MemoryProfile, calibration: Calibration) -> Plan:
         """Plans the job on the cluster Ray gives us; the plan is saved beside the metrics.
 
         CPU jobs are planned on the worker slots Ray can schedule (each node's Ray CPUs, not its cores:
@@ -211,7 +234,7 @@ class Orchestrator:
             if config.elastic.min_workers:
                 config = coordinator.config_for_world(config, max(config.elastic.min_workers,
                                                               min(slots, config.cluster.num_workers)))
-        plan = planning.make_plan(cluster, config, memory=memory)
+        plan = planning.make_plan(cluster, config, memory=memory, calibration=calibration)
         plan.save(self.run.plan_path)
         predicted = plan.predicted
         self.console.print(f"plan: {plan.world_size} × {plan.workers[0].device_model} workers, "
@@ -261,10 +284,11 @@ class Orchestrator:
                                f"{train.steps}", markup=False, highlight=False)
         return _Start(latest, info.step, schedule)
 
-    def _dataset(self) -> tuple[str, str]:
+    def _dataset(self) -> tuple[str, str, bool]:
         """The prepared dataset (preparing it first when the config says where from), checked against the job.
 
-        Returns its location (a local path or a URI) and the tokenizer identity.
+        Returns its location (a local path or a URI), the tokenizer identity and whether its tokens carry
+        a loss mask (fine-tuning data).
         """
         data = self.config.data
         location = Location.parse(data.path, error=DataError)
@@ -280,7 +304,8 @@ class Orchestrator:
             summary = prepare_dataset(data.prepare_from, location.local_path, pattern=data.pattern or None,
                                       source_format=data.source_format, text_column=data.text_column,
                                       val_percent=data.val_percent, shard_tokens=data.shard_tokens,
-                                      tokenizer=data.tokenizer, workers=data.prepare_workers)
+                                      tokenizer=data.tokenizer, workers=data.prepare_workers,
+                                      seq_len=self.config.model.seq_len)
             self.console.print(f"prepared {summary.tokens['train']:,} train and {summary.tokens['val']:,} "
                                f"validation tokens in {summary.shards} shards ({summary.workers} processes)")
         train = TokenDataset(location, "train", self.config.model.seq_len)  # reads the manifest, once
@@ -304,7 +329,12 @@ class Orchestrator:
         if val.num_samples < 1:
             raise DataError(f"the validation split is shorter than one sample of {model.seq_len + 1} tokens",
                             where=str(location), fix="raise [data] val_percent and prepare again")
-        return str(location), train.tokenizer
+        packed = train.manifest.packed_seq_len
+        if packed and packed != model.seq_len:
+            raise DataError(f"the dataset packs conversations into samples of {packed} tokens, the job's are "
+                            f"{model.seq_len}", where=f"{location} / [model] seq_len",
+                            fix=f"set [model] seq_len = {packed}, or prepare the data again with --seq-len {model.seq_len}")
+        return str(location), train.tokenizer, train.manifest.token_flags
 
     @contextlib.contextmanager
     def _ray(self) -> Iterator[None]:

@@ -8,6 +8,8 @@ use the planner, the memory estimate and the model facts as the driver does.
 
 The planner (planner.py) searches over the device pool (devices.py) with one cost model
 (costing.py: compute.py, collectives.py, hook_costs.py, memory.py, prices.py) and builds the Plan.
+Each device's figures come from [devices] tables, the probe's measurements or the catalog
+(figures.py); a calibration file fitted to finished runs adjusts the cost model (calibration.py).
 """
 
 from planning.planner import make_plan

@@ -1,6 +1,6 @@
 """What a training step costs: collective times (alpha–beta), compute time, and dollars.
 
-    collectives = CollectiveCostModel()                        # or CollectiveCostModel.load("nccl-tests.json")
+    collectives = CollectiveCostModel()              # or Calibration.load("calibration.json").collectives()
     hop = collectives.hop(LinkClass.INFINIBAND, nominal_gb_per_s=50)
     seconds, latency = collectives.ring_allreduce(2**30, ranks=16, hop=hop)
     collectives.gradient_reduction(2**30, ranks=16, world_hop=hop).seconds()     # the fastest algorithm
@@ -19,19 +19,16 @@ each gets 1/k of them), all-gather inside each island. A ring runs at its slowes
 Each hop's alpha and beta come from a calibration table per link class: beta is the link's
 nominal bandwidth (from the topology) times an efficiency, or a measured bus bandwidth that
 replaces it. The defaults are planning figures (nccl-tests busbw on common machines: NVSwitch
-H100 ~370–480 GB/s of 450 nominal, 400G InfiniBand ~46–48 of 50 GB/s); `CollectiveCostModel.load`
-reads a measured table in their place.
+H100 ~370–480 GB/s of 450 nominal, 400G InfiniBand ~46–48 of 50 GB/s); a calibration file
+(planning/calibration.py) puts measured rows in their place.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, replace
 from enum import StrEnum
-from pathlib import Path
 
-from core.atomic import read_text
 from core.errors import ConfigError
 from core.plan import AllReduce
 
@@ -132,24 +129,6 @@ class Bucketing:
 class CollectiveCostModel:
     def __init__(self, calibration: dict[LinkClass, LinkCalibration] | None = None):
         self.calibration = {**DEFAULT_CALIBRATION, **(calibration or {})}
-
-    @classmethod
-    def load(cls, path: str | Path) -> CollectiveCostModel:
-        """A measured table, {"infiniband": {"alpha_us": 8.5, "bus_gb_per_s": 47.1}, …}; rows left out
-        keep the defaults."""
-        fix = 'write JSON like {"infiniband": {"alpha_us": 8.5, "bus_gb_per_s": 47.1}}'
-        text = read_text(path, error=ConfigError, fix=fix)
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"cannot read the calibration table ({e})", where=str(path), fix=fix) from None
-        return cls(parse_calibration(data, where=str(path)))
-
-    @classmethod
-    def for_job(cls, config) -> CollectiveCostModel:
-        """The defaults, with the rows of `[placement] calibration_file` when the job names one."""
-        path = config.placement.calibration_file
-        return cls.load(path) if path else cls()
 
     def hop(self, link_class: LinkClass, nominal_gb_per_s: float = 0.0) -> Hop:
         row = self.calibration[link_class]

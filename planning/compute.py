@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 MFU_ANCHORS = ((768, 0.34), (2048, 0.53))
 """(n_embd, model FLOPs utilisation) measured in eager bf16 on one H200 (shared/bench, DESIGN.md):
@@ -60,13 +60,25 @@ column), so its cost follows the matrices, not the bytes: 15.4 ms a step for GPT
 H200 host (28.6 ms in an earlier call on another host)."""
 
 
+CPU_UTILISATION_OF_MEASURED = 0.31
+"""Share of the probe's measured product rate per core (topology/device_bench.py: 1024³ fp32, one thread
+on every core) that a CPU worker's training step reaches beyond its fixed overhead: the demo model
+(examples/cpu-tiny.toml, two workers of micro-batch 16) on this project's 2-core Intel Xeon, nearly
+idle, in two `make demo` runs on fresh caches: the probe read 203 and 214 GFLOP/s a core and a step
+took 178 and 205 ms (3-4 % of it waiting on gloo), shares 0.35 and 0.28 (benchmarks/RESULTS.md,
+2026-12-03). Read under other work the share comes out higher (0.47): a busy core slows a large
+product more than a small model's step. `archipelago calibrate` corrects a machine's own figure from
+its runs."""
+
+
 @dataclass(frozen=True, slots=True)
 class ComputeModel:
     """Per-device step time: FLOPs / (peak × utilisation) + a fixed cost per micro-step.
 
     Utilisation is interpolated in log(n_embd) between measured anchors and held flat outside
-    them; the same share of peak is assumed for every GPU (its own peak: MIG slices and slower
-    models are slower in proportion). CPU workers use a nominal peak per core."""
+    them; the same share of peak is assumed for every GPU (its own peak, or the peak its measured
+    product rate implies: MIG slices and slower models are slower in proportion). CPU workers run at
+    a share of the product rate the probe measured on their node, else of a nominal peak per core."""
 
     mfu_anchors: tuple[tuple[int, float], ...] = MFU_ANCHORS
     micro_step_overhead_s_per_layer: float = 1e-4
@@ -79,12 +91,22 @@ class ComputeModel:
     """The same in bf16: the CPU demo's model trained at 1,078 tok/s in bf16 against 8,557 predicted at
     the fp32 share on a 2-core AMD EPYC without bf16 units (no AVX512-BF16 or AMX), so torch emulates
     it. CPUs with AMX would be faster; the run's measured step time, not this, is what the bill uses."""
+    cpu_measured_utilisation: float = CPU_UTILISATION_OF_MEASURED
     cpu_overhead_s_per_layer: float = 5e-4
+    efficiency: tuple[tuple[str, float], ...] = ()
+    """(device model, factor) from a calibration: that model's compute runs `factor` times as fast as
+    the figures above predict (planning/calibration.py)."""
 
     @classmethod
     def compiled(cls, *, bf16_weights: bool = False) -> ComputeModel:
         anchors = BF16_WEIGHTS_MFU_ANCHORS if bf16_weights else COMPILED_MFU_ANCHORS
         return cls(mfu_anchors=anchors, micro_step_overhead_s_per_layer=2e-5)
+
+    def with_efficiency(self, efficiency: dict[str, float]) -> ComputeModel:
+        return replace(self, efficiency=tuple(sorted(efficiency.items())))
+
+    def efficiency_of(self, model: str) -> float:
+        return dict(self.efficiency).get(model, 1.0)
 
     def utilisation(self, n_embd: int) -> float:
         return _interpolate_log(self.mfu_anchors, n_embd)
@@ -92,10 +114,15 @@ class ComputeModel:
     def gpu_samples_per_second(self, peak_tflops: float, flops_per_sample: float, n_embd: int) -> float:
         return peak_tflops * 1e12 * self.utilisation(n_embd) / flops_per_sample
 
-    def cpu_samples_per_second(self, cores: int, flops_per_sample: float, dtype: str = "fp32") -> float:
-        """dtype: the job's compute dtype, fp32 or bf16."""
-        utilisation = self.cpu_bf16_utilisation if dtype == "bf16" else self.cpu_utilisation
-        return cores * self.cpu_gflops_per_core * 1e9 * utilisation / flops_per_sample
+    def cpu_samples_per_second(self, tflops: float, flops_per_sample: float, dtype: str = "fp32", *,
+                               measured: bool = False) -> float:
+        """A CPU slot's `tflops` (its cores' measured product rate in the job's dtype, fp32 or bf16,
+        or the nominal peak) at the share of it a training step reaches."""
+        if measured:
+            utilisation = self.cpu_measured_utilisation
+        else:
+            utilisation = self.cpu_bf16_utilisation if dtype == "bf16" else self.cpu_utilisation
+        return tflops * 1e12 * utilisation / flops_per_sample
 
     def overhead_s(self, n_layer: int, *, cpu: bool) -> float:
         return n_layer * (self.cpu_overhead_s_per_layer if cpu else self.micro_step_overhead_s_per_layer)

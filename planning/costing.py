@@ -22,6 +22,7 @@ from core.plan import AllReduce, DataParallel, DeviceKind, Objective
 from planning.collectives import Bucketing, CollectiveCostModel, Hop, LinkClass, Reduction, bucketing
 from planning.compute import ComputeModel
 from planning.devices import DevicePool, DeviceType, Domain
+from planning.figures import Source
 from planning.hook_costs import CommHookCost, gradient_element_bytes
 from planning.memory import ALLOCATOR_SLACK, MemoryProfile
 from planning.model_size import model_facts
@@ -261,12 +262,15 @@ class Costing:
     def _replica_group(self, device: DeviceType, count: int, cap: int, tp_hop: Hop | None) -> ReplicaGroup:
         job, t = self.job, self.job.tensor_parallel_size
         if device.kind == DeviceKind.CPU:
-            per_sample = 1 / self.compute.cpu_samples_per_second(device.cores, job.flops_per_sample,
-                                                                 job.compute_dtype)
+            per_sample = 1 / self.compute.cpu_samples_per_second(device.peak_tflops, job.flops_per_sample,
+                                                                 job.compute_dtype,
+                                                                 measured=device.source == Source.MEASURED)
         else:
             per_sample = 1 / self.compute.gpu_samples_per_second(device.peak_tflops * t, job.flops_per_sample,
                                                                  job.n_embd)
         overhead = self.compute.overhead_s(job.n_layer, cpu=device.kind == DeviceKind.CPU)
+        efficiency = self.compute.efficiency_of(device.model)  # a calibration's: the whole micro-step scales
+        per_sample, overhead = per_sample / efficiency, overhead / efficiency
         if t > 1 and tp_hop is not None:
             # Megatron-style blocks all-reduce their output twice forward and twice backward, in bf16.
             activation_bytes = job.seq_len * job.n_embd * 2

@@ -1,8 +1,9 @@
 """What the planner places workers on: devices, grouped into domains of identical, closely linked devices.
 
-    pool = DevicePool.gpus(topology, collectives, dtype="bf16", use_mig=True)      # GPUs and MIG slices
-    pool = DevicePool.cpus(topology, collectives, cores_per_worker=4, cpu_gflops_per_core=100.0)  # CPU slots
+    pool = DevicePool.gpus(topology, collectives, dtype="bf16", use_mig=True, figures=FigureBook(topology, {}))
+    pool = DevicePool.cpus(topology, collectives, cores_per_worker=4, dtype="fp32", nominal_gflops_per_core=100.0)
     pool.domains              # each: one node's devices of one kind that share a fast interconnect
+    pool.unknown              # {GPU name: count} of the GPUs left out because nothing gives their figures
 
 A domain is the unit a hierarchical all-reduce reduces inside: an NVLink island (one GPU model),
 the GPUs of one node and model that have no NVLink peers (PCIe), the MIG slices of one node and
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 
 from core.plan import DeviceKind
 from planning.collectives import CollectiveCostModel, Hop, LinkClass
+from planning.figures import Figure, FigureBook, Source
 from topology import catalog
 from topology.cluster import ClusterTopology, Gpu, MigSlice, NicKind, NodeTopology
 from topology.links import PCIE_PATHS, LinkKind
@@ -38,18 +40,25 @@ class DeviceType:
 
     kind: DeviceKind
     model: str
-    """Price-table key: catalog key, or "cpu"."""
+    """Price-table key: the catalog key, the name nvidia-smi prints for a GPU the catalog lacks, or "cpu"."""
     label: str
     """Shown in plans: the catalog key, with the MIG profile for a slice; "cpu"."""
     peak_tflops: float
-    """At the job's compute dtype; for CPU slots, cores × nominal GFLOP/s / 1000."""
+    """What the compute model's utilisation is a share of, at the job's compute dtype (figures.Figure):
+    a catalog or declared dense peak, or the peak a measured product rate implies; a MIG slice's
+    share of its GPU's. CPU slots: cores × the measured or nominal product rate per core."""
     memory_bytes: int
     price_units: float
     """Multiples of the model's hourly price: 1 per GPU, the SM share of a MIG slice, cores of a CPU slot."""
     cores: int = 0
     memory_bytes_per_s: float = UNKNOWN_GPU_MEMORY_BYTES_PER_S
-    """Device memory bandwidth (the catalog's; a MIG slice's SM share of it; CPU slots a nominal
-    rate per core): what a comm hook's passes over the gradients run at."""
+    """Device memory bandwidth (the catalog's, or a measured copy's nominal equivalent; a MIG slice's
+    SM share of it; CPU slots a measured or nominal rate per core): what a comm hook's passes over the
+    gradients run at."""
+    source: Source = Source.CATALOG
+    """Where the figures come from: declared, measured, catalog, or (CPU slots) nominal."""
+    stated_tflops: float = 0.0
+    """The figure as its source gives it, for people: a measured rate, a declared or catalog peak."""
 
 
 @dataclass(slots=True)
@@ -104,6 +113,9 @@ class DevicePool:
     guessed_networks: set[str] = field(default_factory=set)
     """Nodes whose NIC speed is unknown (planned at UNKNOWN_NETWORK_GB_PER_S): worth a note when a
     plan's reduction leaves one of them."""
+    unknown: dict[str, int] = field(default_factory=dict)
+    """GPUs left out because no [devices] table, measurement or catalog entry gives their figures:
+    count by name ("" for GPUs an nvidia-smi text without `-L` lines leaves unnamed)."""
 
     @property
     def device_count(self) -> int:
@@ -111,10 +123,10 @@ class DevicePool:
 
     @classmethod
     def gpus(cls, topology: ClusterTopology, collectives: CollectiveCostModel, *, dtype: str,
-             use_mig: bool) -> DevicePool:
+             use_mig: bool, figures: FigureBook) -> DevicePool:
         notes: list[str] = []
         networks = {node.node_id: _network_hop(node, collectives) for node in topology.nodes}
-        domains = _gpu_domains(topology, collectives, networks, dtype, use_mig)
+        domains = _gpu_domains(topology, collectives, networks, dtype, use_mig, figures)
         by_node: dict[str, list[Domain]] = defaultdict(list)
         for domain in domains:
             by_node[domain.node_id].append(domain)
@@ -123,23 +135,22 @@ class DevicePool:
         unreadable = [f"{node.node_id} GPU {gpu.index}" for node, gpu in topology.gpus() if gpu.error]
         if unreadable:
             notes.append(f"left out {len(unreadable)} GPU(s) NVML could not read: {', '.join(unreadable[:4])}")
+        notes.extend(figures.notes)
         return cls(domains=domains, cross_domain_hops=cross, notes=notes,
-                   guessed_networks=_guessed_networks(topology))
+                   guessed_networks=_guessed_networks(topology), unknown=dict(figures.unknown))
 
     @classmethod
     def cpus(cls, topology: ClusterTopology, collectives: CollectiveCostModel, *, cores_per_worker: int,
-             cpu_gflops_per_core: float) -> DevicePool:
-        """One slot per `cores_per_worker` cores, inside one NUMA node where the node says which cores those are."""
+             dtype: str, nominal_gflops_per_core: float) -> DevicePool:
+        """One slot per `cores_per_worker` cores, inside one NUMA node where the node says which cores
+        those are; each core at the node's measured product rate in `dtype`, else the nominal one."""
         domains = []
         for node in topology.nodes:
             slots = _cpu_slots(node, cores_per_worker)
             if not slots:
                 continue
             memory = node.memory_bytes // len(slots) if node.memory_bytes else 0
-            kind = DeviceType(kind=DeviceKind.CPU, model="cpu", label="cpu", cores=cores_per_worker,
-                              peak_tflops=cores_per_worker * cpu_gflops_per_core / 1000, memory_bytes=memory,
-                              price_units=float(cores_per_worker),
-                              memory_bytes_per_s=cores_per_worker * CPU_MEMORY_BYTES_PER_S_PER_CORE)
+            kind = _cpu_type(node, cores_per_worker, memory, dtype, nominal_gflops_per_core)
             devices = [Device(uuid=None, type=kind, node=node, island_id=None, numa_node=numa, cpu_affinity=cpus)
                        for numa, cpus in slots]
             hop = collectives.hop(LinkClass.LOOPBACK) if len(devices) > 1 else None
@@ -159,27 +170,41 @@ def _network_hop(node: NodeTopology, collectives: CollectiveCostModel) -> Hop:
     return collectives.hop(kind, gb_per_s)
 
 
-def _peak(peaks: dict[str, float], dtype: str) -> float:
-    """The device's dense peak at the job's dtype; fp16 stands in for bf16 (V100), fp32 for the rest."""
-    return peaks.get(dtype) or (peaks.get("fp16") if dtype == "bf16" else None) or peaks.get("fp32") or 0.0
+def _cpu_type(node: NodeTopology, cores: int, memory_bytes: int, dtype: str,
+              nominal_gflops_per_core: float) -> DeviceType:
+    measured = next((d for d in node.measured if d.name == "cpu"), None)
+    per_core = (measured.fp32_tflops if dtype == "fp32" else measured.bf16_tflops) if measured else 0.0
+    source = Source.MEASURED if per_core else Source.NOMINAL
+    per_core = per_core or nominal_gflops_per_core / 1000
+    bandwidth = (measured.memory_gb_per_s * 1e9 if measured and measured.memory_gb_per_s
+                 else CPU_MEMORY_BYTES_PER_S_PER_CORE)
+    return DeviceType(kind=DeviceKind.CPU, model="cpu", label="cpu", cores=cores, peak_tflops=cores * per_core,
+                      memory_bytes=memory_bytes, price_units=float(cores), memory_bytes_per_s=cores * bandwidth,
+                      source=source, stated_tflops=cores * per_core)
 
 
-def _gpu_type(gpu: Gpu | MigSlice, parent: Gpu, peak: float) -> DeviceType | None:
-    if not peak:
-        return None
+def _gpu_type(gpu: Gpu | MigSlice, parent: Gpu, figure: Figure) -> DeviceType:
+    """A whole GPU or a MIG slice (its SM share of the parent's figures) as `figure` describes it."""
     model = parent.model or parent.name
-    known = catalog.find(model) if model else None
-    bandwidth = known.memory_gb_per_s * 1e9 if known else UNKNOWN_GPU_MEMORY_BYTES_PER_S
-    if isinstance(gpu, MigSlice):
-        return DeviceType(kind=DeviceKind.MIG, model=model, peak_tflops=peak, label=f"{model} {gpu.profile}",
-                          memory_bytes=gpu.memory_bytes, price_units=gpu.sm_share or 1.0,
-                          memory_bytes_per_s=bandwidth * (gpu.sm_share or 1.0))
-    return DeviceType(kind=DeviceKind.GPU, model=model, label=model, peak_tflops=peak,
-                      memory_bytes=gpu.memory_bytes, price_units=1.0, memory_bytes_per_s=bandwidth)
+    share = _slice_share(gpu, model) if isinstance(gpu, MigSlice) else 1.0
+    whole = figure.memory_bytes if figure.memory_bytes is not None else parent.memory_bytes
+    memory = gpu.memory_bytes if isinstance(gpu, MigSlice) else whole
+    label = f"{model} {gpu.profile}" if isinstance(gpu, MigSlice) else model
+    return DeviceType(kind=DeviceKind.MIG if isinstance(gpu, MigSlice) else DeviceKind.GPU, model=model, label=label,
+                      peak_tflops=round(figure.peak_tflops * share, 2), memory_bytes=memory, price_units=share,
+                      memory_bytes_per_s=(figure.memory_bytes_per_s or UNKNOWN_GPU_MEMORY_BYTES_PER_S) * share,
+                      source=figure.source, stated_tflops=round(figure.stated_tflops * share, 2))
+
+
+def _slice_share(mig: MigSlice, model: str) -> float:
+    """The slice's share of its GPU's SMs: exact from the catalog's profile (1/7, not the map's rounded
+    0.1429, so planner and bill agree), else as the map gives it."""
+    exact = catalog.device_share(f"{model} {mig.profile}") if mig.profile else 1.0
+    return exact if exact != 1.0 else (mig.sm_share or 1.0)
 
 
 def _gpu_domains(topology: ClusterTopology, collectives: CollectiveCostModel, networks: dict[str, Hop],
-                 dtype: str, use_mig: bool) -> list[Domain]:
+                 dtype: str, use_mig: bool, figures: FigureBook) -> list[Domain]:
     """NVLink islands (several nodes' GPUs for a fabric that spans nodes), then per node its GPUs
     without NVLink peers and its MIG slices, each split by device type."""
     groups: dict[tuple[str, DeviceType], list[Device]] = defaultdict(list)
@@ -187,12 +212,17 @@ def _gpu_domains(topology: ClusterTopology, collectives: CollectiveCostModel, ne
     island_of = {uuid: island for island in topology.nvlink_islands for uuid in island.gpu_uuids}
     types: dict[tuple, DeviceType | None] = {}  # one object per kind of device: cheap to hash and compare
 
+    # Each readable GPU's figures, looked up once: its MIG slices get their share of them.
+    whole = {gpu.uuid: figures.of(node, gpu, dtype=dtype) for node, gpu in topology.gpus() if not gpu.error}
+
     def type_of(device: Gpu | MigSlice, parent: Gpu) -> DeviceType | None:
-        peak = _peak(device.peak_tflops, dtype)
-        key = (parent.model, parent.name, getattr(device, "profile", ""), device.memory_bytes, peak,
+        figure = whole.get(parent.uuid)
+        if figure is None:
+            return None
+        key = (parent.model, parent.name, getattr(device, "profile", ""), device.memory_bytes, figure,
                getattr(device, "sm_share", 1.0))
         if key not in types:
-            types[key] = _gpu_type(device, parent, peak)
+            types[key] = _gpu_type(device, parent, figure)
         return types[key]
 
     for node in topology.nodes:

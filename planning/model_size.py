@@ -7,14 +7,18 @@ counted from the workload's own model on the meta device (no weights are made).
 FLOPs are counted, not derived from a formula: torch's FlopCounterMode over one forward and backward
 of the workload's loss on a meta batch of one sample (matmuls and attention; the meta device runs
 attention as matmuls, so it is counted, in full, as the usual 6N + 12·L·d·T formula counts it). A
-model whose ops the meta device cannot run is counted as 6 FLOPs per parameter per token, and says so.
+model the meta device cannot run is counted on fake tensors, and one neither can run as 6 FLOPs per
+parameter per token, and says so.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import contextlib
+
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from core.workload import Workload
@@ -61,13 +65,21 @@ def _measure(workload: Workload, seq_len: int) -> ModelFacts:
 
 
 def _count_flops(workload: Workload, model: torch.nn.Module, seq_len: int) -> tuple[float, bool]:
-    tokens = torch.zeros((1, seq_len + 1), dtype=torch.long, device="meta")
-    try:
-        with FlopCounterMode(display=False) as counter:
-            workload.loss(model, tokens[:, :-1], tokens[:, 1:], loss_kernel="plain").backward()
-    except Exception:  # noqa: BLE001 - an op without a meta kernel: fall back to 6 per parameter
-        return 0.0, False
-    return counter.get_total_flops() / seq_len, True
+    """On the meta model; a model whose forward reads a value (transformers checks whether position ids
+    restart, a meta tensor has none) is counted again on fake meta tensors, which such code takes for
+    tracing and does not read."""
+    for fake in (False, True):
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=False) if fake else contextlib.nullcontext():
+                with torch.device("meta"):
+                    counted_model = workload.build() if fake else model
+                tokens = torch.zeros((1, seq_len + 1), dtype=torch.long, device="meta")
+                with FlopCounterMode(display=False) as counter:
+                    workload.loss(counted_model, tokens[:, :-1], tokens[:, 1:], loss_kernel="plain").backward()
+            return counter.get_total_flops() / seq_len, True
+        except Exception:  # noqa: BLE001 - an op the meta device (then fake tensors) cannot run
+            continue
+    return 0.0, False
 
 
 def _width(module: torch.nn.Module) -> int:

@@ -20,6 +20,7 @@ WORKER_ROWS_MAX = 32
 def print_plan(plan: Plan, naive: Plan | None, console: Console, *, naive_reason: str = "") -> None:
     console.print(_headline(plan), highlight=False)
     console.print(f"  mesh {mesh_text(plan)}", highlight=False)
+    console.print(_models(plan))
     console.print(_workers(plan))
     console.print(_comparison(plan, naive))
     if naive is None:
@@ -82,6 +83,27 @@ def _workers(plan: Plan) -> Table:
         members = [w for w in plan.workers if w.device_model == model and w.micro_batch_size == micro_batch]
         table.add_row(f"{count:,}", f"{len({w.node_id for w in members}):,}", model, str(micro_batch),
                       f"{max(w.predicted_peak_memory_bytes for w in members) / 2**30:.2f}",
+                      f"{max(w.predicted_compute_seconds for w in members):.4f}")
+    return table
+
+
+def _models(plan: Plan) -> Table:
+    """Per device model: its workers, where its figures come from, its micro-batches, and the share of
+    each step's samples it trains on (with its predicted compute a step)."""
+    table = Table(box=None, pad_edge=False, padding=(0, 1, 0, 1), title="devices", title_justify="left")
+    for column in ("device", "workers", "figures", "TFLOP/s", "micro-batch", "share of samples", "compute s"):
+        table.add_column(column, justify="left" if column in ("device", "figures", "micro-batch") else "right")
+    bases = {basis.device_model: basis for basis in plan.device_bases}
+    replicas = {w.data_parallel_rank: w for w in plan.workers}  # a tensor-parallel group trains as one replica
+    for model in dict.fromkeys(w.device_model for w in plan.workers):
+        members = [w for w in plan.workers if w.device_model == model]
+        samples = sum(w.micro_batch_size for w in replicas.values() if w.device_model == model) * plan.grad_accum_steps
+        basis = bases.get(model)
+        figures = "-" if basis is None else basis.source + (
+            f", calibrated ×{basis.compute_efficiency:.3g}" if basis.compute_efficiency != 1 else "")
+        table.add_row(model, f"{len(members):,}", figures, f"{basis.tflops:,.4g}" if basis else "-",
+                      "/".join(map(str, sorted({w.micro_batch_size for w in members}, reverse=True))),
+                      f"{samples / plan.global_batch_size:.1%}",
                       f"{max(w.predicted_compute_seconds for w in members):.4f}")
     return table
 

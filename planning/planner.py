@@ -33,6 +33,7 @@ from core.config import JobConfig
 from core.errors import PlacementError
 from core.plan import (
     DataParallel,
+    DeviceBasis,
     DeviceKind,
     Objective,
     Plan,
@@ -40,6 +41,7 @@ from core.plan import (
     WorkerPlacement,
     cross_island_groups,
 )
+from planning.calibration import Calibration
 from planning.collectives import CollectiveCostModel
 from planning.compute import ComputeModel
 from planning.costing import (
@@ -52,6 +54,7 @@ from planning.costing import (
     Selection,
 )
 from planning.devices import Device, DevicePool, DeviceType, Domain
+from planning.figures import FigureBook
 from planning.hook_costs import COMPRESSING_HOOKS, CommHookCost
 from planning.memory import MemoryProfile, measure_steps, profile, usable_bytes
 from planning.prices import PriceTable
@@ -96,9 +99,12 @@ class _Overrun(Exception):
 class Planner:
     def __init__(self, topology: ClusterTopology, config: JobConfig, *, memory: MemoryProfile | None = None,
                  collectives: CollectiveCostModel | None = None, compute: ComputeModel | None = None,
-                 prices: PriceTable | None = None, exact_memory: bool = True):
+                 prices: PriceTable | None = None, exact_memory: bool = True, calibration: Calibration | None = None):
         """memory: the job's MemoryProfile (computed from the config when not given; it is the slow
         part, a few fake training steps); exact_memory re-measures the chosen micro-batches exactly.
+        calibration: link rows and compute efficiencies over the defaults (the file [placement]
+        calibration_file names when not given; the CLI and fit pass Calibration.for_job's, which also
+        looks in the runs directory); `collectives` and `compute`, when given, are taken as they are.
 
         Refuses at once (PlacementError), before the memory profile, a job the cluster cannot hold
         whatever the memory: no devices, no NVLink island for a tensor-parallel group, too few
@@ -106,18 +112,21 @@ class Planner:
         self.topology = topology
         self.config = config
         self.job = PlanningJob.from_config(config)
-        self.collectives = collectives or CollectiveCostModel.for_job(config)  # defaults and a measured table
-        self.compute = compute or (ComputeModel.compiled(bf16_weights=config.train.bf16_weights)
-                                   if config.compile.enable else ComputeModel())
-        prices = prices or PriceTable.for_job(config)  # defaults and [bill] prices_file
-        self.prices = prices.with_overrides(config.placement.prices, spot=self.job.spot)
+        self.calibration = calibration or Calibration.named_by(config)
+        self.collectives = collectives or self.calibration.collectives()  # defaults and measured rows
+        self.compute = compute or self.calibration.compute(
+            ComputeModel.compiled(bf16_weights=config.train.bf16_weights) if config.compile.enable else ComputeModel())
         self.exact_memory = exact_memory
+        figures = FigureBook(topology, config.devices)  # [devices] tables, measured figures, the catalog
         if self.job.use_gpu:
             self.pool = DevicePool.gpus(topology, self.collectives, dtype=self.job.compute_dtype,
-                                        use_mig=self.job.use_mig)
+                                        use_mig=self.job.use_mig, figures=figures)
         else:
             self.pool = DevicePool.cpus(topology, self.collectives, cores_per_worker=self.job.cpus_per_worker,
-                                        cpu_gflops_per_core=self.compute.cpu_gflops_per_core)
+                                        dtype=self.job.compute_dtype,
+                                        nominal_gflops_per_core=self.compute.cpu_gflops_per_core)
+        prices = (prices or PriceTable.for_job(config)).with_overrides(figures.prices, spot=self.job.spot)
+        self.prices = prices.with_overrides(config.placement.prices, spot=self.job.spot)  # [placement] prices last
         self._check_feasible()
         self.memory = memory or profile(config, device_type="cuda" if self.job.use_gpu else "cpu")
         self.costing = Costing(self.job, self.pool, self.collectives, self.compute, self.prices, self.memory)
@@ -148,7 +157,8 @@ class Planner:
                                                                                     tensor_parallel_size=t))
             try:
                 plans[t] = Planner(self.topology, config, memory=self.memory, collectives=self.collectives,
-                                   compute=self.compute, prices=self.prices, exact_memory=self.exact_memory)._plan()
+                                   compute=self.compute, prices=self.prices, exact_memory=self.exact_memory,
+                                   calibration=self.calibration)._plan()
             except PlacementError as error:
                 refused[t] = error
         if not plans:
@@ -390,9 +400,7 @@ class Planner:
         job, pool = self.job, self.pool
         what = "GPUs and MIG slices" if job.use_gpu else f"CPU worker slots of {job.cpus_per_worker} cores"
         if pool.device_count == 0:
-            raise PlacementError(f"the cluster has no {what}", where="topology",
-                                 fix="set [cluster] use_gpu = false to train on CPUs" if job.use_gpu else
-                                 "lower [cluster] cpus_per_worker to what a node has")
+            raise self._why_no_devices(what)
         if job.float8 and not any(_has_float8(d.type) for d in pool.domains):
             models = sorted({d.type.label for d in pool.domains})
             raise PlacementError(f"float8 needs GPUs of compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
@@ -421,6 +429,28 @@ class Planner:
         if missing and job.objective != Objective.FASTEST:
             raise PlacementError(f"no price for {', '.join(missing)}", where="[placement] prices",
                                  fix=f"add them, e.g. prices = {{ \"{missing[0]}\" = 2.0 }} (dollars per hour)")
+
+    def _why_no_devices(self, what: str) -> PlacementError:
+        """Why the pool is empty, in the cluster's own terms: GPUs nothing describes, GPUs that are all
+        unreadable or in MIG mode, or really no GPUs (or CPU slots) at all."""
+        if not self.job.use_gpu:
+            return PlacementError(f"the cluster has no {what}", where="topology",
+                                  fix="lower [cluster] cpus_per_worker to what a node has")
+        gpus = [gpu for _, gpu in self.topology.gpus()]
+        if self.pool.unknown:
+            return _unknown_gpus_error(self.pool.unknown)
+        if not gpus:
+            return PlacementError(f"the cluster has no {what}", where="topology",
+                                  fix="set [cluster] use_gpu = false to train on CPUs, or map the GPU nodes")
+        unreadable = sum(1 for gpu in gpus if gpu.error)
+        mig = sum(1 for gpu in gpus if gpu.mig_enabled and not gpu.error)
+        reasons = [f"{unreadable} NVML could not read (see `archipelago topology`)"] if unreadable else []
+        if mig:
+            reasons.append(f"{mig} in MIG mode" + (", and [placement] use_mig = false" if not self.job.use_mig
+                                                   else " with no MIG slices created"))
+        return PlacementError(f"none of the cluster's {len(gpus)} GPUs can take a worker: {'; '.join(reasons)}",
+                              where="topology", fix="set [placement] use_mig = true, or create MIG slices on the "
+                                                    "GPUs in MIG mode, or fix the unreadable GPUs")
 
     def _why_nothing_fits(self, evaluated: dict) -> PlacementError:
         """Names the constraint that failed for the candidate that came closest, and what would fit."""
@@ -465,6 +495,11 @@ class Planner:
     def _notes(self, choice: _Choice) -> list[str]:
         best, costing = choice.outcome, choice.costing
         notes = list(self.pool.notes)
+        if self.calibration.path:
+            notes.append(self.calibration.describe())
+        if self.pool.unknown:
+            notes.append(f"left out GPUs nothing gives figures for ({_listed(self.pool.unknown)}): "
+                         f"{_unknown_gpus_error(self.pool.unknown).fix}")
         nodes = {device.node.node_id for i, k in best.selection for device in self.pool.domains[i].devices[:k]}
         guessed = sorted(nodes & self.pool.guessed_networks)
         if len(nodes) > 1 and guessed:
@@ -474,6 +509,7 @@ class Planner:
         if unused:
             reason = "slower" if self.job.objective == Objective.FASTEST else "dearer per token"
             notes.append(f"left out {', '.join(unused)}: adding them made the plan {reason}")
+        notes.extend(self._no_fast_path_notes({self.pool.domains[i].type.model for i, _ in best.selection}))
         if best.split.grad_accum_steps > 1:
             notes.append(f"{best.split.grad_accum_steps} accumulation steps: larger micro-batches do not fit "
                          f"(or exceed [train] micro_batch_size = {self.job.micro_batch_limit})")
@@ -494,6 +530,16 @@ class Planner:
             notes.append("several MIG slices of one GPU: NCCL runs one rank per GPU, so gradients are reduced "
                          "with gloo through host memory")
         return notes
+
+    def _no_fast_path_notes(self, models: set[str]) -> list[str]:
+        """GPU models of the plan the catalog gives no 16-bit tensor rate: costed at fp32, which a bf16
+        job on them would not reach (the workers emulate bf16)."""
+        if self.job.compute_dtype != "bf16":
+            return []
+        slow = sorted(key for key in models if (model := catalog.find(key)) is not None
+                      and not ({"bf16", "fp16"} & set(model.peak_tflops)))
+        return [f"{key} has no bf16 or fp16 tensor cores: costed at its fp32 rate; set [train] precision = "
+                '"fp32" to train at it' for key in slow]
 
     def _hook_advice(self, best: Outcome, costing: Costing) -> list[str]:
         """Where plain all-reduce leaves the step waiting on the wire, what each compressing hook the
@@ -571,11 +617,13 @@ class Planner:
         buckets = bucket_bytes if bucket_bytes is not None else costing.bucket_sizes(outcome)
         bottleneck = ("default" if bucket_bytes is not None else
                       outcome.hops["world"].link_class.value if "world" in outcome.hops else "")
+        world = outcome.hops.get("world")
         prediction = self._prediction(outcome)
         choices = plan_choices(self.config, use_gpu=job.use_gpu, replicas=len(workers) // t,
                                data_parallel=outcome.data_parallel, comm_hook=costing.comm_hook.name,
                                backend=outcome.backend, bucket_bytes=buckets.get(bottleneck), prediction=prediction)
         return Plan(
+            device_bases=self._device_bases(devices),
             job_name=job.name, objective=job.objective, workers=workers, global_batch_size=job.global_batch_size,
             seq_len=job.seq_len, grad_accum_steps=accum, data_parallel=outcome.data_parallel,
             tensor_parallel_size=t, allreduce=outcome.allreduce, intra_island_groups=intra,
@@ -583,12 +631,25 @@ class Planner:
             tensor_parallel_groups=[list(range(r, r + t)) for r in range(0, len(workers), t)],
             data_parallel_groups=[list(range(j, len(workers), t)) for j in range(t)],
             ddp_bucket_bytes=buckets, bottleneck_link_class=bottleneck,
+            bottleneck_gb_per_s=world.bytes_per_s / 1e9 if world else 0.0,
+            bottleneck_alpha_us=world.alpha_s * 1e6 if world else 0.0,
             price_basis="spot" if job.spot else "on_demand", predicted=prediction, notes=notes, **choices)
 
     def _nccl_nics(self, device: Device) -> bool:
         """Whether the plan names NCCL's NICs for this device: whole GPUs and MIG slices, unless
         [placement] nccl_nics is off."""
         return self.config.placement.nccl_nics and device.uuid is not None and device.type.kind != DeviceKind.CPU
+
+    def _device_bases(self, devices: list[tuple[Device, Domain]]) -> list[DeviceBasis]:
+        """Per device model of the plan, where its figures came from (CPU slots of several nodes that share
+        the label "cpu": the slowest)."""
+        slowest: dict[str, DeviceType] = {}
+        for device, _ in devices:
+            known = slowest.get(device.type.label)
+            if known is None or device.type.peak_tflops < known.peak_tflops:
+                slowest[device.type.label] = device.type
+        return [DeviceBasis(device_model=label, model=t.model, source=t.source.value, tflops=t.stated_tflops,
+                            compute_efficiency=self.compute.efficiency_of(t.model)) for label, t in slowest.items()]
 
     def _peaks(self, outcome: Outcome, costing: Costing, devices: list, micro_batches: list[int]) -> list[int]:
         accumulating = outcome.split.grad_accum_steps > 1
@@ -622,6 +683,30 @@ class Planner:
 def make_plan(topology: ClusterTopology, config: JobConfig, **kwargs) -> Plan:
     """Plans `config` on `topology` (see Planner for the keyword arguments)."""
     return Planner(topology, config, **kwargs).plan()
+
+
+def _unknown_gpus_error(unknown: dict[str, int]) -> PlacementError:
+    """The GPUs no [devices] table, measurement or catalog entry describes, and both ways to describe them."""
+    named = {name: count for name, count in unknown.items() if name}
+    if not named:
+        return PlacementError(f"the cluster's {unknown['']} GPUs have no model name: the nvidia-smi text has no "
+                              "`nvidia-smi -L` lines", where="topology",
+                              fix="save `nvidia-smi -L; nvidia-smi topo -m` together, so the names come with "
+                                  "the matrix")
+    example = sorted(named)[0]
+    return PlacementError(
+        f"the cluster's GPUs are of models the device catalog lacks, with no measured or declared figures: "
+        f"{_listed(unknown)}",
+        where="topology",
+        fix=f'describe each in the job config, e.g. [devices."{example}"] with bf16_tflops = (dense bf16 TFLOP/s), '
+            "memory_gib = (GiB) and price = ($ per GPU-hour); or plan on a measured map: run `archipelago topology "
+            "--local --json node.json` on one such machine and pass it with --topology (or plan on the live Ray "
+            "cluster, whose probe measures every node)")
+
+
+def _listed(unknown: dict[str, int]) -> str:
+    """"8× NVIDIA GeForce RTX 3090, 2× unnamed" """
+    return ", ".join(f"{count}× {name or 'unnamed'}" for name, count in sorted(unknown.items()))
 
 
 def _has_float8(device: DeviceType) -> bool:

@@ -13,6 +13,8 @@ from core.errors import ConfigError
 from topology import catalog
 
 DEFAULT_PRICES: dict[str, tuple[float, float]] = {
+    "GB200-186GB": (6.50, 3.90),
+    "B200-SXM6-180GB": (5.50, 3.20),
     "H200-SXM5-141GB": (3.50, 2.00),
     "H200-NVL-141GB": (3.30, 1.85),
     "H100-SXM5-80GB": (2.99, 1.60),
@@ -22,14 +24,22 @@ DEFAULT_PRICES: dict[str, tuple[float, float]] = {
     "A100-SXM4-40GB": (1.29, 0.70),
     "A100-PCIE-80GB": (1.59, 0.80),
     "A100-PCIE-40GB": (1.19, 0.60),
+    "MI325X": (2.99, 1.60),
     "MI300X": (2.49, 1.30),
+    "H20-96GB": (1.20, 0.65),
     "L40S": (1.09, 0.55),
+    "RTX-6000-Ada": (0.99, 0.50),
+    "RTX-5090": (0.89, 0.45),
+    "RTX-A6000": (0.69, 0.35),
+    "RTX-4090": (0.59, 0.30),
+    "A10": (0.75, 0.35),
     "A10G": (1.01, 0.40),
     "L4": (0.80, 0.35),
     "V100-SXM2-32GB": (0.95, 0.40),
     "V100-SXM2-16GB": (0.85, 0.35),
     "V100-PCIE-32GB": (0.85, 0.35),
     "V100-PCIE-16GB": (0.75, 0.30),
+    "GTX-1080-Ti": (0.15, 0.08),
     "cpu": (0.05, 0.02),
 }
 """(on-demand, spot) dollars per device-hour ("cpu": per core-hour), typical of GPU clouds in 2026;

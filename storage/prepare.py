@@ -6,7 +6,9 @@
 
 Sources: a directory of text files (one document per file, chosen by a glob), JSON Lines files
 (one document per line, its text in a named field), or a Parquet / Arrow dataset read through
-pyarrow.dataset (one document per row, its text in a named column).
+pyarrow.dataset (one document per row, its text in a named column). Fine-tuning data: JSON Lines of
+conversations (--format chat) or prompt/response pairs (--format instruction), stored with a loss
+mask and packed into samples of --seq-len tokens (storage/chat.py).
 
 The source is cut into units (a few files, a byte range of a JSONL file, a Parquet row group);
 worker processes tokenize units in parallel and the parent packs their documents into shards
@@ -37,12 +39,16 @@ from typing import Literal
 import numpy as np
 
 from core.config import check_prepare_settings
-from core.errors import DataError
+from core.errors import ConfigError, DataError
+from storage import chat
 from storage.shards import ShardInfo, has_dataset, write_manifest, write_shard
 from storage.tokenizers import Tokenizer, load_tokenizer
 
-SourceFormat = Literal["text", "jsonl", "parquet", "arrow"]
-DEFAULT_PATTERNS = {"text": "*.py", "jsonl": "*.jsonl", "parquet": "*.parquet", "arrow": "*.arrow"}
+SourceFormat = Literal["text", "jsonl", "parquet", "arrow", "chat", "instruction"]
+DEFAULT_PATTERNS = {"text": "*.py", "jsonl": "*.jsonl", "parquet": "*.parquet", "arrow": "*.arrow",
+                    "chat": "*.jsonl", "instruction": "*.jsonl"}
+FINE_TUNING_FORMATS = ("chat", "instruction")
+"""JSON Lines of conversations: flagged tokens (a loss mask), packed into samples of seq_len (storage/chat.py)."""
 TEXT_FILES_PER_UNIT = 64
 JSONL_UNIT_BYTES = 32 * 2**20
 
@@ -110,7 +116,7 @@ def plan_units(root: Path, files: list[Path], fmt: SourceFormat, workers: int) -
     if fmt == "text":
         per_unit = max(1, min(TEXT_FILES_PER_UNIT, -(-len(relative) // (4 * workers))))
         return [Unit(fmt, str(root), tuple(relative[i:i + per_unit])) for i in range(0, len(relative), per_unit)]
-    if fmt == "jsonl":
+    if fmt == "jsonl" or fmt in FINE_TUNING_FORMATS:
         return [Unit(fmt, str(root), (rel,), start, min(start + JSONL_UNIT_BYTES, size))
                 for rel, path in zip(relative, files)
                 for size in [path.stat().st_size]
@@ -152,11 +158,22 @@ def _init_worker(tokenizer: str, text_column: str, val_percent: float) -> None:
 
 def tokenize_unit(unit: Unit) -> UnitTokens:
     text_column, val_percent = _Worker.spec
-    documents = list(_documents(unit, text_column))
     out = UnitTokens()
+    if unit.format in FINE_TUNING_FORMATS:
+        for key, turns in _conversations(unit):
+            out.add(split_of(key, val_percent), chat.encode(turns, _Worker.tokenizer))
+        return out
+    documents = list(_documents(unit, text_column))
     for (key, _), tokens in zip(documents, _Worker.tokenizer.encode_documents([d for _, d in documents])):
         out.add(split_of(key, val_percent), tokens)
     return out
+
+
+def _conversations(unit: Unit) -> Iterator[tuple[str, list[tuple[str, str]]]]:
+    """(split key, turns) of every conversation of a chat or instruction unit."""
+    root = Path(unit.root)
+    for key, offset, line in _jsonl_lines(root, unit):
+        yield key, chat.turns_of(line, unit.format, f"{root / unit.files[0]}, byte {offset}")
 
 
 def _documents(unit: Unit, text_column: str) -> Iterator[tuple[str, bytes]]:
@@ -171,7 +188,8 @@ def _documents(unit: Unit, text_column: str) -> Iterator[tuple[str, bytes]]:
         yield from _arrow_documents(root, unit, text_column)
 
 
-def _jsonl_documents(root: Path, unit: Unit, text_column: str) -> Iterator[tuple[str, bytes]]:
+def _jsonl_lines(root: Path, unit: Unit) -> Iterator[tuple[str, int, bytes]]:
+    """(split key, byte offset, line) of every non-empty line the unit owns."""
     rel = unit.files[0]
     with open(root / rel, "rb") as f:
         if unit.start:
@@ -181,20 +199,25 @@ def _jsonl_documents(root: Path, unit: Unit, text_column: str) -> Iterator[tuple
             line = f.readline()
             if not line:
                 break
-            if not line.strip():
-                continue
-            try:
-                text = json.loads(line)[text_column]
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise DataError(f"not a JSON line ({e.__class__.__name__}: {e})", where=f"{root / rel}, byte {offset}",
-                                fix="fix or remove that line") from None
-            except (KeyError, TypeError):
-                raise DataError(f"the line has no {text_column!r} field", where=f"{root / rel}, byte {offset}",
-                                fix="name the text field with --text-column / [data] text_column") from None
-            if not isinstance(text, str):
-                raise DataError(f"field {text_column!r} is {type(text).__name__}, not text",
-                                where=f"{root / rel}, byte {offset}", fix="name a text field with --text-column")
-            yield f"{rel}@{offset}", text.encode()
+            if line.strip():
+                yield f"{rel}@{offset}", offset, line
+
+
+def _jsonl_documents(root: Path, unit: Unit, text_column: str) -> Iterator[tuple[str, bytes]]:
+    rel = unit.files[0]
+    for key, offset, line in _jsonl_lines(root, unit):
+        try:
+            text = json.loads(line)[text_column]
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DataError(f"not a JSON line ({e.__class__.__name__}: {e})", where=f"{root / rel}, byte {offset}",
+                            fix="fix or remove that line") from None
+        except (KeyError, TypeError):
+            raise DataError(f"the line has no {text_column!r} field", where=f"{root / rel}, byte {offset}",
+                            fix="name the text field with --text-column / [data] text_column") from None
+        if not isinstance(text, str):
+            raise DataError(f"field {text_column!r} is {type(text).__name__}, not text",
+                            where=f"{root / rel}, byte {offset}", fix="name a text field with --text-column")
+        yield key, text.encode()
 
 
 def _arrow_documents(root: Path, unit: Unit, text_column: str) -> Iterator[tuple[str, bytes]]:
@@ -232,9 +255,9 @@ def _no_column(path: Path, column: str, names: list[str]) -> DataError:
 class _ShardWriter:
     """Packs documents into shards of `shard_tokens` tokens (a document may span two shards)."""
 
-    def __init__(self, directory: Path, split: str, shard_tokens: int, tokenizer: Tokenizer):
+    def __init__(self, directory: Path, split: str, shard_tokens: int, tokenizer: Tokenizer, dtype: str):
         self.directory, self.split, self.shard_tokens, self.tokenizer = directory, split, shard_tokens, tokenizer
-        self.buffer = np.empty(shard_tokens, dtype=tokenizer.dtype)
+        self.buffer = np.empty(shard_tokens, dtype=dtype)
         self.filled = 0
         self.doc_offsets: list[int] = []
         self.shards: list[ShardInfo] = []
@@ -298,14 +321,21 @@ def _executor(workers: int, initargs: tuple) -> Executor:
 
 def prepare_dataset(source: str, out: str | Path, *, pattern: str | None = None, source_format: SourceFormat = "text",
                     text_column: str = "text", val_percent: float = 5.0, shard_tokens: int = 16 * 2**20,
-                    tokenizer: str = "bytes", workers: int = 0, overwrite: bool = False,
+                    tokenizer: str = "bytes", workers: int = 0, overwrite: bool = False, seq_len: int = 0,
                     on_progress: Callable[[int, int, int], None] | None = None) -> PrepareSummary:
     """Writes the dataset at `out`; `on_progress(units_done, units_total, tokens_so_far)` follows along.
 
-    `workers` = 0 uses every core; 1 tokenizes in this process.
+    `workers` = 0 uses every core; 1 tokenizes in this process. `seq_len`: the samples the chat and
+    instruction formats pack conversations into (the job's [model] seq_len).
     """
     check_prepare_settings(shard_tokens=shard_tokens, workers=workers, val_percent=val_percent,
                            text_column=text_column, as_flags=True)
+    if seq_len < 0:
+        raise ConfigError(f"must be 0 or more, got {seq_len}", where="--seq-len / [model] seq_len",
+                          fix="give the job's [model] seq_len (chat and instruction data only)")
+    if source_format in FINE_TUNING_FORMATS and seq_len == 0:
+        raise ConfigError(f"--format {source_format} packs conversations into samples and needs their length",
+                          where="--seq-len / [model] seq_len", fix="pass --seq-len, the [model] seq_len of the job")
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise DataError("is a file, not a dataset directory", where=str(out), fix="choose another --out")
@@ -318,6 +348,7 @@ def prepare_dataset(source: str, out: str | Path, *, pattern: str | None = None,
     if source_format not in DEFAULT_PATTERNS:
         raise DataError(f"unknown source format {source_format!r}", where="--format / [data] source_format",
                         fix=f"use one of {', '.join(DEFAULT_PATTERNS)}")
+    fine_tuning = source_format in FINE_TUNING_FORMATS
     tok = load_tokenizer(tokenizer)  # a bad tokenizer fails here, before any process starts
     root = resolve_source(source)
     files = list_files(root, pattern or DEFAULT_PATTERNS[source_format])
@@ -331,15 +362,16 @@ def prepare_dataset(source: str, out: str | Path, *, pattern: str | None = None,
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        writers = _write_shards(staging, units, tok, workers, (tokenizer, text_column, val_percent),
-                                shard_tokens, on_progress)
+        packing = seq_len if fine_tuning else 0
+        writers, documents = _write_shards(staging, units, tok, workers, (tokenizer, text_column, val_percent),
+                                           shard_tokens, packing, on_progress)
         for split, writer in writers.items():
-            if not writer.shards:
-                raise DataError(f"the {split} split would be empty ({sum(w.documents for w in writers.values())} "
+            if not documents[split]:
+                raise DataError(f"the {split} split would be empty ({sum(documents.values())} "
                                 f"documents, val_percent = {val_percent})", where=str(root),
                                 fix="add more documents or change val_percent")
         shards = writers["train"].shards + writers["val"].shards
-        write_manifest(staging, shards, tok.vocab_size)
+        write_manifest(staging, shards, tok.vocab_size, token_flags=fine_tuning, packed_seq_len=packing)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -348,26 +380,31 @@ def prepare_dataset(source: str, out: str | Path, *, pattern: str | None = None,
     elif out.exists():
         out.rmdir()
     staging.rename(out)
-    return PrepareSummary(out, {s: w.documents for s, w in writers.items()},
+    return PrepareSummary(out, documents,
                           {s: sum(x.num_tokens for x in w.shards) for s, w in writers.items()}, len(shards),
                           tok.name, workers)
 
 
 def _write_shards(staging: Path, units: list[Unit], tok: Tokenizer, workers: int, initargs: tuple,
-                  shard_tokens: int, on_progress: Callable[[int, int, int], None] | None) -> dict[str, _ShardWriter]:
-    writers = {split: _ShardWriter(staging, split, shard_tokens, tok) for split in ("train", "val")}
+                  shard_tokens: int, packing: int, on_progress: Callable[[int, int, int], None] | None
+                  ) -> tuple[dict[str, _ShardWriter], dict[str, int]]:
+    """The shard writers of both splits and each split's documents; packing > 0 packs flagged
+    documents into samples of that many tokens (storage/chat.py)."""
+    dtype = "uint32" if packing else tok.dtype
+    writers = {split: _ShardWriter(staging, split, shard_tokens, tok, dtype) for split in ("train", "val")}
+    sinks = {split: chat.Packer(w, packing, tok.eos_id) if packing else w for split, w in writers.items()}
     tokens = 0
     executor = _executor(workers, initargs)
     try:
         for done, result in enumerate(ordered_map(executor, tokenize_unit, units, window=4 * workers), 1):
             for split, documents in result.tokens.items():
                 for document in documents:
-                    writers[split].add(document)
+                    sinks[split].add(document)
                     tokens += document.size
             if on_progress:
                 on_progress(done, len(units), tokens)
     finally:
         executor.shutdown(wait=True, cancel_futures=True)
-    for writer in writers.values():
-        writer.flush()
-    return writers
+    for sink in sinks.values():
+        sink.flush()
+    return writers, {split: sink.documents for split, sink in sinks.items()}

@@ -32,6 +32,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from core.errors import DataError
+from storage.flags import TOKEN_MASK
 from storage.fs import Location
 from storage.readers import Extent, host_reader_for
 
@@ -80,6 +81,11 @@ class ShardInfo:
 class Manifest:
     vocab_size: int
     shards: list[ShardInfo]
+    token_flags: bool = False
+    """The shards hold flagged words (storage/flags.py): a loss mask and document starts (fine-tuning data)."""
+    packed_seq_len: int = 0
+    """> 0: documents were packed whole into samples of this many tokens; only a job of that seq_len
+    reads whole documents from them."""
 
     def split(self, name: str) -> list[ShardInfo]:
         return [s for s in self.shards if s.split == name]
@@ -104,9 +110,11 @@ def write_shard(directory: Path, split: str, index: int, tokens: np.ndarray, doc
     return ShardInfo(split, name, dtype, int(tokens.size), doc_offsets, zlib.crc32(payload.data), tokenizer)
 
 
-def write_manifest(directory: Path, shards: list[ShardInfo], vocab_size: int) -> None:
+def write_manifest(directory: Path, shards: list[ShardInfo], vocab_size: int, *, token_flags: bool = False,
+                   packed_seq_len: int = 0) -> None:
     columns = {name: [getattr(s, name) for s in shards] for name in MANIFEST_SCHEMA.names}
-    metadata = {b"format_version": str(FORMAT_VERSION).encode(), b"vocab_size": str(vocab_size).encode()}
+    metadata = {b"format_version": str(FORMAT_VERSION).encode(), b"vocab_size": str(vocab_size).encode(),
+                b"token_flags": str(int(token_flags)).encode(), b"packed_seq_len": str(packed_seq_len).encode()}
     table = pa.table(columns, schema=MANIFEST_SCHEMA.with_metadata(metadata))
     pq.write_table(table, directory / MANIFEST)
 
@@ -138,7 +146,8 @@ def read_manifest(directory: str | Path | Location) -> Manifest:
         if shard.dtype not in TOKEN_DTYPES:
             raise DataError(f"shard dtype {shard.dtype!r} is not one of {TOKEN_DTYPES}",
                             where=f"{location / shard.path} (manifest row)", fix=PREPARE_AGAIN)
-    return Manifest(int(meta[b"vocab_size"]), shards)
+    return Manifest(int(meta[b"vocab_size"]), shards, token_flags=meta.get(b"token_flags", b"0") == b"1",
+                    packed_seq_len=int(meta.get(b"packed_seq_len", b"0")))
 
 
 def check_shard(location: Location, shard: ShardInfo, header: bytes, size: int) -> None:
@@ -183,15 +192,22 @@ def open_shard(location: Location, shard: ShardInfo) -> Iterator[pa.NativeFile]:
         yield f
 
 
-def payload_problem(f: pa.NativeFile, shard: ShardInfo, vocab_size: int) -> str | None:
+def token_ids(words: np.ndarray, flagged: bool) -> np.ndarray:
+    """The token ids of a shard's words: a fine-tuning dataset's (flagged) without the loss-mask and document-start
+    bits (storage/flags.py), which would otherwise read as ids far past any vocabulary."""
+    return words & TOKEN_MASK if flagged else words
+
+
+def payload_problem(f: pa.NativeFile, shard: ShardInfo, vocab_size: int, *, flagged: bool = False) -> str | None:
     """What is wrong with an open shard's tokens, read once in chunks: a token id at or above the vocabulary
-    size (and its byte offset), or a crc32 of the payload that is not the manifest's; None when both hold."""
+    size (and its byte offset), or a crc32 of the payload that is not the manifest's; None when both hold.
+    `flagged`: the manifest's token_flags (the ids are the words' low bits)."""
     crc = 0
     dtype = np.dtype(shard.dtype).newbyteorder("<")
     for start in range(HEADER_BYTES, shard.file_bytes, CHECK_CHUNK_BYTES):
         chunk = f.read_at(min(CHECK_CHUNK_BYTES, shard.file_bytes - start), start)
         crc = zlib.crc32(chunk, crc)
-        tokens = np.frombuffer(chunk, dtype=dtype)
+        tokens = token_ids(np.frombuffer(chunk, dtype=dtype), flagged)
         if tokens.size and int(tokens.max()) >= vocab_size:
             first = int(np.argmax(tokens >= vocab_size))
             return f"token id {int(tokens[first])} ≥ vocabulary size {vocab_size} at offset {start + first * dtype.itemsize}"
@@ -316,6 +332,7 @@ class TokenDataset:
     def check_token_ids(self, extents: list[Extent], tokens: np.ndarray) -> None:
         """Every token id read into `tokens` (laid out as `extents` say) is below the vocabulary size: a larger one
         would index past the model's embedding. DataError naming the shard and offset of the first one otherwise."""
+        tokens = token_ids(tokens, self.manifest.token_flags)
         if not tokens.size or int(tokens.max()) < self.vocab_size:
             return
         position = int(np.argmax(tokens >= self.vocab_size))
@@ -342,7 +359,7 @@ class TokenDataset:
                 return
             info = self.shards[shard]
             with open_shard(self.location, info) as f:
-                problem = payload_problem(f, info, self.vocab_size) if self._checksummed[shard] else None
+                problem = payload_problem(f, info, self.vocab_size, flagged=self.manifest.token_flags) if self._checksummed[shard] else None
             if problem:
                 raise DataError(problem, where=str(self.location / info.path),
                                 fix=f"run `archipelago verify {self.location}` for every bad shard, then {PREPARE_AGAIN}")

@@ -31,6 +31,10 @@ class Tokenizer(Protocol):
 
     def encode_documents(self, documents: list[bytes]) -> list[np.ndarray]: ...
 
+    def encode_texts(self, texts: list[str]) -> list[np.ndarray]:
+        """Pieces of text as tokens, no end-of-document added (a conversation is encoded piece by piece)."""
+        ...
+
 
 def token_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 2**16 else "uint32"
@@ -53,6 +57,9 @@ class ByteTokenizer:
 
     def encode_documents(self, documents: list[bytes]) -> list[np.ndarray]:
         return [self.encode_document(d) for d in documents]
+
+    def encode_texts(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.frombuffer(t.encode(), dtype=np.uint8).astype(self.dtype) for t in texts]
 
     def decode(self, tokens: np.ndarray) -> str:
         return bytes(int(t) for t in tokens if t < 256).decode("utf-8", errors="replace")
@@ -103,6 +110,9 @@ class HFJsonTokenizer:
             tokens[-1] = self.eos_id
             out.append(tokens)
         return out
+
+    def encode_texts(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(e.ids, dtype=self.dtype) for e in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, tokens: np.ndarray) -> str:
         return self._tokenizer.decode([int(t) for t in tokens])

@@ -52,7 +52,7 @@ def verify_dataset(directory: str | Path | Location, *, manifest: Manifest | Non
     manifest = manifest if manifest is not None else read_manifest(location)
     report = VerifyReport(str(location), shards=len(manifest.shards))
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="archipelago-verify") as pool:
-        futures = [pool.submit(verify_shard, location, shard, manifest.vocab_size) for shard in manifest.shards]
+        futures = [pool.submit(verify_shard, location, shard, manifest.vocab_size, manifest.token_flags) for shard in manifest.shards]
         for done, (shard, future) in enumerate(zip(manifest.shards, futures), 1):
             problem = future.result()
             if problem:
@@ -65,11 +65,11 @@ def verify_dataset(directory: str | Path | Location, *, manifest: Manifest | Non
     return report
 
 
-def verify_shard(location: Location, shard: ShardInfo, vocab_size: int) -> ShardProblem | None:
+def verify_shard(location: Location, shard: ShardInfo, vocab_size: int, flagged: bool = False) -> ShardProblem | None:
     path = location / shard.path
     try:
         with open_shard(location, shard) as f:
-            problem = payload_problem(f, shard, vocab_size)
+            problem = payload_problem(f, shard, vocab_size, flagged=flagged)
     except DataError as e:
         return ShardProblem(str(path), f"{e.what} ({e.where.removeprefix(str(path)).lstrip(', ') or 'file'})")
     return ShardProblem(str(path), problem) if problem else None

@@ -1,5 +1,9 @@
 """Shared fixtures: a small real corpus and a tiny job config that trains in seconds; and, under
-CI=true, no test skips but those marked gpu."""
+CI=true, no test skips but those marked gpu.
+
+The topology probe's device micro-benchmark (topology/device_figures.py) writes its cache into a
+directory of this session and spends little time per figure: tests never touch ~/.cache, and only
+the first probe of a session measures."""
 
 from __future__ import annotations
 
@@ -7,12 +11,18 @@ import json
 import os
 import shutil
 import sysconfig
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from core.config import JobConfig
 from storage.prepare import prepare_dataset
+
+
+def pytest_configure(config) -> None:
+    os.environ.setdefault("ARCHIPELAGO_CACHE_DIR", tempfile.mkdtemp(prefix="archipelago-test-cache-"))
+    os.environ.setdefault("ARCHIPELAGO_DEVICE_BENCH_S", "0.05")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -27,6 +37,15 @@ def pytest_runtest_makereport(item, call):
         report.outcome = "failed"
         report.longrepr = (f"skipped under CI=true ({reason}): CI must run every test a CPU can run; install "
                            "what it needs in the Makefile or .ci/run, or mark it gpu")
+
+
+def pytest_collection_modifyitems(config, items):
+    """`make test` runs pytest-xdist with --dist loadgroup: the integration tests, which share one local Ray
+    cluster per process and time faults (tests/integration/conftest.py), run one after another in one
+    worker while the unit tests fill the other."""
+    for item in items:
+        if item.get_closest_marker("integration") is not None:
+            item.add_marker(pytest.mark.xdist_group("ray"))
 
 
 # A slice of the standard library: real text, present on every machine, a few hundred KB.

@@ -26,7 +26,8 @@ from topology.islands import NvlinkIsland
 from topology.links import NETWORK_LATENCY_US, PCIE_PATHS, LinkKind, nvlink_cost, pcie_cost, pcie_gb_per_s
 
 FORMAT = "archipelago.topology"
-VERSION = 1
+VERSION = 2
+"""2 added each node's `measured` device figures; version 1 maps read with none."""
 _WRITE_COMMAND = "archipelago topology --json FILE"
 _UUID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "archipelago/topology")
 
@@ -135,6 +136,37 @@ class GpuLink:
 
 
 @dataclass(kw_only=True, slots=True)
+class MeasuredDevice:
+    """What the probe's micro-benchmark measured on one device model of a node (topology/device_bench.py).
+
+    Rates are per device: one GPU, or for "cpu" one core while every core of the node works. 0 means
+    not measured (no such path on the device, or it failed; the node's notes say which)."""
+
+    name: str
+    """The device as NVML prints it ("NVIDIA H200"), or "cpu"."""
+    driver_version: str = ""
+    """The NVIDIA driver the figures were measured under; "" for CPUs. A figure from another driver
+    than the node's is stale: the planner drops it and says so."""
+    bf16_tflops: float = 0.0
+    """Dense bf16 matrix product at training shapes (8192³ on GPUs)."""
+    fp8_tflops: float = 0.0
+    """float8 (e4m3, torch._scaled_mm) product at the same shape; GPUs of compute capability 8.9 and up."""
+    fp32_tflops: float = 0.0
+    """fp32 product (TF32 off): what CPU workers train in."""
+    memory_gb_per_s: float = 0.0
+    """Copying a buffer far larger than the caches, counting bytes read and written (HBM, or DRAM)."""
+    host_to_device_gb_per_s: float = 0.0
+    """From pinned host memory."""
+    device_to_host_gb_per_s: float = 0.0
+    peer_gb_per_s: float = 0.0
+    """Copying from one GPU of this model to another on the node (0 with one GPU)."""
+    cores: int = 0
+    """For "cpu": the cores that worked together (the rates are per core)."""
+    seconds: float = 0.0
+    """How long the measurement took."""
+
+
+@dataclass(kw_only=True, slots=True)
 class NodeTopology:
     node_id: str
     """Unique in the cluster map: the hostname, made unique when Ray runs several nodes on one host."""
@@ -156,6 +188,9 @@ class NodeTopology:
     ray_labels: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     """What the probe could not see or had to assume, in words."""
+    measured: list[MeasuredDevice] = field(default_factory=list)
+    """The micro-benchmark's figures, one entry per device model of the node and one for its CPUs;
+    empty where nothing was measured (imported or generated maps, `node-resources`)."""
 
     @property
     def network_gb_per_s(self) -> float:
@@ -250,6 +285,8 @@ class ClusterTopology:
 
     @classmethod
     def from_dict(cls, data: object, *, where: str = "topology") -> ClusterTopology:
+        if isinstance(data, dict) and data.get("format") == FORMAT and data.get("version") == 1:
+            data = {**data, "version": VERSION}  # version 1 is version 2 without measured figures
         fields = codec.check_header(data, format=FORMAT, version=VERSION, noun="topology", command=_WRITE_COMMAND,
                                     error=TopologyError, where=where)
         unknown = sorted(set(fields) - {"nodes", "nvlink_islands"})

@@ -4,6 +4,9 @@
     cluster = discover_cluster()                         # the cluster this driver is connected to
     cluster = discover_cluster(address="auto")          # connect, probe, disconnect (the CLIs)
 
+Each probe also measures its node's devices once (a few seconds; cached per node and driver, see
+topology/device_figures.py), so the planner can cost them by what they do rather than their data sheet.
+
 The probe asks for no CPU and no GPU, so it runs even on a node whose resources are all taken,
 and sees every GPU the node owns (NVML does not care about CUDA_VISIBLE_DEVICES set by Ray for
 GPU tasks; the node's own CUDA_VISIBLE_DEVICES from `ray start` is honoured by the probe).
@@ -19,6 +22,7 @@ from core import codec
 from core.errors import ClusterError
 from topology.cluster import ClusterTopology, NodeTopology
 from topology.connect import CONNECT_TIMEOUT_S, check_seconds, ray_session
+from topology.device_figures import DeviceBench
 from topology.probe import probe_local_node
 
 TIMEOUT_S = 120.0
@@ -26,8 +30,9 @@ TIMEOUT_S = 120.0
 
 
 def _probe() -> dict:
-    # A plain dict crosses the object store: no dependence on pickling our dataclasses.
-    return asdict(probe_local_node())
+    # A plain dict crosses the object store: no dependence on pickling our dataclasses. The device
+    # figures come from the node's cache after the first probe (topology/device_figures.py).
+    return asdict(probe_local_node(bench=DeviceBench.from_environment()))
 
 
 def discover_cluster(*, address: str | None = None, timeout_s: float = TIMEOUT_S,

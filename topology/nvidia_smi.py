@@ -214,11 +214,18 @@ def _link(a: Gpu, b: Gpu, code: str, switched: bool) -> GpuLink:
         return GpuLink(gpu_a=a.uuid, gpu_b=b.uuid, kind=kind, nvlink_count=int(nvlinks[1]),
                        nvlink_generation=generation, bandwidth_gb_per_s=bandwidth, latency_us=latency)
     pcie_path = NVIDIA_SMI_PCIE_CODES.get(code)
-    kind = pcie_path if pcie_path and not (a.mig_enabled or b.mig_enabled) else LinkKind.HOST_MEMORY
+    kind = pcie_path if pcie_path and _peer_to_peer(a) and _peer_to_peer(b) else LinkKind.HOST_MEMORY
     slower = min(pcie_gb_per_s(g.pcie_generation, g.pcie_width or 16) for g in (a, b))
     bandwidth, latency = pcie_cost(kind, slower)
     return GpuLink(gpu_a=a.uuid, gpu_b=b.uuid, kind=kind, pcie_path=pcie_path, bandwidth_gb_per_s=bandwidth,
                    latency_us=latency)
+
+
+def _peer_to_peer(gpu: Gpu) -> bool:
+    """Whether the GPU copies to a peer over PCIe: the text does not say (NVML does, live), so not in MIG
+    mode, and not a model the catalog knows to have it turned off (GeForce 40 and 50 series)."""
+    model = catalog.lookup(gpu.name) if gpu.name else None
+    return not gpu.mig_enabled and (model is None or model.peer_to_peer)
 
 
 def _nics(gpus: list[Gpu], matrix: _Matrix) -> list[Nic]:

@@ -1,6 +1,7 @@
 """Map the machine this runs on: NVML for GPUs, MIG slices and links, sysfs for NICs and NUMA.
 
-    node = probe_local_node()                       # what `archipelago topology --local` prints
+    node = probe_local_node(bench=DeviceBench.from_environment())   # `archipelago topology --local`, the live map
+    node = probe_local_node()                       # without measured device figures (`node-resources`)
     node = probe_local_node(nvml_module=fake_nvml)  # tests
 
 No NVML or no GPUs gives a CPU-only node with a note, not an error. An NVML error on one GPU is
@@ -18,6 +19,7 @@ from types import ModuleType
 
 from topology import catalog, sysfs
 from topology.cluster import Gpu, GpuLink, MigSlice, NodeTopology
+from topology.device_figures import DeviceBench
 from topology.links import LinkKind, nvlink_cost, pcie_cost, pcie_gb_per_s
 from topology.nvml import NvlinkPort, Nvml
 
@@ -40,8 +42,9 @@ class _ReadGpu:
 
 
 def probe_local_node(*, nvml_module: ModuleType | None = None, root: Path = Path("/"), hostname: str = "",
-                     visible_devices: str | None = None) -> NodeTopology:
-    """`visible_devices` defaults to CUDA_VISIBLE_DEVICES: a Ray node started with it owns only those GPUs."""
+                     visible_devices: str | None = None, bench: DeviceBench | None = None) -> NodeTopology:
+    """`visible_devices` defaults to CUDA_VISIBLE_DEVICES: a Ray node started with it owns only those GPUs.
+    `bench` measures the node's devices (or reads its cached figures) into `node.measured`."""
     hostname = hostname or socket.gethostname()
     if visible_devices is None:
         visible_devices = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -52,12 +55,15 @@ def probe_local_node(*, nvml_module: ModuleType | None = None, root: Path = Path
     nvml, why_not = Nvml.open(nvml_module)
     if nvml is None:
         node.notes.append(f"no GPUs mapped: {why_not}")
-        return node
-    try:
-        _map_gpus(nvml, node, root, visible_devices)
-    finally:
-        nvml.close()
-    _add_nic_paths(node, root)
+    else:
+        try:
+            _map_gpus(nvml, node, root, visible_devices)
+        finally:
+            nvml.close()
+        _add_nic_paths(node, root)
+    if bench is not None:
+        node.measured, notes = bench.figures(node)
+        node.notes.extend(notes)
     return node
 
 

@@ -30,14 +30,16 @@ def print_topology(cluster: ClusterTopology, console: Console) -> None:
 
 
 def summary(cluster: ClusterTopology) -> str:
-    models = Counter(gpu.model or gpu.name or "unknown GPU" for _, gpu in cluster.gpus())
+    models = Counter(gpu.model or gpu.name or "unnamed GPU (no `nvidia-smi -L` text)" for _, gpu in cluster.gpus())
     slices = sum(len(node.mig_slices) for node in cluster.nodes)
     nvlinked = [island for island in cluster.nvlink_islands if island.size > 1]
     bf16 = sum(gpu.peak_tflops.get("bf16", 0.0) for _, gpu in cluster.gpus() if gpu.usable_whole)
     bf16 += sum(s.peak_tflops.get("bf16", 0.0) for node in cluster.nodes for s in node.mig_slices)
+    uncatalogued = sum(1 for _, gpu in cluster.gpus() if not gpu.model)
     gpus = ", ".join(f"{count}× {model}" for model, count in models.most_common()) or "no GPUs"
+    missing = f" ({uncatalogued} GPUs not in the device catalog: no peak counted)" if uncatalogued else ""
     return (f"[bold]{len(cluster.nodes)} node{'s' * (len(cluster.nodes) != 1)}[/]: {gpus}; {slices} MIG slices; "
-            f"{len(nvlinked)} NVLink islands of 2+ GPUs; peak dense bf16 {bf16 / 1000:,.2f} PFLOP/s")
+            f"{len(nvlinked)} NVLink islands of 2+ GPUs; peak dense bf16 {bf16 / 1000:,.2f} PFLOP/s{missing}")
 
 
 def _print_node(cluster: ClusterTopology, node: NodeTopology, console: Console) -> None:
@@ -62,6 +64,8 @@ def _print_node(cluster: ClusterTopology, node: NodeTopology, console: Console) 
         _print_mig_slices(node, console)
     if node.nics:
         console.print(_nic_table(node))
+    if node.measured:
+        console.print(_measured_table(node))
     for gpu in node.gpus:
         if gpu.error:
             console.print(f"  [red]GPU {gpu.index}:[/] {escape(gpu.error)}", highlight=False)
@@ -126,6 +130,21 @@ def _nic_table(node: NodeTopology) -> Table:
                       f"{gpus} ({_CODES[nearest]})" if nearest else "-")
     return table
 
+
+def _measured_table(node: NodeTopology) -> Table:
+    """The micro-benchmark's figures: per GPU, or per core for the CPUs (0 shown as -)."""
+    table = Table(box=None, pad_edge=False, padding=(0, 2, 0, 2), title="measured", title_justify="left")
+    columns = (("device", "name"), ("bf16 TFLOP/s", "bf16_tflops"), ("fp8", "fp8_tflops"), ("fp32", "fp32_tflops"),
+               ("memory GB/s", "memory_gb_per_s"), ("host→device", "host_to_device_gb_per_s"),
+               ("device→host", "device_to_host_gb_per_s"), ("peer", "peer_gb_per_s"))
+    for label, _ in columns:
+        table.add_column(label, justify="left" if label == "device" else "right")
+    table.add_column("under", justify="left")
+    for device in node.measured:
+        name = f"cpu (per core of {device.cores})" if device.name == "cpu" else device.name
+        cells = [f"{getattr(device, key):.4g}" if getattr(device, key) else "-" for _, key in columns[1:]]
+        table.add_row(name, *cells, f"driver {device.driver_version}" if device.driver_version else "-")
+    return table
 
 
 def _bf16(peak_tflops: dict[str, float]) -> str:

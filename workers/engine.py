@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from core.errors import ConfigError
 from core.spec import WorkerSpec
 from kernels.backend import use_triton
+from storage.flags import unpack
 from workers.comm.stats import CommStats
 from workers.compile_check import CompileCheck
 from workers.compiler import compile_stats
@@ -29,6 +30,7 @@ from workers.compute_copy import Bf16ComputeCopy
 from workers.optim import build_optimizer, set_lr
 from workers.parallel import attach_overlap, wrap
 from workers.precision import LossScaler, convert_to_float8, precision_on
+from workers.qat import prepare_qat
 
 
 class Engine:
@@ -43,6 +45,8 @@ class Engine:
         # The model the optimizer updates, checkpoints save and evaluation runs.
         self.model = self.workload.build().to(device)
         check_same_weights(self.model, spec.model.kind)
+        self.qat_layers = (prepare_qat(self.model, self.workload.blocks(self.model), train.qat, train.qat_group_size)
+                           if train.qat else 0)
         self.float8_layers = (convert_to_float8(self.model, train.float8_recipe)
                               if self.precision.name == "fp8" else 0)
         self.compute_copy = self._compute_copy()
@@ -99,33 +103,48 @@ class Engine:
             self.compute_copy.pull_weights()
         total_loss = torch.zeros((), device=self.device)
         check = self.compile_checker if self.compile_checker is not None and self.compile_checker.pending else None
-        for i, batch in enumerate(micro_batches):
-            inputs, targets = batch[:, :-1], batch[:, 1:]
-            forward = functools.partial(self._forward, inputs, targets)
-            eager_loss = check.run_eagerly(forward, self._backward) if check is not None and i == 0 else None
+        arguments = [loss_arguments(batch, self.spec.data.token_flags) for batch in micro_batches]
+        for i, (weight, (tokens, masks)) in enumerate(zip(self._micro_batch_weights(arguments), arguments)):
+            forward = functools.partial(self._forward, tokens, masks)
+            backward = functools.partial(self._backward, weight=weight)
+            eager_loss = check.run_eagerly(forward, backward) if check is not None and i == 0 else None
             with self.wrapped.sync_gradients(i == len(micro_batches) - 1):
                 loss = forward()
                 if eager_loss is not None:
                     check.check_loss(loss, eager_loss)
-                self._backward(loss)
+                backward(loss)
                 if eager_loss is not None and check.compare_gradients:
                     check.check_gradients()
-            total_loss += _whole(loss.detach()) * self.micro_batch_weight
+            total_loss += _whole(loss.detach()) * weight
         if self.overlap is not None:  # the update follows in the next forward (or settle())
             return total_loss, self.overlap.end_step()
         grad_norm = self._fused_bf16_step() if self.fused_bf16_step else self._clip_and_step()
         self.optimizer.zero_grad(set_to_none=True)
         return total_loss, grad_norm
 
-    def _forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _forward(self, tokens: tuple[torch.Tensor, torch.Tensor], masks: dict[str, torch.Tensor]) -> torch.Tensor:
         """One micro-batch's mean loss (collective under DDP and FSDP: every rank makes it)."""
         with self._training_autocast(), self.wrapped.loss_context():
-            return self.workload.loss(self.wrapped.forward, inputs, targets, loss_kernel=self.spec.train.loss_kernel)
+            return self.workload.loss(self.wrapped.forward, *tokens, loss_kernel=self.spec.train.loss_kernel, **masks)
 
-    def _backward(self, loss: torch.Tensor) -> None:
+    def _backward(self, loss: torch.Tensor, *, weight: float | torch.Tensor) -> None:
         """Backward of one micro-batch's mean loss, weighted by its share of the global batch (and scaled with fp16)."""
         with self.wrapped.backward_context():
-            self.scaler.scale(loss * self.micro_batch_weight).backward()
+            self.scaler.scale(loss * weight).backward()
+
+    def _micro_batch_weights(self, arguments: list[tuple[tuple, dict]]) -> list[float | torch.Tensor]:
+        """Each micro-batch's loss weight. Without a loss mask, its share of the global batch (times the
+        replicas DDP/FSDP divide by). With one, each micro-batch's loss is the mean over its counted targets,
+        and its weight its share of the global batch's counted targets (one all-reduce of a count a step),
+        so the reduced gradient is the mean over every counted target of the global batch."""
+        if not self.spec.data.token_flags:
+            return [self.micro_batch_weight] * len(arguments)
+        counts = [masks["loss_mask"].sum() for _, masks in arguments]
+        total = torch.stack(counts).sum().float()
+        if dist.is_initialized():
+            dist.all_reduce(total)
+        replicas = len(self.spec.plan.replica_micro_batch_sizes())
+        return [replicas * count / total.clamp_min(1) for count in counts]
 
     @property
     def compile_check(self) -> dict | None:
@@ -185,11 +204,12 @@ class Engine:
         self.model.eval()
         loss_sum, tokens = 0.0, 0
         for batch in batches:
-            inputs, targets = batch[:, :-1], batch[:, 1:]
+            (inputs, targets), masks = loss_arguments(batch, self.spec.data.token_flags)
             with self.precision.autocast(self.device), self.wrapped.loss_context():
-                loss = self.workload.loss(forward, inputs, targets, loss_kernel=self.spec.train.loss_kernel)
-            loss_sum += float(_whole(loss)) * targets.numel()
-            tokens += targets.numel()
+                loss = self.workload.loss(forward, inputs, targets, loss_kernel=self.spec.train.loss_kernel, **masks)
+            counted = int(masks["loss_mask"].sum()) if masks else targets.numel()
+            loss_sum += float(_whole(loss)) * counted
+            tokens += counted
         self.model.train()
         return loss_sum, tokens
 
@@ -214,12 +234,24 @@ class Engine:
                 metrics["compile"]["eager_check"] = self.compile_check
         if self.float8_layers:
             metrics["float8_layers"] = self.float8_layers
+        if self.qat_layers:
+            metrics["qat_layers"] = self.qat_layers
         return metrics
 
 
 def _whole(value: torch.Tensor) -> torch.Tensor:
     """A loss as a plain tensor: under tensor parallelism it is a replicated DTensor."""
     return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def loss_arguments(batch: torch.Tensor, token_flags: bool) -> tuple[tuple[torch.Tensor, torch.Tensor], dict]:
+    """((inputs, targets), the loss mask and positions as keyword arguments) of a (B, seq_len + 1)
+    micro-batch; the keywords only for a fine-tuning dataset's flagged words (storage/flags.py), so a
+    workload written for pretraining data alone is called as before."""
+    if not token_flags:
+        return (batch[:, :-1], batch[:, 1:]), {}
+    unpacked = unpack(batch)
+    return (unpacked.inputs, unpacked.targets), {"loss_mask": unpacked.loss_mask, "positions": unpacked.positions}
 
 
 SAME_WEIGHTS_TOLERANCE = 1e-6

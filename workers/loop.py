@@ -43,6 +43,7 @@ from storage.shards import TokenDataset
 from workers import binding, checkpoint
 from workers.elastic import LedgerKeeper, PreemptionWatch, join_group, preemption_row
 from workers.engine import Engine
+from workers.pretrained import load_pretrained
 
 
 @dataclass(kw_only=True)
@@ -135,6 +136,8 @@ def train(job: WorkerJob, ctx, started_at: float) -> dict:
     checkpoints = checkpoint.RunCheckpoints(run_storage(), spec, rank)
     marks["restore_start"] = time.time()
     progress, checkpoint_readers = restore(job, checkpoints, engine.model, engine.optimizer)
+    if checkpoints.restored_from is None:  # step 0: [model] hf_dir's weights, when it has any
+        load_pretrained(engine.model, spec.model, process_group=checkpoints.group)
     marks["restored"] = time.time()
     restored_step = progress.step
     replica = plan.worker(rank).data_parallel_rank

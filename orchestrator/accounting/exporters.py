@@ -1,8 +1,17 @@
-"""Where the live bill goes besides the progress line: JSON lines, TensorBoard events, Prometheus.
+"""Where the live bill goes besides the progress line: JSON lines, TensorBoard events, Prometheus, MLflow.
 
     BillJsonl(run_dir / "bill.jsonl").write(bill_rows)          # what `archipelago report` reads
     TensorBoardExport(run_dir / "tensorboard").write(bill_rows, alerts)
     PrometheusExport(run="cpu-tiny").write(bill_rows, alerts)    # needs ray.init(): Ray's metrics agent serves it
+    MlflowExport.open(config, run_dir).write(bill_rows, alerts)  # [bill] mlflow: params, per-step metrics
+    finish_mlflow(run_dir)                                       # after the report: bill, report, plan as artifacts
+
+MLflow: the tracking URI is [bill] mlflow_uri, or a local file store at <runs_dir>/mlruns. MLflow 3.7+
+keeps file stores in maintenance mode and refuses them unless MLFLOW_ALLOW_FILE_STORE is set, which
+the local default sets for this process (`mlflow migrate-filestore` moves such a store into SQLite;
+give mlflow_uri = "sqlite:///…" or a server's http(s) URI to use one). One MLflow run per archipelago
+run: a resumed run continues it (its id is kept in <run>/mlflow.json). The metrics are the
+TensorBoard scalars under the same names, the params the job config flattened ("train.lr").
 
 Prometheus metrics go through Ray's metrics API (ray.util.metrics), so they appear on every
 node's metrics export port beside Ray's own, prefixed "ray_": ray_archipelago_dollars{run="…"}.
@@ -15,7 +24,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
+import time
 from pathlib import Path
 
 from orchestrator.accounting.alerts import Alert
@@ -80,6 +91,83 @@ class TensorBoardExport:
 
     def close(self) -> None:
         self.writer.close()
+
+
+MLFLOW_RUN_FILE = "mlflow.json"
+MLFLOW_EXPERIMENT = "archipelago"
+ARTIFACTS = ("plan.json", "bill.jsonl", "report.json", "report.html")
+"""The run directory's files logged to MLflow when the run ends (those that exist)."""
+
+
+class MlflowExport:
+    def __init__(self, client, run_id: str):
+        self.client = client
+        self.run_id = run_id
+
+    @classmethod
+    def open(cls, config: dict, run_dir: Path, *, tracking_uri: str, resumed: bool) -> MlflowExport:
+        """The MLflow run of `run_dir` (its job `config` as params), continued when resumed."""
+        client = mlflow_client(tracking_uri, run_dir)
+        kept = Path(run_dir) / MLFLOW_RUN_FILE
+        if resumed and kept.is_file():
+            return cls(client, json.loads(kept.read_text())["run_id"])
+        experiment = client.get_experiment_by_name(MLFLOW_EXPERIMENT)
+        experiment_id = experiment.experiment_id if experiment else client.create_experiment(MLFLOW_EXPERIMENT)
+        run = client.create_run(experiment_id, run_name=Path(run_dir).name, tags={"archipelago.run_dir": str(run_dir)})
+        kept.write_text(json.dumps({"tracking_uri": tracking_uri, "run_id": run.info.run_id}))
+        from mlflow.entities import Param
+
+        params = [Param(key, str(value)[:500]) for key, value in _flatten(config).items()]
+        for start in range(0, len(params), 100):  # MLflow takes at most 100 params a batch
+            client.log_batch(run.info.run_id, params=params[start:start + 100])
+        return cls(client, run.info.run_id)
+
+    def write(self, bill_rows: list[dict], alerts: list[Alert]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(tag, float(row[key]), now, int(row["step"])) for row in bill_rows
+                   for key, tag in SCALARS.items() if _finite(row.get(key))]
+        for start in range(0, len(metrics), 1000):
+            self.client.log_batch(self.run_id, metrics=metrics[start:start + 1000])
+        for alert in alerts:
+            self.client.set_tag(self.run_id, f"alert.{alert.kind}.step_{alert.step}", alert.message[:5000])
+
+    def close(self) -> None:
+        """The run stays open for finish_mlflow, which adds the report."""
+
+
+def mlflow_client(tracking_uri: str, run_dir: Path):
+    """An MlflowClient of `tracking_uri`, or of the file store beside the run directory when it is ""."""
+    from mlflow.tracking import MlflowClient
+
+    if not tracking_uri:
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        tracking_uri = (Path(run_dir).resolve().parent / "mlruns").as_uri()
+    return MlflowClient(tracking_uri=tracking_uri)
+
+
+def finish_mlflow(run_dir: Path, status: str = "FINISHED") -> None:
+    """Logs the run directory's plan, bill and report to its MLflow run and ends it (no-op without one)."""
+    kept = Path(run_dir) / MLFLOW_RUN_FILE
+    if not kept.is_file():
+        return
+    recorded = json.loads(kept.read_text())
+    client = mlflow_client(recorded["tracking_uri"], run_dir)
+    for name in ARTIFACTS:
+        if (Path(run_dir) / name).is_file():
+            client.log_artifact(recorded["run_id"], str(Path(run_dir) / name))
+    client.set_terminated(recorded["run_id"], status=status)
+
+
+def _flatten(values: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in values.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 class PrometheusExport:

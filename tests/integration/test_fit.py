@@ -9,6 +9,9 @@ import json
 import pytest
 
 from orchestrator import CheckpointError, ConfigError, Orchestrator
+from orchestrator.accounting import calibrate
+from orchestrator.cli import main
+from planning.calibration import Calibration
 from tests.integration.conftest import SEQ_LEN, job
 from workers.checkpoint import read_info
 
@@ -35,6 +38,24 @@ def test_fit_trains_checkpoints_and_reports(straight):
     assert report["final_val_loss"] == result.report.final_val_loss < 5.0
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in lines if "loss" in row] == list(range(1, steps + 1))
+    # The probe measured the CPUs (topology/device_figures.py), and the plan was costed on that figure.
+    (basis,) = result.plan.device_bases
+    assert (basis.device_model, basis.source) == ("cpu", "measured") and basis.tflops > 0
+
+
+def test_the_finished_run_calibrates_the_cpus_it_ran_on(straight, tmp_path, capsys):
+    """What fit leaves (plan.json, report.json) is what `archipelago calibrate` reads: the CPUs' efficiency is
+    the plan's compute at efficiency 1 over the compute the run measured (its step less exposed communication)."""
+    out = tmp_path / "calibration.json"  # not <runs_dir>/calibration.json: the module's other fits would read it
+    assert main(["calibrate", str(straight.dir), "--out", str(out)]) == 0, capsys.readouterr().out
+    run = calibrate.FinishedRun.load(straight.dir)
+    assert run.models == {"cpu": 1.0} and run.step_seconds >= run.measured_compute_seconds > 0
+    fitted = Calibration.load(out)
+    expected = run.plan.predicted.compute_seconds * run.applied_efficiency["cpu"] / run.measured_compute_seconds
+    assert fitted.compute_efficiency["cpu"] == pytest.approx(expected, rel=1e-3)
+    # Under the fitted efficiency the run's compute is predicted as it was measured.
+    assert calibrate.predict(run, fitted) == pytest.approx(
+        run.measured_compute_seconds + run.plan.predicted.exposed_communication_seconds, rel=1e-3)
 
 
 def test_resume_refuses_a_checkpoint_of_another_model(straight, small_dataset):

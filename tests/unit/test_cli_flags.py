@@ -5,11 +5,15 @@ list to the parser: a flag added without a case here fails it."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import time
 
 import pytest
 
+from core.config import JobConfig
+from orchestrator.accounting.report import RunReport
 from orchestrator.cli import _parser, main
 from storage.prepare import prepare_dataset
 
@@ -42,12 +46,23 @@ CASES = [
     (["prepare", "--source", "{dir}", "--out", "{out}", "--shard-tokens", "-5", "--overwrite"], "must be 1 or more, got -5"),
     (["prepare", "--source", "{dir}", "--out", "{out}", "--workers", "-1", "--overwrite"], "--workers / [data] prepare_workers: must be 0 or more, got -1"),
     (["prepare", "--source", "{dir}", "--out", "{out}"], "a prepared dataset is already here"),
+    (["prepare", "--source", "{dir}", "--out", "{dir}/new", "--seq-len", "-1"], "--seq-len / [model] seq_len: must be 0 or more, got -1"),
+    (["prepare", "--source", "{dir}", "--out", "{dir}/new", "--format", "chat"], "--format chat packs conversations into samples and needs their length"),
+    (["export", "{dir}/missing"], "the following arguments are required: --hf"),
+    (["export", "{dir}/missing", "--hf", "{dir}/out"], "missing/report.json: cannot read it"),
+    (["export", "{run}", "--hf", "{file}"], "note.txt exists and is not an empty directory"),
+    (["export", "{run}", "--hf", "{dir}/out", "--quantized"], "the run trained without quantization-aware training"),
     (["verify", "{dir}/missing"], "no prepared dataset here"),
     (["verify", "{data}", "--threads", "0"], "--threads / [data] reader_threads: must be 1 or more, got 0"),
     (["report", "{dir}/missing"], "missing/report.json: cannot read it"),
     (["report", "{dir}", "{dir}", "{dir}"], "3 run directories given"),
     (["report", "{dir}/missing", "--out", "{file}"], "--out: {file} is a file"),
     (["prices", "--config", "{dir}/missing.toml"], "missing.toml: config file not found"),
+    (["calibrate"], "the following arguments are required: RUN_DIR"),
+    (["calibrate", "{dir}/missing"], "missing/report.json: cannot read it"),
+    (["calibrate", "{dir}/missing", "--dry-run"], "missing/report.json: cannot read it"),
+    (["calibrate", "{dir}/missing", "--sweep", "{file}"], "{file}: cannot read a sweep from it"),
+    (["calibrate", "{dir}/missing", "--out", "{dir}"], "--out: {dir} is a directory"),
     (["topology", "--address", REFUSED], "cannot connect (Connection refused)"),
     (["topology", "--local", "--generate", "8xH100-SXM:1"], "argument --generate: not allowed with argument --local"),
     (["topology", "--from", "{dir}/missing.json"], "missing.json: cannot read it"),
@@ -77,8 +92,13 @@ def places(tmp_path_factory, corpus_dir, dataset_dir) -> dict[str, str]:
     (root / "note.txt").write_text("keep me")
     job = root / "job.toml"
     job.write_text(f'name = "flags"\nruns_dir = "{root / "runs"}"\n[data]\npath = "{dataset_dir}"\n')
+    run = root / "trained"  # what export reads first: report.json's config (a Llama trained without QAT)
+    run.mkdir()
+    report = {f.name: None for f in dataclasses.fields(RunReport)}
+    report["config"] = JobConfig.from_dict({"model": {"kind": "llama"}}).to_dict()
+    (run / "report.json").write_text(json.dumps(report))
     return {"job": str(job), "data": str(dataset_dir), "out": str(out), "file": str(root / "note.txt"),
-            "dir": str(root)}
+            "dir": str(root), "run": str(run)}
 
 
 def snapshot(root: str) -> dict[str, tuple[int, int]]:

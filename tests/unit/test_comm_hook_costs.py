@@ -9,6 +9,7 @@ from core.config import JobConfig
 from core.errors import ConfigError, PlacementError
 from core.plan import Plan
 from planning import planner as planner_module
+from planning.calibration import Calibration
 from planning.collectives import (
     NVLINK_DDP_COMPUTE_SLOWDOWN,
     CollectiveCostModel,
@@ -97,7 +98,7 @@ def test_a_topk_plan_names_the_other_wire_where_it_is_predicted_faster():
 def two_h200s(config: JobConfig, link: str) -> Planner:
     """A planner on the probed two-H200 map, with the link's calibration row ("nvswitch" or "sockets")."""
     topology = ClusterTopology.load(TOPOLOGIES / "h200x2-nvswitch.json")
-    collectives = CollectiveCostModel.load(TOPOLOGIES / f"h200x2-{link}.calibration.json")
+    collectives = Calibration.load(TOPOLOGIES / f"h200x2-{link}.calibration.json").collectives()
     return Planner(topology, config, collectives=collectives, exact_memory=False)
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from core.errors import ConfigError
 from core.plan import AllReduce
+from planning.calibration import Calibration
 from planning.collectives import (
     DEFAULT_CALIBRATION,
     CollectiveCostModel,
@@ -59,7 +60,7 @@ def test_hierarchical_wins_when_the_network_is_the_bottleneck():
 def test_a_measured_table_replaces_the_nominal_bandwidth(tmp_path):
     path = tmp_path / "nccl-tests.json"
     path.write_text(json.dumps({"infiniband": {"alpha_us": 8.5, "bus_gb_per_s": 20.0}}))
-    measured = CollectiveCostModel.load(path)
+    measured = Calibration.load(path).collectives()
     assert measured.hop(LinkClass.INFINIBAND, nominal_gb_per_s=400).bytes_per_s == 20e9
     assert measured.hop(LinkClass.INFINIBAND).alpha_s == pytest.approx(8.5e-6)
     # Rows left out keep the defaults: nominal × efficiency.
@@ -78,7 +79,7 @@ def test_a_bad_calibration_table_names_the_problem(tmp_path, content, message):
     path = tmp_path / "table.json"
     path.write_text(content)
     with pytest.raises(ConfigError, match=message):
-        CollectiveCostModel.load(path)
+        Calibration.load(path).collectives()
 
 
 @pytest.mark.parametrize("value", ['"x"', '"1.5"', "[1]", "null", "true", "NaN"])
@@ -86,7 +87,7 @@ def test_a_calibration_value_that_is_not_a_number_names_its_row_and_key(tmp_path
     path = tmp_path / "table.json"
     path.write_text('{"infiniband": {"alpha_us": 8.5, "bus_gb_per_s": %s}}' % value)
     with pytest.raises(ConfigError) as refused:
-        CollectiveCostModel.load(path)
+        Calibration.load(path).collectives()
     assert refused.value.where == f"{path}: infiniband.bus_gb_per_s"
     assert "row 'infiniband': bus_gb_per_s is" in refused.value.what and "not a number" in refused.value.what
 
@@ -147,7 +148,8 @@ def test_the_catalog_has_the_devices_people_rent():
     for key in ("H100-SXM5-80GB", "H200-SXM5-141GB", "A100-SXM4-40GB", "A100-SXM4-80GB", "L40S", "A10G", "MI300X"):
         model = catalog.by_key(key)
         assert model.peak_tflops["bf16"] > 0 and model.memory_gib > 20
-        assert PriceTable().dollars_per_hour(key, spot=True) < PriceTable().dollars_per_hour(key, spot=False)
+    for model in catalog.MODELS:  # every catalogued device can be planned under a dollar objective
+        assert PriceTable().dollars_per_hour(model.key, spot=True) < PriceTable().dollars_per_hour(model.key, spot=False)
     mi300x = catalog.lookup("AMD Instinct MI300X")
     assert (mi300x.vendor, mi300x.peak_tflops["fp8"], mi300x.memory_gib) == ("amd", 2614.9, 192.0)
     # A plan's MIG slice has its share of the SMs; a bf16 job on V100 runs at the fp16 tensor rate.
@@ -202,8 +204,10 @@ def test_a_missing_price_file_says_where_it_was_looked_for(tmp_path):
 
 def test_a_mig_slice_is_priced_and_peaked_as_its_share_of_the_card():
     from planning.devices import DevicePool
+    from planning.figures import FigureBook
     from topology import catalog, machines
-    pool = DevicePool.gpus(machines.cluster("1xH100-MIG7:1"), CollectiveCostModel(), dtype="bf16", use_mig=True)
+    cluster = machines.cluster("1xH100-MIG7:1")
+    pool = DevicePool.gpus(cluster, CollectiveCostModel(), dtype="bf16", use_mig=True, figures=FigureBook(cluster, {}))
     slices = [device.type for domain in pool.domains for device in domain.devices]
     assert len(slices) == 7 and {s.label for s in slices} == {"H100-SXM5-80GB 1g.10gb"}
     # The planner's price of a slice: the card's $2.99 × 1/7 of its SMs = $0.427 an hour.

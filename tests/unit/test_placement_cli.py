@@ -75,3 +75,24 @@ def test_plan_and_fit_refuse_what_the_workers_could_not_run_with_the_same_line(c
     fit_code, fit_out = run(capsys, "fit", str(path))
     assert plan_code == fit_code == 2 and plan_out == fit_out
     assert "[parallel] overlap" in plan_out and "loss scaling" in plan_out and plan_out.count("\n") == 1
+
+
+def test_a_plan_on_several_gpu_models_prints_each_models_share_and_where_its_figures_come_from(capsys, tmp_path,
+                                                                                            monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    path = tmp_path / "job.toml"
+    path.write_text(JOB.replace("global_batch_size = 64", "global_batch_size = 256")
+                    + '[placement]\nmin_gpus = 16\n[devices."L40S"]\nbf16_tflops = 300.0\nmemory_gib = 45.0\nprice = 1.0\n')
+    code, out = run(capsys, "plan", "--generate", "8xL40S:1,8xH100-SXM:1", "--config", str(path), "--json",
+                    str(tmp_path / "plan.json"))
+    assert code == 0, out
+    plan = Plan.load(tmp_path / "plan.json")
+    rows = {}
+    for model, source in (("H100-SXM5-80GB", "catalog"), ("L40S", "declared")):
+        workers = [w for w in plan.workers if w.device_model == model]
+        share = sum(w.micro_batch_size for w in workers) * plan.grad_accum_steps / plan.global_batch_size
+        line = next(line for line in out.splitlines() if line.strip().startswith(model) and source in line)
+        rows[model] = line.split()
+        assert rows[model][1:3] == [str(len(workers)), source] and rows[model][5] == f"{share:.1%}"
+    assert rows["L40S"][3] == "300" and rows["H100-SXM5-80GB"][3] == "989.4"
+    assert float(rows["L40S"][5][:-1]) + float(rows["H100-SXM5-80GB"][5][:-1]) == pytest.approx(100, abs=0.11)

@@ -114,17 +114,22 @@ def test_the_plan_names_its_mesh_and_hsdp_shards_inside_islands():
 
 def test_older_plans_read_with_plain_all_reduce_and_a_newer_one_is_refused():
     data = json.loads(cpu_plan(comm_hook="bf16").to_json())
-    assert data["version"] == 4 and data["comm_hook"] == "bf16" and data["precision"] == "fp32"
-    version_3 = {key: value for key, value in data.items() if not key.startswith("mesh_")} | {"version": 3}
-    assert Plan.from_dict(version_3) == cpu_plan(comm_hook="bf16")  # the mesh its groups imply
+    assert data["version"] == 5 and data["comm_hook"] == "bf16" and data["precision"] == "fp32"
+    added_in_5 = ("gpu_index", "island_resource", "environment")
+    workers_4 = [{key: value for key, value in w.items() if key not in added_in_5} for w in data["workers"]]
+    version_4 = {key: value for key, value in data.items() if not key.startswith("mesh_")} | {
+        "version": 4, "workers": workers_4}
+    assert Plan.from_dict(version_4) == cpu_plan(comm_hook="bf16")  # the mesh its groups imply
+    version_3 = {key: value for key, value in version_4.items() if key != "device_bases"} | {"version": 3}
+    assert Plan.from_dict(version_3) == cpu_plan(comm_hook="bf16")
     resolved = ("hook_settings", "bucket_cap_mb", "precision", "activation_checkpointing", "overlap",
                 "overlap_backward_share")
-    version_2 = {key: value for key, value in data.items() if key not in resolved} | {"version": 2}
+    version_2 = {key: value for key, value in version_3.items() if key not in resolved} | {"version": 2}
     assert Plan.from_dict(version_2) == cpu_plan(comm_hook="bf16")
     version_1 = {key: value for key, value in version_2.items() if key != "comm_hook"} | {"version": 1}
     assert Plan.from_dict(version_1) == cpu_plan(comm_hook="allreduce")
-    with pytest.raises(PlacementError, match="plan version 5; this archipelago reads 4"):
-        Plan.from_dict({**data, "version": 5})
+    with pytest.raises(PlacementError, match="plan version 6; this archipelago reads 5"):
+        Plan.from_dict({**data, "version": 6})
 
 
 @pytest.mark.parametrize("choices, named", [

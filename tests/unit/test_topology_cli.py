@@ -11,6 +11,7 @@ from ray._private.label_utils import parse_node_labels_string, validate_node_lab
 
 from orchestrator.cli import main
 from topology import ClusterTopology, machines
+from topology.cluster import MeasuredDevice
 from topology.ray_resources import NVLINK_DOMAIN_LABEL, label_value, ray_start_arguments
 
 EXAMPLES = Path(__file__).parents[2] / "examples/topologies"
@@ -115,6 +116,21 @@ def test_label_values_stay_valid_and_distinct():
         parse_node_labels_string(f"archipelago.io/x={value}")
     assert label_value(long_a) != label_value(long_b)
     assert label_value("host_7/nvl:0") == "host_7-nvl-0"
+
+
+def test_a_version_1_map_reads_and_measured_figures_print(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # one table row per line
+    old = ClusterTopology.load(EXAMPLES / "h200-single.json")  # written by the version 1 probe
+    assert json.loads((EXAMPLES / "h200-single.json").read_text())["version"] == 1 and old.nodes[0].measured == []
+    old.nodes[0].measured = [MeasuredDevice(name="NVIDIA H200", driver_version="580.159.04", bf16_tflops=781.4,
+                                            memory_gb_per_s=4287.0),
+                             MeasuredDevice(name="cpu", fp32_tflops=0.0512, cores=16)]
+    path = old.save(tmp_path / "measured.json")
+    assert json.loads(path.read_text())["version"] == 2
+    code, text = run(capsys, "topology", "--from", str(path))
+    assert code == 0
+    assert re.search(r"NVIDIA H200\s+781\.4\s+-\s+-\s+4287\s+-\s+-\s+-\s+driver 580\.159\.04", text)
+    assert re.search(r"cpu \(per core of 16\)\s+-\s+-\s+0\.0512", text)
 
 
 def test_the_map_reads_at_80_columns_leaving_out_uuids_first(capsys, monkeypatch):

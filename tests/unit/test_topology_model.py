@@ -17,8 +17,28 @@ def test_catalog_knows_every_model_by_the_name_nvml_prints():
     assert catalog.lookup("NVIDIA H100 80GB HBM3").peak_tflops["fp8"] == 1978.9
     assert catalog.lookup("NVIDIA A100-SXM4-40GB").key == "A100-SXM4-40GB"
     assert catalog.lookup("Tesla V100-SXM2-16GB").peak_tflops.get("bf16") is None
-    assert catalog.lookup("NVIDIA GeForce RTX 4090") is None
+    assert catalog.lookup("NVIDIA GeForce RTX 3090") is None
     assert set(catalog.lookup("NVIDIA L40S").peak_tflops) <= set(catalog.DTYPES)
+
+
+@pytest.mark.parametrize("name, key, bf16", [
+    ("NVIDIA B200", "B200-SXM6-180GB", 2250.0), ("NVIDIA GB200", "GB200-186GB", 2500.0),
+    ("NVIDIA H20", "H20-96GB", 148.0), ("NVIDIA H200", "H200-SXM5-141GB", 989.4),
+    ("NVIDIA GeForce RTX 4090", "RTX-4090", 165.2), ("NVIDIA GeForce RTX 5090", "RTX-5090", 209.5),
+    ("NVIDIA RTX 6000 Ada Generation", "RTX-6000-Ada", 364.2), ("NVIDIA RTX A6000", "RTX-A6000", 154.8),
+    ("NVIDIA L4", "L4", 121.0), ("NVIDIA A10", "A10", 125.0), ("NVIDIA A10G", "A10G", 70.0),
+    ("NVIDIA A100-SXM4-80GB", "A100-SXM4-80GB", 312.0), ("AMD Instinct MI325X", "MI325X", 1307.4),
+    ("AMD Instinct MI300X", "MI300X", 1307.4)])
+def test_current_gpus_are_told_apart_by_the_names_nvml_prints(name, key, bf16):
+    """Names that contain each other (GB200/B200, H20/H200, A10/A10G/A100, RTX 4090 D) find their own row."""
+    assert (catalog.lookup(name).key, catalog.lookup(name).peak_tflops["bf16"]) == (key, bf16)
+
+
+def test_gpus_without_a_fast_bf16_path_are_costed_at_what_they_have():
+    assert catalog.lookup("NVIDIA GeForce RTX 4090 D") is None  # fewer SMs than the 4090: not its figures
+    assert catalog.device_peak_tflops("GTX-1080-Ti", "bf16") == 11.34  # Pascal: fp32, no tensor cores
+    assert catalog.device_peak_tflops("V100-SXM2-32GB", "bf16") == 125.0  # Volta: the fp16 tensor rate
+    assert catalog.device_peak_tflops("GB200-186GB 1g.23gb", "bf16") == pytest.approx(2500.0 / 7)
 
 
 @pytest.mark.parametrize("name, slices, gb, share", [("1g.10gb", 1, 10, 1 / 7), ("3g.71gb", 3, 71, 3 / 7),

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.loss import IGNORE_INDEX, counted_rows
+
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
@@ -26,13 +28,14 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             t = targets[start:start + chunk_rows]
             logits = (h @ weight.t()).float()
             loss_sum += F.cross_entropy(logits, t, reduction="sum")
-            # d(sum CE)/d logits = softmax - one_hot; scaled by 1/rows below for the mean.
+            # d(sum CE)/d logits = softmax - one_hot, 0 for an ignored row; scaled below for the mean.
+            counted = (t != IGNORE_INDEX)[:, None]
             grad_logits = torch.softmax(logits, dim=-1)
-            grad_logits[torch.arange(t.shape[0], device=t.device), t] -= 1.0
-            grad_logits = grad_logits.to(h.dtype)
+            grad_logits[torch.arange(t.shape[0], device=t.device), t.masked_fill(~counted[:, 0], 0)] -= counted[:, 0].float()
+            grad_logits = (grad_logits * counted).to(h.dtype)
             grad_hidden[start:start + chunk_rows] = grad_logits @ weight
             grad_weight += (grad_logits.t() @ h).float()
-        scale = 1.0 / rows
+        scale = 1.0 / counted_rows(targets)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.scale = scale
         ctx.weight_dtype = weight.dtype
@@ -47,14 +50,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                           chunk_rows: int = 4096) -> torch.Tensor:
-    """Mean cross-entropy of `hidden @ weight.T` against `targets`; hidden is (N, C), targets (N,).
+    """Mean cross-entropy of `hidden @ weight.T` against `targets` over the targets that count (not
+    kernels.loss.IGNORE_INDEX); hidden is (N, C), targets (N,).
 
-    Matches `F.cross_entropy((hidden @ weight.T).float(), targets)` and its gradients; the
+    Matches `plain_cross_entropy(hidden @ weight.T, targets)` and its gradients; the
     matmuls run in hidden's dtype (bf16 under autocast), softmax and the loss in fp32.
     """
     if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
         # Evaluation: the same chunking, without computing gradients nobody will use.
         total = sum(F.cross_entropy((hidden[i:i + chunk_rows] @ weight.t()).float(), targets[i:i + chunk_rows],
                                     reduction="sum") for i in range(0, hidden.shape[0], chunk_rows))
-        return total / hidden.shape[0]
+        return total / counted_rows(targets)
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_rows)

@@ -89,17 +89,20 @@ class GPT(BlockStack):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
-                loss_kernel: str = "plain") -> torch.Tensor:
-        """Returns the mean cross-entropy over all positions when targets are given, else the logits
-        (loss_kernel: see BlockStack.head)."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, loss_mask: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None, loss_kernel: str = "plain") -> torch.Tensor:
+        """Returns the mean cross-entropy over the positions loss_mask keeps (all without one) when targets
+        are given, else the logits (loss_kernel: see head_loss). positions (batch, seq), each token's place
+        in its document, restart the position embeddings at each packed document; attention still
+        crosses them (this model's attention takes no document mask: README, fine-tuning data)."""
         T = idx.shape[1]
         self.stage(0)
-        x = self.tok_emb(idx) + self.pos_emb(torch.arange(T, device=idx.device))
+        where = torch.arange(T, device=idx.device) if positions is None else positions
+        x = self.tok_emb(idx) + self.pos_emb(where)
         for i, block in enumerate(self.blocks):
             self.stage(i + 1)
             x = block(x)
-        return self.head(x, targets, loss_kernel)
+        return self.head(x, targets, loss_kernel, loss_mask)
 
     def tensor_parallel_plan(self) -> dict[str, list[ParallelStyle]]:
         # Positions split by rows too: each rank gets its sequence shard's positions to add.

@@ -54,10 +54,18 @@ def rope_frequencies(head_dim: int, theta: float, scaling: float, device: torch.
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x (batch, seq, heads, head_dim) with each interleaved pair rotated by its position's angle;
-    cos and sin are (seq, head_dim / 2)."""
-    cos, sin = cos[None, :, None, :].to(x.dtype), sin[None, :, None, :].to(x.dtype)
+    cos and sin are (seq, head_dim / 2), or (batch, seq, head_dim / 2) for per-sample positions."""
+    cos, sin = (t[..., None, :].to(x.dtype) for t in (cos, sin))  # a heads axis; a batch axis broadcasts
     x1, x2 = x[..., ::2], x[..., 1::2]
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+def document_mask(positions: torch.Tensor) -> torch.Tensor:
+    """(batch, 1, seq, seq) bool: query i may attend key j when j <= i in the same document; a document
+    starts where the positions (batch, seq) restart at 0 (packed fine-tuning samples)."""
+    document = (positions == 0).cumsum(-1)
+    causal = torch.ones(positions.shape[-1], positions.shape[-1], dtype=torch.bool, device=positions.device).tril()
+    return (causal & (document[:, :, None] == document[:, None, :]))[:, None]
 
 
 class Attention(nn.Module):
@@ -67,7 +75,9 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(cfg.n_embd, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_head * self.head_dim, cfg.n_embd, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """mask: (batch, 1, seq, seq) bool, True where a query may attend (packed documents); None is causal."""
         B, T, _ = x.shape
         group = self.n_head // self.n_kv_head
         # Rows by key/value group: [q heads of the group; k; v]. -1 groups: all, or this rank's share.
@@ -77,7 +87,7 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin).transpose(1, 2)
         k = apply_rope(k, cos, sin).transpose(1, 2)
         v = v.transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=group > 1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=group > 1)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -102,8 +112,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -134,25 +145,29 @@ class Llama(BlockStack):
     def blocks(self) -> nn.ModuleList:
         return self.layers
 
-    def rotary_tables(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of every position's angles, (seq_len, head_dim / 2) in fp32. Made each forward
-        (a few kernels) rather than kept as buffers, which a bf16 copy of the model would round."""
+    def rotary_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the angles at `positions` ((seq,) or (batch, seq)), (..., head_dim / 2) in fp32.
+        Made each forward (a few kernels) rather than kept as buffers, which a bf16 copy of the model
+        would round."""
         cfg = self.cfg
-        freqs = rope_frequencies(cfg.n_embd // cfg.n_head, cfg.rope_theta, cfg.rope_scaling, device)
-        angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), freqs)
+        freqs = rope_frequencies(cfg.n_embd // cfg.n_head, cfg.rope_theta, cfg.rope_scaling, positions.device)
+        angles = positions.to(torch.float32)[..., None] * freqs
         return angles.cos(), angles.sin()
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
-                loss_kernel: str = "plain") -> torch.Tensor:
-        """The mean cross-entropy over all positions when targets are given, else the logits
-        (loss_kernel: see BlockStack.head)."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, loss_mask: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None, loss_kernel: str = "plain") -> torch.Tensor:
+        """The mean cross-entropy over the positions loss_mask keeps (all without one) when targets are
+        given, else the logits (loss_kernel: see head_loss). positions (batch, seq): each token's place in
+        its packed document; rotary angles restart and attention stays inside each document."""
         self.stage(0)
         x = self.tok_embeddings(idx)
-        cos, sin = self.rotary_tables(idx.shape[1], idx.device)
+        where = torch.arange(idx.shape[1], device=idx.device) if positions is None else positions
+        cos, sin = self.rotary_tables(where)
+        mask = None if positions is None else document_mask(positions)
         for i, layer in enumerate(self.layers):
             self.stage(i + 1)
-            x = layer(x, cos, sin)
-        return self.head(x, targets, loss_kernel)
+            x = layer(x, cos, sin, mask)
+        return self.head(x, targets, loss_kernel, loss_mask)
 
     def tensor_parallel_plan(self) -> dict[str, list[ParallelStyle]]:
         plan = {"tok_embeddings": [embedding_style()], "norm": final_norm_styles()}

@@ -23,8 +23,31 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from kernels.loss import linear_cross_entropy
+from kernels.loss import counted_rows, ignore_masked, linear_cross_entropy, plain_cross_entropy
 from workers.models.chunked_loss import chunked_cross_entropy
+
+LOSS_KERNELS = ("fused", "plain", "chunked")
+
+
+def head_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor | None, loss_kernel: str,
+              norm: nn.Module | None = None, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The output projection (after `norm`, when given) and its loss: the mean cross-entropy over the
+    targets `loss_mask` keeps (all without one) when targets are given, else the logits. loss_kernel:
+    "plain" (F.cross_entropy over fp32 logits), "fused" (kernels.loss: the final norm and the logits'
+    gradient made in the forward pass, inside one op) or "chunked" (workers.models.chunked_loss: the
+    (tokens × vocab) logits never exist whole)."""
+    if loss_kernel not in LOSS_KERNELS:
+        raise ValueError(f"loss_kernel must be one of {LOSS_KERNELS}, got {loss_kernel!r}")
+    identity = norm if norm is not None else nn.Identity()
+    if targets is None:
+        return F.linear(identity(x), weight)
+    targets = ignore_masked(targets, loss_mask).reshape(-1)
+    if loss_kernel == "fused":  # the op runs the final norm itself (kernels/loss.py)
+        return linear_cross_entropy(x.reshape(-1, x.size(-1)), weight, targets, norm)
+    x = identity(x).reshape(-1, x.size(-1))
+    if loss_kernel == "chunked":
+        return chunked_cross_entropy(x, weight, targets)
+    return plain_cross_entropy(F.linear(x, weight), targets)
 
 
 class BlockStack(nn.Module, ABC):
@@ -39,35 +62,28 @@ class BlockStack(nn.Module, ABC):
         if self.before_stage is not None:
             self.before_stage(index)
 
-    def head(self, x: torch.Tensor, targets: torch.Tensor | None, loss_kernel: str) -> torch.Tensor:
-        """Final norm, output projection and loss: the mean cross-entropy when targets are given,
-        else the logits. loss_kernel: "plain" (F.cross_entropy over fp32 logits), "fused"
-        (kernels.loss: the final norm and the logits' gradient made in the forward pass, inside one
-        op) or "chunked" (workers.models.chunked_loss: the (tokens × vocab) logits never exist whole)."""
+    def head(self, x: torch.Tensor, targets: torch.Tensor | None, loss_kernel: str,
+             loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Final norm, output projection and loss (head_loss; under tensor parallelism, on the
+        vocabulary shards)."""
         weight = self.output_weight()
         if isinstance(weight, DTensor):
-            return self._vocabulary_sharded_head(x, targets)
-        if targets is not None and loss_kernel == "fused":  # the op runs the final norm itself (kernels/loss.py)
-            return linear_cross_entropy(x.reshape(-1, x.size(-1)), weight, targets.reshape(-1), self.final_norm)
-        x = self.final_norm(x)
-        if targets is None:
-            return F.linear(x, weight)
-        if loss_kernel == "chunked":
-            return chunked_cross_entropy(x.reshape(-1, x.size(-1)), weight, targets.reshape(-1))
-        if loss_kernel != "plain":
-            raise ValueError(f"loss_kernel must be 'fused', 'chunked' or 'plain', got {loss_kernel!r}")
-        logits = F.linear(x, weight)
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+            return self._vocabulary_sharded_head(x, targets, loss_mask)
+        return head_loss(x, weight, targets, loss_kernel, self.final_norm, loss_mask)
 
-    def _vocabulary_sharded_head(self, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+    def _vocabulary_sharded_head(self, x: torch.Tensor, targets: torch.Tensor | None,
+                                 loss_mask: torch.Tensor | None) -> torch.Tensor:
         """The head under tensor parallelism: the final norm hands over the whole sequence as a DTensor
         (tensor_plans.final_norm_styles), the logits stay split by vocabulary, and cross-entropy runs
         on the shards (call it inside torch's loss_parallel(), forward and backward). The fused and
-        chunked kernels need whole vocabulary rows, so every loss_kernel is this one here."""
+        chunked kernels need whole vocabulary rows, so every loss_kernel is this one here. The mean
+        is over the targets loss_mask keeps, as plain_cross_entropy's."""
         logits = F.linear(self.final_norm(x), self.output_weight())
         if targets is None:
             return logits.full_tensor()
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.reshape(-1))
+        targets = ignore_masked(targets, loss_mask).reshape(-1)
+        summed = F.cross_entropy(logits.float().flatten(0, 1), targets, reduction="sum")
+        return summed / counted_rows(targets)
 
     @abstractmethod
     def tensor_parallel_plan(self) -> dict[str, list[ParallelStyle]]:

@@ -62,7 +62,7 @@ def gpt_block_plan() -> dict[str, ParallelStyle]:
 def llama_block_plan() -> dict[str, ParallelStyle]:
     return {
         "attention_norm": SequenceParallel(),
-        "attention": gathered_input(extra_inputs=2),  # the rotary tables pass through whole
+        "attention": gathered_input(extra_inputs=3),  # the rotary tables and the document mask pass through whole
         "attention.wqkv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
         "ffn_norm": SequenceParallel(),

@@ -1,6 +1,7 @@
-"""The workloads archipelago trains: the built-in GPT and Llama, and the user's own model from a factory.
+"""The workloads archipelago trains: the built-in GPT and Llama, a Hugging Face model, and the user's own
+model from a factory.
 
-    workload = make_workload(config.model)                 # [model] kind = "gpt" | "llama" | "custom"
+    workload = make_workload(config.model)                 # [model] kind = "gpt" | "llama" | "hf" | "custom"
     reference = register_factory(fn)                       # the Python API: Orchestrator(config, model=fn)
 
 A factory is called with the [model] table (a dict: archipelago's keys and the user's own) and
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -22,13 +24,16 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from core.config import ModelConfig
 from core.errors import ConfigError
 from core.workload import Workload
+from kernels.loss import ignore_masked, plain_cross_entropy
 from workers.models.gpt import GPT
+from workers.models.hf import HFWorkload
+from workers.models.hf_weights import check_shapes, expected_shapes, llama_layout, safetensors_files
+from workers.models.layers import repeated_layers
 from workers.models.llama import Llama
 from workers.models.stack import BlockStack
 
@@ -64,9 +69,9 @@ class BuiltinWorkload:
     def build(self) -> BlockStack:
         return self._model_class(self.config)
 
-    def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *,
-             loss_kernel: str = "plain") -> torch.Tensor:
-        return model(inputs, targets, loss_kernel=loss_kernel)
+    def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *, loss_kernel: str = "plain",
+             loss_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+        return model(inputs, targets, loss_mask=loss_mask, positions=positions, loss_kernel=loss_kernel)
 
     def blocks(self, model: nn.Module) -> Sequence[nn.Module]:
         return list(model.blocks)
@@ -98,15 +103,15 @@ class ModuleWorkload:
     def build(self) -> nn.Module:
         return self.factory(factory_table(self.config))
 
-    def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *,
-             loss_kernel: str = "plain") -> torch.Tensor:
+    def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *, loss_kernel: str = "plain",
+             loss_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Cross-entropy of the logits over the targets loss_mask keeps. The model sees token ids only:
+        positions (packed documents) cannot reach it, so its attention crosses packed documents."""
         logits = model(inputs)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return plain_cross_entropy(logits.flatten(0, 1), ignore_masked(targets, loss_mask).flatten())
 
     def blocks(self, model: nn.Module) -> Sequence[nn.Module]:
-        lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)
-                 and len({type(layer) for layer in m}) == 1]
-        return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=[]))
+        return repeated_layers(model)
 
     def __repr__(self) -> str:
         return f"ModuleWorkload({self.identity()!r})"
@@ -142,12 +147,33 @@ def _make(config: ModelConfig) -> Workload:
     if config.kind == "gpt":
         return BuiltinWorkload(config, GPT, GPT_IDENTITY)
     if config.kind == "llama":
+        if config.hf_dir and safetensors_files(config.hf_dir):
+            _check_llama_weights(config)
         return BuiltinWorkload(config, Llama, LLAMA_IDENTITY)
+    if config.kind == "hf":
+        return HFWorkload.from_dir(config)
     factory = _REGISTERED.get(config.factory) or import_factory(config.factory)
     if not callable(factory):
         raise ConfigError(f"{config.factory!r} is not callable", where=FACTORY,
                           fix="name a function that takes the [model] table and returns an nn.Module")
     return checked(config, factory)
+
+
+def _check_llama_weights(config: ModelConfig) -> None:
+    """hf_dir's safetensors hold every tensor the built-in Llama of its config.json stacks, in the right shape."""
+    with torch.device("meta"):
+        shapes = {name: p.shape for name, p in Llama(config).named_parameters()}
+    check_shapes(expected_shapes(llama_layout(config), shapes), config.hf_dir)
+
+
+def check_takes_loss_masks(workload: Workload) -> None:
+    """A fine-tuning dataset's loss mask and positions can reach the workload's loss; ConfigError otherwise."""
+    parameters = inspect.signature(workload.loss).parameters
+    if not {"loss_mask", "positions"} <= parameters.keys():
+        raise ConfigError(f"the workload {workload.name}'s loss takes no loss_mask and positions, which a "
+                          "fine-tuning dataset (prepare --format chat|instruction) needs", where=FACTORY,
+                          fix="add the keyword arguments loss_mask=None, positions=None to its loss "
+                              "(core/workload.py says what they hold), or return an nn.Module from the factory")
 
 
 def factory_table(config: ModelConfig) -> dict[str, Any]:

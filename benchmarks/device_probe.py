@@ -1,0 +1,211 @@
+"""The topology probe's measured device figures beside the same quantities measured the benchmarks' way.
+
+    python3 benchmarks/device_probe.py                     # on a GPU machine: every GPU model, the CPUs, the plan check
+    python3 benchmarks/device_probe.py --json probe.json
+    python3 benchmarks/device_probe.py --skip-plan-check   # the figures only (a minute)
+    python3 benchmarks/device_probe.py --cpu-only          # the CPU row only (this project's CPU machines)
+
+GPU rows (the probe's micro-benchmark, topology/device_bench.py, run in this process):
+  bf16 matmul   the probe's 8192³ bf16 product rate, beside the matmul rate benchmarks/step.py's torch
+                profile reads off a GPT-2 124M step (plain torch.compile row: "matmul TFLOP/s", 746 on
+                an H200, benchmarks/RESULTS.md)
+  HBM copy      the probe's device copy, beside benchmarks/kernels.py's copy baseline at 1,000 MB buckets
+                (`copy_gbs`: graph replays and back-to-back calls, the faster; 4,211 GB/s on an H200)
+  The acceptance for the probe: each within 10 % of its benchmark.
+Plan check (GPU 0): GPT-2 124M (B=32, T=1024), GPT 1.3B (B=8, T=2048) and the Llama-3.2-1B shape (B=4,
+T=2048), the worker engine compiled in bf16 as benchmarks/step.py's engine rows run them, measured over
+timed steps; beside each, the planner's predicted step on this machine's probed map (its measured
+figures), and the step predicted by a calibration fitted on the *other* models' rows (`archipelago
+calibrate`'s leave-one-out). The acceptance: within 5 % after calibration.
+CPU row: the probe's fp32 product rate per core (measured as the probe measures it, every core at
+work), beside the examples/cpu-tiny.toml model's training step on one core (the worker engine,
+micro-batch 16, one thread): the share of the product rate the step reaches beyond the compute
+model's fixed overhead, which is what planning/compute.py's CPU_UTILISATION_OF_MEASURED
+holds. Rounds alternate between the two and the median of the rounds' shares is reported. Run it on
+an idle machine: other work slows a product far more than it slows a small model's step (on this
+project's 2-core machine, under two other test suites, the share read 0.47 to 1.14 against 0.28-0.35
+from idle demo runs).
+Needs no Ray (the GPU machines have none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+
+from core.config import JobConfig  # noqa: E402
+from orchestrator.accounting import calibrate  # noqa: E402
+from planning import make_plan  # noqa: E402
+from planning.compute import CPU_UTILISATION_OF_MEASURED, ComputeModel  # noqa: E402
+from planning.model_size import model_facts  # noqa: E402
+from planning.resolve import uniform_spec  # noqa: E402
+from topology import ClusterTopology  # noqa: E402
+from topology.device_bench import gpus_to_measure, measure_cpu, measure_gpu  # noqa: E402
+from topology.device_figures import DeviceBench  # noqa: E402
+from topology.probe import probe_local_node  # noqa: E402
+from workers.engine import Engine  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TOLERANCE = 0.10
+"""The probe's figures are held to within this share of the benchmarks'."""
+PLAN_TOLERANCE = 0.05
+"""A calibrated prediction is held to within this share of the measured step."""
+PLAN_MODELS = {  # name: (model section, micro-batch): benchmarks/step.py's rows and DESIGN.md's anchors
+    "gpt2-124m": ({"n_layer": 12, "n_head": 12, "n_embd": 768, "seq_len": 1024, "vocab_size": 50304}, 32),
+    "gpt-1.3b": ({"n_layer": 24, "n_head": 16, "n_embd": 2048, "seq_len": 2048, "vocab_size": 50304}, 8),
+    "llama3-1b": ({"preset": "llama3-1b", "seq_len": 2048}, 4),
+}
+
+
+def cpu_row(rounds: int, steps: int, seconds: float) -> dict:
+    """One core: the probe's fp32 product rate and the demo model's step, alternating."""
+    torch.set_num_threads(1)
+    config = JobConfig.from_toml(ROOT / "examples/cpu-tiny.toml")
+    micro = config.train.micro_batch_size
+    spec = uniform_spec(config, world_size=1, micro_batch_size=micro, grad_accum_steps=1)
+    engine = Engine(spec, 0, torch.device("cpu"))
+    batch = torch.randint(0, config.model.vocab_size, (micro, config.model.seq_len + 1),
+                          generator=torch.Generator().manual_seed(0))
+    flops = spec.flops_per_token * micro * config.model.seq_len
+    # The planner's per-block overhead, over the blocks it counts (planning/costing.py's n_layer).
+    overhead = ComputeModel().overhead_s(model_facts(spec.workload, config.model.seq_len).blocks, cpu=True)
+    engine([batch], 1e-3)  # warm-up: allocator, first kernels
+    shares, rates, step_times = [], [], []
+    for _ in range(rounds):
+        rate = measure_cpu(seconds).fp32_tflops  # the probe's own figure: every core at work, per core
+        torch.set_num_threads(1)
+        begin = time.perf_counter()
+        for _ in range(steps):
+            engine([batch], 1e-3)
+        step_s = (time.perf_counter() - begin) / steps
+        rates.append(rate)
+        step_times.append(step_s)
+        shares.append(flops / (step_s - overhead) / (rate * 1e12))
+    return {"device": "cpu (one core)", "probe_fp32_tflops": round(statistics.median(rates), 5),
+            "step_ms": round(statistics.median(step_times) * 1e3, 2), "flops_per_step": flops,
+            "share_of_product_rate": round(statistics.median(shares), 4),
+            "share_range": [round(min(shares), 4), round(max(shares), 4)],
+            "compute_model_share": CPU_UTILISATION_OF_MEASURED}
+
+
+def step_matmul_tflops() -> float | None:
+    """benchmarks/step.py's profiled matmul rate of a GPT-2 124M step (plain torch.compile row)."""
+    with tempfile.TemporaryDirectory() as out:
+        rows_path = Path(out) / "step.json"
+        command = [sys.executable, str(ROOT / "benchmarks/step.py"), "--models", "gpt2-124m", "--skip-eager",
+                   "--skip-engine", "--steps", "10", "--profile", "--json", str(rows_path)]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode != 0 or not rows_path.is_file():
+            print(f"benchmarks/step.py failed: {done.stderr.strip().splitlines()[-1:]}", flush=True)
+            return None
+        rows = json.loads(rows_path.read_text())
+    return next((row["profile"]["matmul_TFLOPs"] for row in rows
+                 if isinstance(row.get("profile"), dict) and "matmul_TFLOPs" in row["profile"]), None)
+
+
+def kernels_copy_gb_per_s() -> float:
+    """benchmarks/kernels.py's copy baseline at 1,000 MB buckets (the script is loaded from its file:
+    benchmarks/ is not a package, and it needs triton, which only GPU machines have)."""
+    spec = importlib.util.spec_from_file_location("kernels_benchmark", ROOT / "benchmarks/kernels.py")
+    kernels = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kernels)
+    return kernels.copy_gbs(kernels.Buffers.make(1000.0))
+
+
+def gpu_rows(seconds: float) -> list[dict]:
+    notes: list[str] = []
+    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    matmul, copy = step_matmul_tflops(), kernels_copy_gb_per_s()  # the benchmarks run on GPU 0
+    rows = []
+    for index, peer in gpus_to_measure(names):
+        probe = measure_gpu(index, peer, seconds, notes)
+        row = {"device": probe.name, "probe_bf16_tflops": probe.bf16_tflops, "probe_fp8_tflops": probe.fp8_tflops,
+               "probe_memory_gb_per_s": probe.memory_gb_per_s, "probe_host_to_device_gb_per_s":
+               probe.host_to_device_gb_per_s, "probe_peer_gb_per_s": probe.peer_gb_per_s}
+        if index == 0:
+            row["step_py_matmul_tflops"] = matmul
+            row["kernels_py_copy_gb_per_s"] = round(copy, 1)
+            row["bf16_within_10_percent"] = matmul is not None and abs(probe.bf16_tflops / matmul - 1) <= TOLERANCE
+            row["copy_within_10_percent"] = abs(probe.memory_gb_per_s / copy - 1) <= TOLERANCE
+        rows.append(row)
+    return rows + [{"note": note} for note in notes]
+
+
+def engine_step_seconds(config: JobConfig, micro: int, warmup: int, steps: int) -> float:
+    """The compiled engine's median step on GPU 0, each step's start marked by a CUDA event."""
+    engine = Engine(uniform_spec(config, world_size=1, micro_batch_size=micro, grad_accum_steps=1), 0,
+                    torch.device("cuda", 0))
+    generator = torch.Generator().manual_seed(0)
+    batch = torch.randint(0, config.model.vocab_size, (micro, config.model.seq_len + 1), generator=generator).cuda()
+    marks = []
+    for step in range(warmup + steps + 1):
+        if step >= warmup:
+            marks.append(torch.cuda.Event(enable_timing=True))
+            marks[-1].record()
+        if step < warmup + steps:
+            engine([batch], 3e-4)
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:]))
+
+
+def plan_check(warmup: int, steps: int) -> list[dict]:
+    """Each model's measured step beside its plan's prediction and a calibration fitted on the others."""
+    with tempfile.TemporaryDirectory() as cache:
+        topology = ClusterTopology(nodes=[probe_local_node(bench=DeviceBench(cache_dir=Path(cache)))])
+    runs = []
+    for name, (model, micro) in PLAN_MODELS.items():
+        config = JobConfig.from_dict({"name": name, "model": model, "cluster": {"use_gpu": True},
+                                      "compile": {"enable": True}, "placement": {"min_gpus": 1, "max_gpus": 1},
+                                      "train": {"global_batch_size": micro, "micro_batch_size": micro,
+                                                "precision": "bf16", "warmup_steps": 0}})
+        plan = make_plan(topology, config)
+        runs.append(calibrate.FinishedRun(name=name, plan=plan, step_seconds=engine_step_seconds(
+            config, micro, warmup, steps), exposed_seconds=0.0))
+        torch.cuda.empty_cache()
+    rows = []
+    for run, check in zip(runs, calibrate.leave_one_out(runs, {})):
+        rows.append({"plan_check": run.name, "device": run.plan.workers[0].device_model,
+                     "figures": run.plan.device_bases[0].source, "measured_ms": round(check.measured_s * 1e3, 2),
+                     "planned_ms": round(check.before_s * 1e3, 2), "error_planned": round(check.error_before, 4),
+                     "calibrated_on_the_other_ms": round(check.after_s * 1e3, 2),
+                     "error_calibrated": round(check.error_after, 4),
+                     "within_5_percent": abs(check.error_after) <= PLAN_TOLERANCE})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the rows here too")
+    parser.add_argument("--cpu-only", action="store_true", help="only the CPU row")
+    parser.add_argument("--rounds", type=int, default=7, help="CPU: alternating rounds of product rate and steps")
+    parser.add_argument("--steps", type=int, default=10, help="CPU: training steps per round")
+    parser.add_argument("--seconds", type=float, default=0.3, help="time per probe figure (the probe's default)")
+    parser.add_argument("--skip-plan-check", action="store_true", help="GPU: no planned-against-measured steps")
+    parser.add_argument("--plan-steps", type=int, default=20, help="GPU: timed engine steps per model (after 5)")
+    args = parser.parse_args()
+    gpu = torch.cuda.is_available() and not args.cpu_only
+    rows = gpu_rows(args.seconds) if gpu else []
+    if gpu and not args.skip_plan_check:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        rows += plan_check(warmup=5, steps=args.plan_steps)
+    rows.append(cpu_row(args.rounds, args.steps, args.seconds))
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"torch": torch.__version__, "date": time.strftime(
+            "%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""`archipelago export RUN --hf OUT`: a run's newest committed weights as a model transformers loads.
+
+    archipelago export runs/sft --hf exported/sft
+    model = AutoModelForCausalLM.from_pretrained("exported/sft")      # the trained model, its logits
+    archipelago export runs/qat --hf exported/qat --quantized         # a [train] qat run, really quantized
+
+Writes config.json and model.safetensors (transformers' own save_pretrained), and the tokenizer files
+the run had: those beside [model] hf_dir (tokenizer.json, tokenizer_config.json,
+special_tokens_map.json) or the dataset's "hf:PATH" tokenizers file. kind = "hf" saves the trained
+transformers model itself; kind = "llama" (built-in) is cut back into a LlamaForCausalLM (or the
+MistralForCausalLM of its hf_dir): q/k rows turned back from interleaved pairs to halves
+(workers/models/hf_weights.py). The model is rebuilt from the config in the run's report.json and
+loaded from the newest intact checkpoint on this machine's CPU; OUT is written beside itself and
+renamed into place, so an interrupted export leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+from core.config import JobConfig, ModelConfig
+from core.errors import CheckpointError, ConfigError
+from core.hf_config import read_hf_config
+from orchestrator.accounting.report import RunReport
+from orchestrator.run_dir import RunDirectory
+from storage.checkpoint_io import load_checkpoint, step_damage
+from storage.fs import Location
+from workers.models import make_workload
+from workers.models.hf_weights import llama_layout, stack_for_export
+from workers.models.layers import repeated_layers
+from workers.qat import base_config, quantize_ptq
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+WHERE = "archipelago export --hf"
+
+
+def export_run(run: str | Path, out: str | Path, *, quantized: bool = False) -> Exported:
+    """Exports the newest intact committed checkpoint of the run directory `run` to `out` (quantized: see
+    write_hf). The run is only read: a damaged newer step is left where it is and named in the result."""
+    config = run_config(run)
+    check_exportable(config, out, quantized=quantized)
+    directory = RunDirectory(Path(run).resolve().parent, Path(run).resolve().name, config.checkpoint.storage)
+    step, latest, skipped = newest_intact(directory)
+    workload = make_workload(config.model)
+    model = workload.build()
+    state = {"model": get_model_state_dict(model)}
+    load_checkpoint(state, latest, reader="posix")
+    set_model_state_dict(model, state["model"])
+    return Exported(write_hf(model, config, out, quantized=quantized), step, skipped)
+
+
+@dataclass(frozen=True, slots=True)
+class Exported:
+    out: Path
+    step: int
+    """The checkpoint's step."""
+    skipped: list[str]
+    """Newer committed steps left out because their files are damaged: what is wrong with each."""
+
+
+def run_config(run: str | Path) -> JobConfig:
+    """The job as fit ran it: the config in the run's report.json (written when the run starts)."""
+    return JobConfig.from_dict(RunReport.load(run).config)
+
+
+def newest_intact(directory: RunDirectory) -> tuple[int, Location, list[str]]:
+    """The newest committed step whose files check out (storage/checkpoint_io.step_damage) and what is wrong with
+    the newer ones; nothing is moved, unlike a resume."""
+    skipped = []
+    for step, where in reversed(directory.checkpoints.committed()):
+        problem = step_damage(where)
+        if problem is None:
+            return step, where, skipped
+        skipped.append(f"step {step}: {problem}")
+    raise CheckpointError("no intact committed checkpoint to export" + (f" ({'; '.join(skipped)})" if skipped else ""),
+                          where=str(directory.checkpoints.root),
+                          fix="export a run that has committed a checkpoint ([checkpoint] every_steps)")
+
+
+def write_hf(model: torch.nn.Module, config: JobConfig, out: str | Path, *, quantized: bool = False) -> Path:
+    """Saves `model` (what config's workload built, trained) as a transformers model directory at `out`.
+
+    quantized: the really quantized model of the run's [train] qat scheme: the layers QAT trained
+    fake-quantized are quantized as its convert step does (torchao's post-training config on the
+    trained weights), config.json names the quantization (transformers' TorchAoConfig) and the weights
+    go to pytorch_model.bin (torchao's tensors do not go into safetensors)."""
+    out = check_exportable(config, out, quantized=quantized)
+    staging = out.with_name(out.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        hf = _hf_model(model, config.model)
+        if quantized:
+            _save_quantized(hf, config, staging)
+        else:
+            hf.save_pretrained(staging)
+        _copy_tokenizer(config, staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if out.exists():
+        out.rmdir()
+    staging.rename(out)
+    return out
+
+
+def check_exportable(config: JobConfig, out: str | Path, *, quantized: bool) -> Path:
+    """Refuses, before any weights are read, an export this run cannot have: a model without a Hugging Face
+    architecture, --quantized of a run without QAT, an OUT that holds files. Returns OUT as a Path."""
+    if config.model.kind not in ("hf", "llama"):
+        raise ConfigError(f'kind = "{config.model.kind}" has no Hugging Face architecture to export to', where=WHERE,
+                          fix='export --hf covers kind = "hf" and kind = "llama"')
+    if quantized and not config.train.qat:
+        raise ConfigError("the run trained without quantization-aware training", where=f"{WHERE} --quantized",
+                          fix='train with [train] qat = "int8-dynamic-act-int4-weight" (or "int8-weight"), '
+                              "or export without --quantized")
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{out} exists and is not an empty directory", where=WHERE,
+                          fix="choose another OUT, or delete it first")
+    return out
+
+
+def _hf_model(model: torch.nn.Module, config: ModelConfig) -> torch.nn.Module:
+    if config.kind == "hf":
+        return model.hf
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.for_model(**(read_hf_config(config.hf_dir) if config.hf_dir else _llama_config(config)))
+    weights = {key: tensor for name, tensor in model.state_dict().items() if name in (layout := llama_layout(config))
+               for key, tensor in stack_for_export(layout[name], tensor.detach()).items()}
+    hf = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    hf.load_state_dict(weights, strict=not config.tie_embeddings)
+    if config.tie_embeddings:
+        hf.tie_weights()
+    return hf
+
+
+def _save_quantized(hf: torch.nn.Module, config: JobConfig, out: Path) -> None:
+    from transformers import TorchAoConfig
+
+    train = config.train
+    quantize_ptq(hf, repeated_layers(hf), train.qat, train.qat_group_size)
+    hf.config.quantization_config = TorchAoConfig(quant_type=base_config(train.qat, train.qat_group_size))
+    hf.config.save_pretrained(out)
+    torch.save(hf.state_dict(), out / "pytorch_model.bin")
+
+
+def _llama_config(config: ModelConfig) -> dict:
+    """The LlamaConfig of a built-in Llama trained from scratch."""
+    rope = ({"rope_type": "llama3", "factor": config.rope_scaling, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+             "original_max_position_embeddings": 8192, "rope_theta": config.rope_theta} if config.rope_scaling
+            else {"rope_type": "default", "rope_theta": config.rope_theta})
+    return {"model_type": "llama", "vocab_size": config.vocab_size, "hidden_size": config.n_embd,
+            "intermediate_size": config.hidden_dim, "num_hidden_layers": config.n_layer,
+            "num_attention_heads": config.n_head, "num_key_value_heads": config.kv_heads,
+            "head_dim": config.n_embd // config.n_head, "rms_norm_eps": config.norm_eps,
+            "max_position_embeddings": config.seq_len, "tie_word_embeddings": config.tie_embeddings,
+            "rope_parameters": rope, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
+
+
+def _copy_tokenizer(config: JobConfig, out: Path) -> None:
+    """The run's tokenizer files: those beside hf_dir's config.json, else the dataset's tokenizers file."""
+    sources = [Path(config.model.hf_dir) / name for name in TOKENIZER_FILES] if config.model.hf_dir else []
+    copied = [shutil.copy(source, out / source.name) for source in sources if source.is_file()]
+    if not copied and config.data.tokenizer.startswith("hf:"):
+        shutil.copy(config.data.tokenizer.removeprefix("hf:"), out / "tokenizer.json")

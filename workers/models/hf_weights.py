@@ -1,0 +1,159 @@
+"""Hugging Face safetensors weights: what a directory holds, checked against a model, and the built-in
+Llama's layout of a Hugging Face Llama's tensors.
+
+    shapes = stored_shapes("models/llama")                  # {tensor name: (shape, file)}, headers only
+    check_shapes(expected, "models/llama")                  # ConfigError naming the file, tensor and fix
+    layout = llama_layout(config)                            # our parameter -> the HF tensors it stacks
+    read_rows(layout["layers.0.attention.wqkv.weight"], 0, 96, files)   # our rows [0, 96) from the files
+
+A directory holds `model.safetensors`, or shards `model-0000k-of-0000n.safetensors` with
+`model.safetensors.index.json`; every *.safetensors file is read (as torch.distributed.checkpoint's
+HuggingFaceStorageReader does), so the index is not needed to find a tensor.
+
+The built-in Llama stacks q, k, v into one matrix (wqkv) and SwiGLU's gate and up into another
+(w13), and rotates interleaved pairs (x0, x1), (x2, x3), … as Meta's reference does, where Hugging
+Face's LlamaForCausalLM rotates the two halves of each head (rotate_half). A HF q or k projection's
+row h·d + c·d/2 + i (head h of size d, half c, index i) is therefore the built-in's row h·d + 2i + c:
+`Piece.heads` marks the pieces so turned. Reading by rows lets a rank read only the rows of its FSDP2
+shard (dim 0) from each file, never the whole tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from core.config import ModelConfig
+from core.errors import ConfigError
+
+INDEX_FILE = "model.safetensors.index.json"
+WHERE = "[model] hf_dir"
+
+
+def safetensors_files(hf_dir: str | Path) -> list[Path]:
+    return sorted(Path(hf_dir).glob("*.safetensors"))
+
+
+def stored_shapes(hf_dir: str | Path) -> dict[str, tuple[tuple[int, ...], Path]]:
+    """Every tensor the directory's safetensors files hold: its shape and file (headers only)."""
+    from safetensors import safe_open
+
+    found: dict[str, tuple[tuple[int, ...], Path]] = {}
+    for file in safetensors_files(hf_dir):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    found[key] = (tuple(f.get_slice(key).get_shape()), file)
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a bad header
+            raise ConfigError(f"{file} is not a readable safetensors file ({e})", where=WHERE,
+                              fix="download the file again, or remove it to start from initialised weights") from None
+    return found
+
+
+def check_shapes(expected: dict[str, tuple[int, ...]], hf_dir: str | Path) -> None:
+    """Every expected tensor is stored with its shape; ConfigError naming the file, the tensor and the fix."""
+    stored = stored_shapes(hf_dir)
+    config = Path(hf_dir) / "config.json"
+    for key, shape in expected.items():
+        if key not in stored:
+            raise ConfigError(f"no tensor {key!r} in {hf_dir}'s safetensors files (a model of {config} has one)",
+                              where=WHERE, fix="use the weights saved with this config.json, or remove the "
+                                               "*.safetensors files to start from initialised weights")
+        found, file = stored[key]
+        if found != tuple(shape):
+            raise ConfigError(f"{file}: tensor {key!r} is {list(found)}, the model {config} describes needs "
+                              f"{list(shape)}", where=WHERE,
+                              fix="the weights belong to another config: put their own config.json beside them")
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """A HF tensor stacked, by rows, into one of our parameters."""
+
+    key: str
+    rows: int
+    heads: int = 0
+    """Rotary heads to turn from HF's halves into interleaved pairs (q and k projections); 0 = as stored."""
+
+    def source_rows(self) -> np.ndarray:
+        """For each of this piece's rows in our parameter, the HF tensor's row it comes from."""
+        ours = np.arange(self.rows)
+        if not self.heads:
+            return ours
+        head_dim = self.rows // self.heads
+        within = ours % head_dim
+        return ours - within + (within % 2) * (head_dim // 2) + within // 2
+
+
+def llama_layout(config: ModelConfig) -> dict[str, list[Piece]]:
+    """Our built-in Llama's parameters (deduplicated names: a tied head is the embedding) and the HF
+    LlamaForCausalLM / MistralForCausalLM tensors each stacks."""
+    head_dim = config.n_embd // config.n_head
+    q_rows, kv_rows = config.n_head * head_dim, config.kv_heads * head_dim
+    layout = {"tok_embeddings.weight": [Piece("model.embed_tokens.weight", config.vocab_size)],
+              "norm.weight": [Piece("model.norm.weight", config.n_embd)]}
+    if not config.tie_embeddings:
+        layout["output.weight"] = [Piece("lm_head.weight", config.vocab_size)]
+    for i in range(config.n_layer):
+        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+        layout |= {
+            ours + "attention.wqkv.weight": [Piece(theirs + "self_attn.q_proj.weight", q_rows, config.n_head),
+                                             Piece(theirs + "self_attn.k_proj.weight", kv_rows, config.kv_heads),
+                                             Piece(theirs + "self_attn.v_proj.weight", kv_rows)],
+            ours + "attention.wo.weight": [Piece(theirs + "self_attn.o_proj.weight", config.n_embd)],
+            ours + "attention_norm.weight": [Piece(theirs + "input_layernorm.weight", config.n_embd)],
+            ours + "ffn_norm.weight": [Piece(theirs + "post_attention_layernorm.weight", config.n_embd)],
+            ours + "feed_forward.w13.weight": [Piece(theirs + "mlp.gate_proj.weight", config.hidden_dim),
+                                               Piece(theirs + "mlp.up_proj.weight", config.hidden_dim)],
+            ours + "feed_forward.w2.weight": [Piece(theirs + "mlp.down_proj.weight", config.n_embd)],
+        }
+    return layout
+
+
+def expected_shapes(layout: dict[str, list[Piece]], ours: dict[str, torch.Size]) -> dict[str, tuple[int, ...]]:
+    """The HF tensors' shapes a layout needs, given our parameters' shapes."""
+    return {piece.key: (piece.rows, *ours[name][1:]) for name, pieces in layout.items() for piece in pieces}
+
+
+def read_rows(pieces: list[Piece], start: int, stop: int, files: dict[str, Path]) -> torch.Tensor:
+    """Rows [start, stop) of our parameter stacked from `pieces`, read from the safetensors `files`
+    (tensor name -> file): each piece's rows in one slice read of the span they come from."""
+    from safetensors import safe_open
+
+    parts, offset = [], 0
+    for piece in pieces:
+        lo, hi = max(start, offset) - offset, min(stop, offset + piece.rows) - offset
+        offset += piece.rows
+        if lo >= hi:
+            continue
+        source = piece.source_rows()[lo:hi]
+        first, last = int(source.min()), int(source.max()) + 1
+        with safe_open(str(files[piece.key]), framework="pt") as f:
+            span = f.get_slice(piece.key)[first:last]
+        parts.append(span[torch.from_numpy(source - first)])
+    return torch.cat(parts)
+
+
+def stack_for_export(pieces: list[Piece], tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Our whole parameter `tensor` cut back into the HF tensors of `pieces` (read_rows turned around)."""
+    out, offset = {}, 0
+    for piece in pieces:
+        rows = tensor[offset:offset + piece.rows]
+        offset += piece.rows
+        hf = torch.empty_like(rows)
+        hf[torch.from_numpy(piece.source_rows())] = rows
+        out[piece.key] = hf
+    return out
+
+
+def tensor_files(hf_dir: str | Path) -> dict[str, Path]:
+    """Tensor name -> the file holding it: from the index when there is one, else every file's header."""
+    index = Path(hf_dir) / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {key: Path(hf_dir) / name for key, name in weight_map.items()}
+    return {key: file for key, (_, file) in stored_shapes(hf_dir).items()}

@@ -1,0 +1,13 @@
+"""The repeated layers of a model archipelago did not write: what FSDP2 shards and compiles one by one."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+
+def repeated_layers(model: nn.Module) -> list[nn.Module]:
+    """The largest (by parameters) nn.ModuleList whose layers are all of one type: a transformer's
+    decoder layers; none for a model without such a list (FSDP2 then shards it whole)."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)
+             and len({type(layer) for layer in m}) == 1]
+    return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=[]))

@@ -1,0 +1,66 @@
+"""Pretrained weights into the model a worker trains, after wrapping: each rank reads only its shard.
+
+    load_pretrained(engine.model, spec.model, process_group=group)    # on a fresh start, every rank
+
+[model] hf_dir's safetensors are read straight into the (FSDP2-sharded, or replicated) parameters,
+file by file, tensor slice by tensor slice: no rank ever holds the whole state dict.
+- kind = "hf": torch.distributed.checkpoint's HuggingFaceStorageReader loads the tensors by their own
+  names (DCP plans which slice of which file each rank's shards need, and reads only those).
+- kind = "llama": the built-in stacks and permutes HF tensors (workers/models/hf_weights.py), which
+  DCP's reader cannot do; each rank reads the rows of its dim-0 shard of each parameter with
+  safetensors' slice reads instead.
+A resumed or restarted run loads its checkpoint instead (workers/loop.py); these weights are its step 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from core.config import ModelConfig
+from workers.models.hf import PREFIX, expected_weights
+from workers.models.hf_weights import llama_layout, read_rows, safetensors_files, tensor_files
+
+
+def load_pretrained(model: torch.nn.Module, config: ModelConfig, *, process_group: Any = None) -> bool:
+    """Loads hf_dir's weights into `model` in place (collective under torch.distributed: every rank
+    calls it); False when there are none to load (no hf_dir, or no safetensors in it)."""
+    if not config.hf_dir or not safetensors_files(config.hf_dir):
+        return False
+    if config.kind == "hf":
+        _load_by_name(model, config.hf_dir, process_group)
+    else:
+        _load_llama_rows(model, config)
+    return True
+
+
+def _load_by_name(model: torch.nn.Module, hf_dir: str, process_group: Any) -> None:
+    wanted = expected_weights(model)
+    state = {name.removeprefix(PREFIX): value for name, value in get_model_state_dict(model).items()
+             if name.removeprefix(PREFIX) in wanted}
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(hf_dir), process_group=process_group)
+    set_model_state_dict(model, {PREFIX + name: value for name, value in state.items()},
+                         options=StateDictOptions(strict=False))
+
+
+@torch.no_grad()
+def _load_llama_rows(model: torch.nn.Module, config: ModelConfig) -> None:
+    layout, files = llama_layout(config), tensor_files(config.hf_dir)
+    for name, param in model.named_parameters():
+        local, first_row = _local_rows(param)
+        if local.numel():
+            local.copy_(read_rows(layout[name], first_row, first_row + local.shape[0], files))
+
+
+def _local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """This rank's part of a parameter and the global row it starts at (FSDP2 shards along dim 0)."""
+    if not isinstance(param, DTensor):
+        return param.data, 0
+    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return param.to_local(), offset[0]
