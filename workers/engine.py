@@ -143,6 +143,8 @@ class Engine:
         total = torch.stack(counts).sum().float()
         if dist.is_initialized():
             dist.all_reduce(total)
+            # The ranks of a tensor-parallel group read one micro-batch: each replica's count came tp times.
+            total /= self.spec.plan.tensor_parallel_size
         replicas = len(self.spec.plan.replica_micro_batch_sizes())
         return [replicas * count / total.clamp_min(1) for count in counts]
 

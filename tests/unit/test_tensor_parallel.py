@@ -5,16 +5,21 @@ next loss. Two launches (2 and 4 ranks) run every case, since starting processes
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from core.config import JobConfig
 from planning.resolve import uniform_spec
+from storage.flags import TARGET_BIT, unpack
 from tests.engine_support import run_ranks
 from tests.unit.test_engine import MICRO, STEPS, batches_for, train
+from tests.unit.test_fine_tuning import SEQ, packed_sample
 from workers import checkpoint
 from workers.checkpoint import CheckpointInfo
 from workers.engine import Engine
+from workers.models import make_workload
 
 LOSS_TOLERANCE = 1e-4
 """Relative: fp32 sums in another order (sharded matmuls, reduce-scatters) drift by ~1e-6 a step."""
@@ -60,9 +65,33 @@ def step_loss(trained: Engine, replica: int, replicas: int, step: int, world: in
     return float(total) / replicas / tp
 
 
+def fine_tuning_batches(kind: str) -> tuple[JobConfig, list[torch.Tensor]]:
+    """A model and two packed chat micro-batches (loss mask, documents) that count different targets."""
+    model = {"kind": kind, "n_layer": 1, "n_head": 4, "n_embd": 32, "seq_len": SEQ}
+    config = JobConfig.from_dict({
+        "model": model | ({"n_kv_head": 2} if kind == "llama" else {}),
+        "train": {"global_batch_size": 2, "micro_batch_size": 1, "loss_kernel": "plain"}})
+    first = packed_sample()
+    second = first.clone()
+    second[:, 1:SEQ // 2] &= ~TARGET_BIT
+    return config, [first, second]
+
+
+def masked_step_loss(kind: str, rank: int, world: int) -> float:
+    """One step of fine-tuning batches under TP=2: the micro-batches weigh by their counted targets,
+    which both ranks of the group read (and count) alike; positions restart at each document."""
+    config, micro_batches = fine_tuning_batches(kind)
+    spec = uniform_spec(config, world_size=world, micro_batch_size=1, grad_accum_steps=2, tensor_parallel_size=2)
+    spec = dataclasses.replace(spec, data=dataclasses.replace(spec.data, token_flags=True))
+    loss, _ = Engine(spec, rank, torch.device("cpu"))(micro_batches, lr=3e-3)
+    return float(loss)
+
+
 def two_ranks(rank: int, world: int, directory: str) -> dict:
-    """TP=2 alone for GPT and Llama; and a GPT checkpoint carried TP=2 → FSDP2 on 2 → TP=2."""
-    results = {"llama tp2": losses("llama", world, rank, tp=2)}
+    """TP=2 alone for GPT and Llama, and on fine-tuning batches; and a GPT checkpoint carried TP=2 →
+    FSDP2 on 2 → TP=2."""
+    results = {"llama tp2": losses("llama", world, rank, tp=2),
+               **{f"{kind} masked tp2": masked_step_loss(kind, rank, world) for kind in ("gpt", "llama")}}
     tp_engine, _ = engine("gpt", world, rank, tp=2)
     tp_losses = []
     for step in range(STEPS):
@@ -113,6 +142,18 @@ def close(ours: list[float], theirs: list[float]) -> bool:
 def test_tensor_parallel_on_two_ranks_gives_the_one_process_losses(on_two, reference, kind):
     assert close(on_two[f"{kind} tp2"], reference[kind])
     assert reference[kind][-1] < reference[kind][0] * 0.9  # it learns, so the match is not of flat lines
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_tensor_parallel_fine_tuning_loss_is_the_mean_over_every_counted_target(on_two, kind):
+    config, micro_batches = fine_tuning_batches(kind)
+    workload = make_workload(config.model)
+    torch.manual_seed(config.train.seed)  # the weights every engine builds
+    whole = unpack(torch.cat(micro_batches))
+    with torch.no_grad():
+        expected = workload.loss(workload.build(), whole.inputs, whole.targets, loss_mask=whole.loss_mask,
+                                 positions=whole.positions)
+    assert on_two[f"{kind} masked tp2"] == pytest.approx(float(expected), rel=LOSS_TOLERANCE)
 
 
 @pytest.mark.parametrize("layout", ["gpt tp2 x fsdp2", "llama tp2 x fsdp2", "gpt tp2 x ddp", "gpt hsdp"])

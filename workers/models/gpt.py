@@ -107,7 +107,7 @@ class GPT(BlockStack):
     def tensor_parallel_plan(self) -> dict[str, list[ParallelStyle]]:
         # Positions split by rows too: each rank gets its sequence shard's positions to add.
         plan = {"tok_emb": [embedding_style()],
-                "pos_emb": [RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0))],
+                "pos_emb": [RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-2))],
                 "ln_f": final_norm_styles()}
         for i in range(len(self.blocks)):
             plan.update({f"blocks.{i}.{path}": [style] for path, style in gpt_block_plan().items()})
