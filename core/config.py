@@ -726,9 +726,16 @@ class JobConfig:
             yield rules.overlap_refusal(strategy=parallel.strategy, hook=parallel.comm_hook, grad_clip=train.grad_clip,
                                         precision=train.precision, bf16_weights=train.bf16_weights,
                                         compiled_autograd=compiled_autograd, builtin_model=self.model.kind != "custom")
-        yield rules.tensor_parallel_refusal(self.placement.tensor_parallel_size, builtin_model=self.model.kind != "custom",
-                                            hook=parallel.comm_hook, overlap=parallel.overlap, precision=train.precision,
-                                            bf16_weights=train.bf16_weights, divisible=self.model.tensor_split_sizes())
+        yield self.tensor_parallel_refusal(self.placement.tensor_parallel_size)
+
+    def tensor_parallel_refusal(self, size: int) -> rules.Refusal | None:
+        """Whether this job's layers can be split over `size` GPUs: its own tensor_parallel_size, or each
+        size the planner weighs under tensor_parallel_size = 0."""
+        train, parallel = self.train, self.parallel
+        return rules.tensor_parallel_refusal(size, builtin_model=self.model.kind in ("gpt", "llama"),
+                                             hook=parallel.comm_hook, overlap=parallel.overlap, precision=train.precision,
+                                             bf16_weights=train.bf16_weights, qat=train.qat,
+                                             divisible=self.model.tensor_split_sizes())
 
     def _check_devices(self) -> None:
         """Every [devices."NAME"] table gives every figure, each a finite number ≥ 0 (a figure above 0

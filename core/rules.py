@@ -84,7 +84,7 @@ def overlap_refusal(*, strategy: str, hook: str, precision: str, grad_clip: floa
 
 
 def tensor_parallel_refusal(size: int, *, builtin_model: bool = True, hook: str = "allreduce", overlap: str = "off",
-                            precision: str = "bf16", bf16_weights: bool = False,
+                            precision: str = "bf16", bf16_weights: bool = False, qat: str = "",
                             divisible: dict[str, int] | None = None) -> Refusal | None:
     """Whether layers can be split over `size` GPUs with the rest of the job (1: nothing split; 0: the
     planner picks, and these are asked again for its pick). `divisible`: the model's sizes that each
@@ -94,7 +94,7 @@ def tensor_parallel_refusal(size: int, *, builtin_model: bool = True, hook: str 
     where, fix = "[placement] tensor_parallel_size", "or set tensor_parallel_size = 1"
     if not builtin_model:
         return Refusal(f"tensor_parallel_size = {size} splits layers by a plan only the built-in gpt and llama models have", where,
-                       f'use [model] kind = "gpt" or "llama" (FSDP2 shards a custom model: strategy = "fsdp"), {fix}')
+                       f'use [model] kind = "gpt" or "llama" (FSDP2 shards a custom or hf model: strategy = "fsdp"), {fix}')
     if hook not in ("allreduce", "auto"):
         return Refusal(f"tensor_parallel_size = {size} runs the data-parallel side on FSDP2, which has no DDP comm hook such as {hook!r}",
                        "[parallel] comm_hook", f'set comm_hook = "allreduce", {fix}')
@@ -103,6 +103,9 @@ def tensor_parallel_refusal(size: int, *, builtin_model: bool = True, hook: str 
                        "reorder", "[parallel] overlap", f'set overlap = "off", {fix}')
     if precision == "fp8":
         return Refusal(f"tensor_parallel_size = {size} has no float8 plan for split layers here", "[train] precision", f'use precision = "bf16", {fix}')
+    if qat:
+        return Refusal(f"tensor_parallel_size = {size} has no plan for the fake-quantized layers of qat = {qat!r}",
+                       "[train] qat", f'set qat = "", {fix}')
     if bf16_weights:
         return Refusal(f"tensor_parallel_size = {size} gathers bf16 weights through FSDP2's mixed-precision policy, not a bf16 copy",
                        "[train] bf16_weights", f"set bf16_weights = false, {fix}")

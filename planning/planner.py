@@ -148,8 +148,8 @@ class Planner:
         island that the model's heads, hidden width and sequence split evenly over; the best under the
         objective, with notes saying what each other size was predicted to do or why it could not run."""
         largest = max((d.size for d in self.pool.domains if d.nvlink), default=1)
-        sizes = [t for t in (2 ** k for k in range(8)) if t <= largest and rules.tensor_parallel_refusal(
-            t, divisible=self.config.model.tensor_split_sizes()) is None]
+        sizes = [t for t in (2 ** k for k in range(8))
+                 if t <= largest and self.config.tensor_parallel_refusal(t) is None]
         plans: dict[int, Plan] = {}
         refused: dict[int, PlacementError] = {}
         for t in sizes:

@@ -96,3 +96,11 @@ def test_a_70b_model_fits_only_with_tensor_parallelism_inside_the_island():
     assert all(len({plan.workers[r].island_id for r in group}) == 1 for group in plan.tensor_parallel_groups)
     assert all(w.predicted_peak_memory_bytes <= w.memory_capacity_bytes for w in plan.workers)
     assert "tensor_parallel_size = 0 took 8" in plan.notes[-1] and "1: refused, one sample does not fit" in plan.notes[-1]
+
+
+def test_tensor_parallel_size_0_weighs_only_sizes_the_job_can_run():
+    """With qat (no tensor-parallel plan for its layers) the planner stays at 1 instead of weighing
+    sizes the config would refuse."""
+    config = job(TINY, placement={"tensor_parallel_size": 0}, train={"qat": "int8-weight"})
+    plan = plan_of("8xH100-SXM:1", config, parameters=1e6, activation_gib_per_sample=0.1)
+    assert plan.tensor_parallel_size == 1 and "tensor_parallel_size = 0 took 1" in plan.notes[-1]
