@@ -90,6 +90,15 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=group > 1)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
+    @torch.no_grad()
+    def lay_out_groups(self) -> None:
+        """Reorders rows drawn as [q; k; v] blocks to run key/value group by group: one seed then builds
+        the model it built before the rows were grouped, so what was measured at a seed still holds."""
+        w = self.wqkv.weight
+        kv_rows = self.n_kv_head * self.head_dim
+        blocks = w.split([self.n_head * self.head_dim, kv_rows, kv_rows])
+        w.copy_(torch.cat([block.view(self.n_kv_head, -1, w.shape[1]) for block in blocks], dim=1).reshape(w.shape))
+
 
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(x w1) * x w3), with w1 and w3 interleaved row by row in one matrix (w13)."""
@@ -102,6 +111,12 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(x).unflatten(-1, (-1, 2)).unbind(dim=-1)
         return self.w2(F.silu(gate) * up)
+
+    @torch.no_grad()
+    def lay_out_rows(self) -> None:
+        """Reorders rows drawn as [gate; up] blocks to alternate (as Attention.lay_out_groups, for the seed's sake)."""
+        w = self.w13.weight
+        w.copy_(torch.stack(w.chunk(2), dim=1).reshape(w.shape))
 
 
 class TransformerBlock(nn.Module):
@@ -138,6 +153,8 @@ class Llama(BlockStack):
             nn.init.normal_(layer.feed_forward.w13.weight, std=0.02)
             nn.init.normal_(layer.attention.wo.weight, std=residual_std)
             nn.init.normal_(layer.feed_forward.w2.weight, std=residual_std)
+            layer.attention.lay_out_groups()
+            layer.feed_forward.lay_out_rows()
         if not self.cfg.tie_embeddings:
             nn.init.normal_(self.output.weight, std=self.cfg.n_embd ** -0.5)
 
