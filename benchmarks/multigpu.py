@@ -1,9 +1,11 @@
 """Multi-GPU measurements on every GPU of one machine: the engine under DDP and FSDP2 against plain
-PyTorch DDP + torch.compile, an all-reduce sweep that recalibrates the cost model, the planner's
+PyTorch DDP + torch.compile, the device-mesh layouts (tensor parallel, FSDP2, HSDP, DDP) against
+plain FSDP2 + torch.compile, an all-reduce sweep that recalibrates the cost model, the planner's
 prediction against the measured step, and the DDP comm hooks against plain all-reduce.
 
     python3 benchmarks/multigpu.py --out $OUT            # all sections on every visible GPU
     python3 benchmarks/multigpu.py --out $OUT --only hooks --world 1   # hook compute cost on one GPU
+    torchrun --nproc-per-node 8 benchmarks/multigpu.py --out $OUT --only mesh   # the layouts, under torchrun
     python3 benchmarks/multigpu.py --cpu --world 2 --out /tmp/mg       # gloo, tiny model: checks the script
 
 Sections (--only picks some):
@@ -16,6 +18,10 @@ Sections (--only picks some):
           one GPU; tokens/s per GPU, MFU, scaling efficiency, exposed communication and overlap
   plan    the planner's plan for the same job on this machine's probed topology: predicted step time
           against the measured engine DDP step (topology.json is the probe's map)
+  mesh    per model (Llama-3.2 1B and 3B shapes, GPT 1.3B): TP=2 × FSDP2, FSDP2, HSDP (two halves of
+          the machine as islands) and DDP on all ranks against plain FSDP2 + compile, and the engine on
+          one GPU: tokens/s per GPU, scaling efficiency, peak memory, and the planner's predicted step
+          for each layout against the measured one (a layout the ranks cannot form is skipped, saying why)
   hooks   GPT-2 124M (or the first of --models) on real text (the standard library's .py bytes) for
           --hook-steps steps per hook:
           step time, final loss and bytes per step; the hook's own compute cost from a one-rank run
@@ -67,6 +73,17 @@ GPU_MODELS = {
     "gpt-1.3b": ({"n_layer": 24, "n_head": 16, "n_embd": 2048, "seq_len": 2048, "vocab_size": 50304}, 8),
 }
 CPU_MODELS = {"tiny": ({"n_layer": 2, "n_head": 4, "n_embd": 128, "seq_len": 64, "vocab_size": 257}, 4)}
+MESH_MODELS = {
+    "llama-1b": ({"preset": "llama3-1b", "seq_len": 2048}, 4),
+    "llama-3b": ({"preset": "llama3-3b", "seq_len": 2048}, 2),
+    "gpt-1.3b": GPU_MODELS["gpt-1.3b"],
+}
+MESH_LAYOUTS = {  # key: (row label, [parallel] strategy, tensor-parallel size, islands the ranks are cut into)
+    "tp2": ("engine tp2 x fsdp2", "fsdp", 2, 1),
+    "fsdp": ("engine fsdp2", "fsdp", 1, 1),
+    "hsdp": ("engine hsdp, 2 islands", "hsdp", 1, 2),
+    "ddp": ("engine ddp", "ddp", 1, 1),
+}
 HOOKS = ("allreduce", "bf16", "powersgd", "topk")
 # key: (row label, job config sections); DDP's two ways of meeting compile are measured apart
 # (issue: default to the faster).
@@ -295,6 +312,159 @@ def train_section(args, world: int, peak: float | None) -> list[dict]:
     return rows
 
 
+# ---- mesh ---------------------------------------------------------------------------------------
+def mesh_layout_refusal(world: int, tp: int, islands: int) -> str | None:
+    """Why `world` ranks cannot form a layout, or None."""
+    if world % (tp * islands) or world < 2:
+        return f"needs a multiple of {tp * islands} ranks, at least two; this machine has {world}"
+    if islands > 1 and world // islands // tp < 2:
+        return f"hsdp needs two or more ranks per island: {world} ranks in {islands} islands"
+    return None
+
+
+def mesh_run(rank: int, world: int, cpu: bool, model: dict, micro: int, layout: str, warmup: int, steps: int,
+             out_path: str) -> None:
+    """The engine on `world` ranks in one layout; every GPU trains on `micro` samples' worth a step (a
+    tensor-parallel group shares one replica's micro × tp samples)."""
+    _, strategy, tp, islands = MESH_LAYOUTS[layout] if world > 1 else ("", "ddp", 1, 1)
+    config = _job(model, micro, world, cpu, parallel={"strategy": strategy}, train={"loss_kernel": "plain"})
+    size = world // islands
+    spec = uniform_spec(config, world_size=world, micro_batch_size=micro * tp, grad_accum_steps=1,
+                        tensor_parallel_size=tp, intra_island_groups=[list(range(k, k + size))
+                                                                       for k in range(0, world, size)])
+    engine = Engine(spec, rank, _device(rank, cpu))
+    replica = spec.plan.worker(rank).data_parallel_rank
+    g = torch.Generator().manual_seed(1000 + replica)  # a tensor-parallel group reads one batch
+    batch = [torch.randint(0, config.model.vocab_size, (micro * tp, config.model.seq_len + 1),
+                           generator=g).to(_device(rank, cpu))]
+    if not cpu:
+        torch.cuda.reset_peak_memory_stats()
+    seconds, warm = _median_step(lambda: engine(batch, 3e-4), warmup, steps, cpu)
+    if rank == 0:
+        Path(out_path).write_text(json.dumps({
+            "step_s": seconds, "warmup_s": warm, "flops_per_token": spec.flops_per_token,
+            "peak_mem_GiB": None if cpu else torch.cuda.max_memory_allocated() / 2**30}))
+
+
+def plain_fsdp_run(rank: int, world: int, cpu: bool, model: dict, micro: int, warmup: int, steps: int,
+                   out_path: str) -> None:
+    """The baseline a user writes from the torchtitan recipe: each block compiled then fully_shard-ed,
+    bf16 parameters with fp32 reductions, fused AdamW, full-logits loss."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    config = _job(model, micro, world, cpu)
+    device = _device(rank, cpu)
+    torch.manual_seed(0)
+    workload = make_workload(config.model)
+    net = workload.build().to(device)
+    policy = MixedPrecisionPolicy(param_dtype=torch.float32 if cpu else torch.bfloat16, reduce_dtype=torch.float32)
+    for block in workload.blocks(net):
+        if not cpu:
+            block.compile()
+        fully_shard(block, mp_policy=policy)
+    fully_shard(net, mp_policy=policy)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=3e-4, fused=not cpu)
+    (batch,) = _batches(config, rank, cpu, 1)
+
+    def step() -> None:
+        net(batch[:, :-1], batch[:, 1:], loss_kernel="plain").backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    if not cpu:
+        torch.cuda.reset_peak_memory_stats()
+    seconds, warm = _median_step(step, warmup, steps, cpu)
+    if rank == 0:
+        Path(out_path).write_text(json.dumps({
+            "step_s": seconds, "warmup_s": warm, "peak_mem_GiB": None if cpu else torch.cuda.max_memory_allocated() / 2**30,
+            "flops_per_token": model_facts(workload, config.model.seq_len).flops_per_token}))
+
+
+def _predicted_ms(topology: ClusterTopology, model: dict, micro: int, world: int, cpu: bool, layout: str) -> dict:
+    """The planner's step for the layout on this machine's probed map, or why it refuses it."""
+    _, strategy, tp, _ = MESH_LAYOUTS[layout]
+    config = _job(model, micro, world, cpu, parallel={"strategy": strategy}, train={"loss_kernel": "plain"},
+                  placement={"min_gpus": world, "max_gpus": world, "tensor_parallel_size": tp})
+    try:
+        return {"predicted_step_ms": round(planning.make_plan(topology, config).predicted.step_seconds * 1e3, 2)}
+    except Exception as e:  # the measurement stands where the planner refuses (one island: no hsdp)
+        return {"predicted": f"refused: {type(e).__name__}: {e}"[:200]}
+
+
+def mesh_section(args, world: int, peak: float | None, topology: ClusterTopology, launch) -> list[dict]:
+    """`launch(world, fn, *args)` runs fn on `world` ranks and returns rank 0's result (spawned
+    processes, or the torchrun ranks themselves)."""
+    rows = []
+    models = CPU_MODELS if args.cpu else MESH_MODELS
+    for name, (model, micro) in models.items():
+        if args.models and name not in args.models:
+            continue
+        tokens = micro * JobConfig.from_dict({"model": model}).model.seq_len
+        group = {"single": _row("engine, 1 GPU", name, launch(1, mesh_run, model, micro, "ddp", args.warmup, args.steps),
+                                1, tokens, peak)}
+        for layout, (label, _, tp, islands) in MESH_LAYOUTS.items():
+            why = mesh_layout_refusal(world, tp, islands)
+            if why:
+                group[layout] = {"model": name, "config": label, "world": world, "not run": why}
+                continue
+            result = launch(world, mesh_run, model, micro, layout, args.warmup, args.steps)
+            group[layout] = {**_row(label, name, result, world, tokens, peak),
+                             **_predicted_ms(topology, model, micro, world, args.cpu, layout)}
+        if world > 1:
+            plain = launch(world, plain_fsdp_run, model, micro, args.warmup, args.steps)
+            group["plain"] = _row("plain FSDP2 + compile", name, plain, world, tokens, peak)
+        single = group["single"]
+        for key, row in group.items():
+            if key == "single" or "step_ms" not in row or "step_ms" not in single:
+                continue
+            row["scaling_efficiency"] = round(row["tokens_per_s_per_gpu"] / single["tokens_per_s_per_gpu"], 3)
+            if "predicted_step_ms" in row:
+                row["prediction_error"] = round(row["predicted_step_ms"] / row["step_ms"] - 1, 4)
+            if key != "plain" and "step_ms" in group.get("plain", {}):
+                row["vs_plain_fsdp_compile"] = round(row["tokens_per_s_per_gpu"] / group["plain"]["tokens_per_s_per_gpu"], 3)
+        measured = {k: r for k, r in group.items() if k in MESH_LAYOUTS and "step_ms" in r}
+        if measured:
+            fastest = max(measured, key=lambda k: measured[k]["tokens_per_s_per_gpu"])
+            print(json.dumps({"model": name, "fastest_layout": MESH_LAYOUTS[fastest][0]}), flush=True)
+        rows += group.values()
+        for row in group.values():
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def torchrun_launch(rank: int, cpu: bool):
+    """launch() for mesh_section under torchrun: every rank calls fn itself; a one-rank run is spawned
+    by rank 0 in a fresh process with a one-rank group of its own (the others wait at a barrier)."""
+    def launch(world: int, fn, *args) -> dict:
+        out = Path(os.environ.get("TMPDIR", "/tmp")) / f"multigpu-torchrun-{os.getpid() if rank == 0 else 0}.json"
+        result: list = [None]
+        try:
+            if world == 1:
+                result[0] = _outside_torchrun(lambda: run_ranks(1, cpu, fn, *args)) if rank == 0 else None
+            else:
+                fn(rank, world, cpu, *args, str(out))
+                result[0] = json.loads(out.read_text()) if rank == 0 else None
+        except Exception as e:  # the ranks fail together in a collective: report it and go on
+            result[0] = {"error": f"rank {rank}: {type(e).__name__}: {e}"[:300]}
+        if not cpu:
+            torch.cuda.empty_cache()
+        dist.barrier()
+        dist.broadcast_object_list(result, src=0)
+        return result[0]
+    return launch
+
+
+def _outside_torchrun(call):
+    """call() with torchrun's variables out of the environment, so that a process it spawns starts a
+    process group of its own instead of joining torchrun's store."""
+    names = [name for name in os.environ if name.startswith(("TORCHELASTIC_", "GROUP_", "ROLE_")) or
+             name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")]
+    saved = {name: os.environ.pop(name) for name in names}
+    try:
+        return call()
+    finally:
+        os.environ.update(saved)
+
+
 # ---- plan ---------------------------------------------------------------------------------------
 def plan_section(args, world: int, topology: ClusterTopology, calibration: dict | None, measured: list[dict]) -> list[dict]:
     rows = []
@@ -476,10 +646,10 @@ def _time_to_loss(row: dict, base: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for multigpu.json, topology.json, calibration.json")
-    parser.add_argument("--only", nargs="+", choices=("sweep", "train", "plan", "hooks"),
-                        default=("sweep", "train", "plan", "hooks"))
+    parser.add_argument("--only", nargs="+", choices=("sweep", "train", "plan", "mesh", "hooks"),
+                        default=("sweep", "train", "plan", "mesh", "hooks"))
     parser.add_argument("--world", type=int, default=0, help="ranks; 0 is every visible GPU")
-    parser.add_argument("--models", nargs="+", choices=list(GPU_MODELS) + list(CPU_MODELS))
+    parser.add_argument("--models", nargs="+", choices=list(GPU_MODELS) + list(CPU_MODELS) + list(MESH_MODELS))
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--hook-steps", type=int, default=200)
@@ -498,6 +668,9 @@ def main() -> None:
                         help="which engine wrappings the train section measures")
     parser.add_argument("--cpu", action="store_true", help="gloo on CPU processes with a tiny model")
     args = parser.parse_args()
+    if "LOCAL_RANK" in os.environ:  # under torchrun: the mesh section, run by the ranks themselves
+        torchrun_main(args)
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     world = args.world or (2 if args.cpu else torch.cuda.device_count())
@@ -535,9 +708,30 @@ def main() -> None:
             print(json.dumps({"calibration": calibration}), flush=True)
     if "plan" in args.only and "train" in results:
         results["plan"] = plan_section(args, world, topology, calibration, results["train"])
+    if "mesh" in args.only:
+        results["mesh"] = mesh_section(args, world, peak, topology, lambda n, fn, *a: run_ranks(n, args.cpu, fn, *a))
     if "hooks" in args.only:
         results["hooks"] = hooks_section(args, world)
     (out / "multigpu.json").write_text(json.dumps(results, indent=1))
+
+
+def torchrun_main(args) -> None:
+    """The mesh section on torchrun's ranks (one process per GPU, this host): rank 0 writes mesh.json."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    if not args.cpu:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.backends.cuda.matmul.allow_tf32 = True
+    dist.init_process_group("gloo" if args.cpu else "nccl")
+    model = None if args.cpu else catalog.lookup(torch.cuda.get_device_name())
+    peak = model.peak_tflops["bf16"] * 1e12 if model else None
+    topology = ClusterTopology(nodes=[probe_local_node()])
+    rows = mesh_section(args, world, peak, topology, torchrun_launch(rank, args.cpu))
+    if rank == 0:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "mesh.json").write_text(json.dumps({"world": world, "torch": torch.__version__, "mesh": rows},
+                                                            indent=1))
+    dist.destroy_process_group()
 
 
 def _link_class(topology: ClusterTopology) -> str:

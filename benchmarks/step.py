@@ -288,7 +288,8 @@ def liger(name: str, data: TextBatches, args, everything: bool) -> tuple[dict, o
         for norm in [model.norm, *(n for layer in model.layers for n in (layer.attention_norm, layer.ffn_norm))]:
             norm.forward = lambda x, norm=norm: LigerRMSNormFunction.apply(x, norm.weight, norm.eps)
         for ff in (m for m in model.modules() if isinstance(m, FeedForward)):
-            ff.forward = lambda x, ff=ff: ff.w2(LigerSiLUMulFunction.apply(*ff.w13(x).chunk(2, dim=-1)))
+            ff.forward = lambda x, ff=ff: ff.w2(LigerSiLUMulFunction.apply(  # w13 interleaves gate and up rows
+                *(half.contiguous() for half in ff.w13(x).unflatten(-1, (-1, 2)).unbind(dim=-1))))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
     forward = torch.compile(model)
 

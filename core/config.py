@@ -147,6 +147,13 @@ class ModelConfig:
         """The SwiGLU's hidden width: ffn_dim, or 8/3 · n_embd rounded up to a multiple of 64."""
         return self.ffn_dim or -(-8 * self.n_embd // 3 // 64) * 64
 
+    def tensor_split_sizes(self) -> dict[str, int]:
+        """What tensor parallelism gives each rank an equal share of: the (key/value) heads, the
+        hidden units and, for the sequence-parallel norms, the positions."""
+        heads = {"[model] n_kv_head": self.kv_heads} if self.kind == "llama" else {"[model] n_head": self.n_head}
+        hidden = self.hidden_dim if self.kind == "llama" else 4 * self.n_embd
+        return {**heads, "the hidden width": hidden, "[model] seq_len": self.seq_len}
+
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
@@ -373,9 +380,13 @@ class CompileConfig:
 
 @dataclass(kw_only=True, slots=True)
 class ParallelConfig:
-    strategy: Literal["ddp", "fsdp"] = "ddp"
+    strategy: Literal["ddp", "fsdp", "hsdp", "auto"] = "ddp"
     """ddp replicates the model on every worker; fsdp (FSDP2, one shard group per block) shards
-    parameters, gradients and optimizer state for models that do not fit one device."""
+    parameters, gradients and optimizer state for models that do not fit one device; hsdp shards
+    inside each NVLink island and replicates across islands (all-gathers on NVLink, one all-reduce
+    of a shard across). auto lets the planner cost all three and take the best (Plan.data_parallel
+    says which). With tensor parallelism the data-parallel side runs on FSDP2 whatever this says
+    (DDP does not take DTensor parameters): ddp there is FSDP2 with shards of one rank."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend: auto is nccl on GPUs, gloo on CPUs."""
     activation_checkpointing: Literal["off", "selective", "full"] = "off"
@@ -495,8 +506,14 @@ class PlacementConfig:
     """Most GPUs (or MIG slices) the plan may use; 0 means every one in the cluster. The planner
     uses fewer when more would be slower (fastest) or cost more per token (cheapest)."""
     tensor_parallel_size: int = 1
-    """GPUs that split each layer between them; each group stays inside one NVLink island of whole
-    GPUs (never MIG slices). 1 means data parallelism only."""
+    """GPUs that split each layer between them (DTensor, Megatron-style with sequence parallelism);
+    each group stays inside one NVLink island of whole GPUs (never MIG slices). 1 means data
+    parallelism only; 0 lets the planner cost every size up to the largest island that divides the
+    model's heads and take the best (Plan.tensor_parallel_size says which)."""
+    nccl_nics: bool = True
+    """Tell NCCL which NICs sit next to each worker's GPU (NCCL_IB_HCA for InfiniBand/RoCE,
+    NCCL_SOCKET_IFNAME for Ethernet, from the topology's NIC map), per worker, in the plan; false
+    leaves NCCL to pick its own."""
     use_mig: bool = True
     """Let the planner place workers on MIG slices."""
     pricing: Literal["on_demand", "spot"] = "on_demand"
@@ -515,7 +532,10 @@ class PlacementConfig:
     <runs_dir>/calibration.json when there is one. Relative paths are from the working directory."""
 
     def __post_init__(self) -> None:
-        _positive("placement", min_gpus=self.min_gpus, tensor_parallel_size=self.tensor_parallel_size)
+        _positive("placement", min_gpus=self.min_gpus)
+        _check(self.tensor_parallel_size >= 0, "[placement] tensor_parallel_size",
+               f"must be 0 (the planner picks) or more, got {self.tensor_parallel_size}",
+               "set tensor_parallel_size = 1 for data parallelism only, or 0 to let the planner pick")
         _check(self.max_gpus == 0 or self.max_gpus >= self.min_gpus, "[placement] max_gpus",
                f"{self.max_gpus} is below min_gpus = {self.min_gpus}", "raise max_gpus, or set it to 0 for no limit")
         _check(self.deadline_hours >= 0, "[placement] deadline_hours", f"must be 0 or more, got {self.deadline_hours}",
@@ -745,6 +765,16 @@ class JobConfig:
             yield rules.overlap_refusal(strategy=parallel.strategy, hook=parallel.comm_hook, grad_clip=train.grad_clip,
                                         precision=train.precision, bf16_weights=train.bf16_weights,
                                         compiled_autograd=compiled_autograd, builtin_model=self.model.kind != "custom")
+        yield self.tensor_parallel_refusal(self.placement.tensor_parallel_size)
+
+    def tensor_parallel_refusal(self, size: int) -> rules.Refusal | None:
+        """Whether this job's layers can be split over `size` GPUs: its own tensor_parallel_size, or each
+        size the planner weighs under tensor_parallel_size = 0."""
+        train, parallel = self.train, self.parallel
+        return rules.tensor_parallel_refusal(size, builtin_model=self.model.kind in ("gpt", "llama"),
+                                             hook=parallel.comm_hook, overlap=parallel.overlap, precision=train.precision,
+                                             bf16_weights=train.bf16_weights, qat=train.qat,
+                                             divisible=self.model.tensor_split_sizes())
 
     def _check_devices(self) -> None:
         """Every [devices."NAME"] table gives every figure, each a finite number ≥ 0 (a figure above 0

@@ -18,6 +18,7 @@ accumulation. The ranks of one tensor-parallel group are one replica and read th
 from __future__ import annotations
 
 import json
+import math
 import numbers
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
@@ -29,10 +30,11 @@ from core.atomic import read_text, write_text_atomically
 from core.errors import PlacementError, TopologyError
 
 FORMAT = "archipelago.plan"
-VERSION = 4
+VERSION = 5
 """2 added comm_hook; 3 made the plan the workers' one instruction: precision, hook settings, bucket
-size, overlap and activation checkpointing resolved; 4 added device_bases. Older plans read with
-allreduce and defaults."""
+size, overlap and activation checkpointing resolved; 4 added device_bases; 5 named the device mesh
+and each worker's environment. Older plans read with allreduce, defaults and the mesh their groups
+imply."""
 _WRITE_COMMAND = "archipelago plan --json FILE"
 
 
@@ -51,6 +53,29 @@ class DataParallel(StrEnum):
     FSDP = "fsdp"
     """FSDP2 (`fully_shard`): parameters, gradients and optimizer states sharded over the replicas;
     parameters all-gathered per block, gradients reduce-scattered."""
+    HSDP = "hsdp"
+    """FSDP2 on a 2-D mesh: sharded inside each NVLink island (all-gathers and reduce-scatters on
+    its links), replicated across islands (one all-reduce of each island's gradient shard)."""
+
+
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+"""The device mesh's dimension names, outermost first (torch.distributed.init_device_mesh lays ranks
+out row-major, so the tensor-parallel ranks are consecutive and each shard group is contiguous)."""
+
+
+def mesh_of(data_parallel: DataParallel, world_size: int, tensor_parallel_size: int,
+            island_size: int = 0) -> tuple[list[str], list[int]]:
+    """(dimension names, sizes) of the device mesh a plan runs on: ddp replicates over every
+    replica, fsdp shards over them, hsdp shards inside islands of `island_size` ranks and replicates
+    across them; "tp" is the innermost dimension when tensor_parallel_size > 1."""
+    replicas = world_size // tensor_parallel_size
+    if data_parallel == DataParallel.HSDP:
+        shard = island_size // tensor_parallel_size
+        dims = [("dp_replicate", replicas // shard), ("dp_shard", shard)] if shard else []
+    else:
+        dims = [("dp_replicate" if data_parallel == DataParallel.DDP else "dp_shard", replicas)]
+    dims += [("tp", tensor_parallel_size)] if tensor_parallel_size > 1 else []
+    return [name for name, _ in dims], [size for _, size in dims]
 
 
 class AllReduce(StrEnum):
@@ -106,6 +131,14 @@ class WorkerPlacement:
     predicted_peak_memory_bytes: int = 0
     memory_capacity_bytes: int = 0
     """What the device (or, for CPU workers, the node) has; 0 when unknown."""
+    gpu_index: int | None = None
+    """NVML index of the GPU on its node, for messages (Ray's GPU ids count the same way)."""
+    island_resource: str = ""
+    """The Ray custom resource of the worker's NVLink island (`nvlink_island_<id>`, what
+    `archipelago node-resources` advertises) that the worker reserves one unit of; "" outside islands."""
+    environment: dict[str, str] = field(default_factory=dict)
+    """Variables set in the worker's process before its process group starts: NCCL_IB_HCA and
+    NCCL_SOCKET_IFNAME naming the NICs nearest its GPU ([placement] nccl_nics)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -184,6 +217,11 @@ class Plan:
     """Consecutive ranks inside one NVLink island; one group per rank when tensor_parallel_size is 1."""
     data_parallel_groups: list[list[int]] = field(default_factory=list)
     """Ranks with the same tensor-parallel rank: they reduce gradients together."""
+    mesh_dim_names: list[str] = field(default_factory=list)
+    """The workers' DeviceMesh, outermost dimension first: some of MESH_DIMS (mesh_of); made from
+    the strategy, the tensor-parallel size and the islands when a plan is built without one."""
+    mesh_shape: list[int] = field(default_factory=list)
+    """Each mesh dimension's size; their product is the world size."""
     ddp_bucket_bytes: dict[str, int] = field(default_factory=dict)
     """Gradient bucket size per link class the reduction crosses (nvswitch, pcie, infiniband, …)."""
     bottleneck_link_class: str = ""
@@ -221,33 +259,40 @@ class Plan:
     """One per device model the workers run on; empty for plans made without the planner."""
 
     def __post_init__(self) -> None:
+        if not self.mesh_dim_names:
+            island = len(self.intra_island_groups[0]) if self.intra_island_groups else self.world_size
+            self.mesh_dim_names, self.mesh_shape = mesh_of(self.data_parallel, self.world_size,
+                                                           self.tensor_parallel_size, island)
         _check_choices(self)
         _check_workers(self)
         _check_batch(self)
         _check_groups(self)
+        _check_mesh(self)
 
     @classmethod
     def uniform(cls, *, job_name: str, world_size: int, micro_batch_size: int, grad_accum_steps: int,
                 seq_len: int, intra_island_groups: list[list[int]] | None = None, data_parallel: str = "ddp",
-                **choices) -> Plan:
+                tensor_parallel_size: int = 1, **choices) -> Plan:
         """A plan of identical workers with equal micro-batches and no predictions: what benchmarks and
         tests hand the worker engine when they run it without the planner (planning.
         uniform_spec resolves `choices` from a config the planner's way). The caller binds the
         devices, so the entries name none (device_model "unplanned")."""
+        t = tensor_parallel_size
         workers = [WorkerPlacement(rank=r, node_id="local", device_uuid=None, device_kind=DeviceKind.CPU,
                                    device_model="unplanned", island_id=None, micro_batch_size=micro_batch_size,
-                                   grad_accum_steps=grad_accum_steps, data_parallel_rank=r) for r in range(world_size)]
+                                   grad_accum_steps=grad_accum_steps, data_parallel_rank=r // t,
+                                   tensor_parallel_rank=r % t) for r in range(world_size)]
         unknown = Prediction(step_seconds=0.0, compute_seconds=0.0, exposed_communication_seconds=0.0,
                              communication_seconds=0.0, tokens_per_second=0.0, dollars_per_hour=0.0,
                              dollars_per_step=0.0, dollars_per_million_tokens=0.0, job_hours=0.0, job_dollars=0.0)
         ranks = list(range(world_size))
         intra = intra_island_groups or [ranks]
         return cls(job_name=job_name, objective=Objective.FASTEST, workers=workers,
-                   global_batch_size=world_size * micro_batch_size * grad_accum_steps, seq_len=seq_len,
+                   global_batch_size=world_size // t * micro_batch_size * grad_accum_steps, seq_len=seq_len,
                    grad_accum_steps=grad_accum_steps, data_parallel=DataParallel(data_parallel),
-                   intra_island_groups=intra, inter_island_groups=cross_island_groups(intra),
-                   tensor_parallel_groups=[[r] for r in ranks], data_parallel_groups=[ranks], predicted=unknown,
-                   **choices)
+                   tensor_parallel_size=t, intra_island_groups=intra, inter_island_groups=cross_island_groups(intra),
+                   tensor_parallel_groups=[ranks[r:r + t] for r in range(0, world_size, t)],
+                   data_parallel_groups=[ranks[j::t] for j in range(t)], predicted=unknown, **choices)
 
     # ---- what the workers read --------------------------------------------------------------------
     @property
@@ -321,7 +366,7 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: object, *, where: str = "plan") -> Plan:
-        if isinstance(data, dict) and data.get("version") in (1, 2, 3):  # the fields added since take their defaults
+        if isinstance(data, dict) and data.get("version") in (1, 2, 3, 4):  # the fields added since take their defaults
             data = {**data, "version": VERSION, "comm_hook": data.get("comm_hook") or "allreduce"}
         fields = codec.check_header(data, format=FORMAT, version=VERSION, noun="plan", command=_WRITE_COMMAND,
                                     error=PlacementError, where=where)
@@ -390,6 +435,9 @@ def _check_choices(plan: Plan) -> None:
     if refusal is None and plan.overlap == "next_forward":
         refusal = rules.overlap_refusal(strategy=plan.data_parallel.value, hook=plan.comm_hook,
                                         precision=plan.precision)
+    if refusal is None:
+        refusal = rules.tensor_parallel_refusal(plan.tensor_parallel_size, hook=plan.comm_hook, overlap=plan.overlap,
+                                                precision=plan.precision)
     if refusal is not None:
         raise PlacementError(refusal.what, where=f"plan: {refusal.where}", fix=refusal.fix)
 
@@ -454,11 +502,40 @@ def _check_groups(plan: Plan) -> None:
                      "tensor_parallel_groups")
         if len({plan.workers[rank].data_parallel_rank for rank in group}) != 1:
             _invalid(f"tensor-parallel group {group} spans several replicas", "tensor_parallel_groups")
-        if plan.tensor_parallel_size > 1 and any(plan.workers[rank].device_kind != DeviceKind.GPU or
-                                                 plan.workers[rank].island_id != plan.workers[group[0]].island_id
-                                                 for rank in group):
-            _invalid(f"tensor-parallel group {group} leaves one NVLink island (or holds a MIG slice or CPU)",
+        if plan.tensor_parallel_size > 1 and not _one_fast_domain([plan.workers[rank] for rank in group]):
+            _invalid(f"tensor-parallel group {group} leaves one NVLink island (or holds a MIG slice)",
                      "tensor_parallel_groups", "tensor-parallel groups stay inside one NVLink island of whole GPUs")
+
+
+def _one_fast_domain(workers: list[WorkerPlacement]) -> bool:
+    """Whether a tensor-parallel group shares links fast enough for a collective per layer: whole
+    GPUs of one NVLink island, or CPU workers of one node (shared memory: tests and CPU jobs)."""
+    first = workers[0]
+    if first.device_kind == DeviceKind.GPU:
+        return first.island_id is not None and all(
+            w.device_kind == DeviceKind.GPU and w.island_id == first.island_id for w in workers)
+    return first.device_kind == DeviceKind.CPU and all(
+        w.device_kind == DeviceKind.CPU and w.node_id == first.node_id for w in workers)
+
+
+def _check_mesh(plan: Plan) -> None:
+    """The mesh is one the workers can build from the plan: its names and sizes follow the strategy
+    and the tensor-parallel size, and under hsdp each shard group is one island."""
+    names, shape, t = plan.mesh_dim_names, plan.mesh_shape, plan.tensor_parallel_size
+    if len(names) != len(shape) or math.prod(shape) != plan.world_size or min(shape, default=0) < 1:
+        _invalid(f"mesh {names} of shape {shape} does not hold {plan.world_size} workers", "mesh_shape")
+    expected = {DataParallel.DDP: ["dp_replicate"], DataParallel.FSDP: ["dp_shard"],
+                DataParallel.HSDP: ["dp_replicate", "dp_shard"]}[plan.data_parallel] + (["tp"] if t > 1 else [])
+    if names != expected or (t > 1 and shape[-1] != t):
+        _invalid(f"mesh {names} of shape {shape} for {plan.data_parallel.value} with tensor_parallel_size {t}",
+                 "mesh_dim_names", f"the mesh is {expected}, tensor-parallel innermost")
+    if plan.data_parallel == DataParallel.HSDP:
+        block = shape[1] * t
+        shard_groups = [list(range(r, r + block)) for r in range(0, plan.world_size, block)]
+        if sorted(map(sorted, plan.intra_island_groups)) != shard_groups:
+            _invalid(f"hsdp shards over groups of {block} consecutive ranks, but the islands are "
+                     f"{plan.intra_island_groups[:4]}", "mesh_shape",
+                     "hsdp needs islands of equal size, ranks numbered island by island")
 
 
 @dataclass(frozen=True, slots=True)

@@ -83,6 +83,39 @@ def overlap_refusal(*, strategy: str, hook: str, precision: str, grad_clip: floa
     return None
 
 
+def tensor_parallel_refusal(size: int, *, builtin_model: bool = True, hook: str = "allreduce", overlap: str = "off",
+                            precision: str = "bf16", bf16_weights: bool = False, qat: str = "",
+                            divisible: dict[str, int] | None = None) -> Refusal | None:
+    """Whether layers can be split over `size` GPUs with the rest of the job (1: nothing split; 0: the
+    planner picks, and these are asked again for its pick). `divisible`: the model's sizes that each
+    rank must get an equal whole share of ({"[model] n_head": 12, …})."""
+    if size <= 1:
+        return None
+    where, fix = "[placement] tensor_parallel_size", "or set tensor_parallel_size = 1"
+    if not builtin_model:
+        return Refusal(f"tensor_parallel_size = {size} splits layers by a plan only the built-in gpt and llama models have", where,
+                       f'use [model] kind = "gpt" or "llama" (FSDP2 shards a custom or hf model: strategy = "fsdp"), {fix}')
+    if hook not in ("allreduce", "auto"):
+        return Refusal(f"tensor_parallel_size = {size} runs the data-parallel side on FSDP2, which has no DDP comm hook such as {hook!r}",
+                       "[parallel] comm_hook", f'set comm_hook = "allreduce", {fix}')
+    if overlap != "off":
+        return Refusal(f"tensor_parallel_size = {size} runs the data-parallel side on FSDP2, whose reduce-scatters the next-forward overlap cannot "
+                       "reorder", "[parallel] overlap", f'set overlap = "off", {fix}')
+    if precision == "fp8":
+        return Refusal(f"tensor_parallel_size = {size} has no float8 plan for split layers here", "[train] precision", f'use precision = "bf16", {fix}')
+    if qat:
+        return Refusal(f"tensor_parallel_size = {size} has no plan for the fake-quantized layers of qat = {qat!r}",
+                       "[train] qat", f'set qat = "", {fix}')
+    if bf16_weights:
+        return Refusal(f"tensor_parallel_size = {size} gathers bf16 weights through FSDP2's mixed-precision policy, not a bf16 copy",
+                       "[train] bf16_weights", f"set bf16_weights = false, {fix}")
+    for name, value in (divisible or {}).items():
+        if value % size:
+            return Refusal(f"{name} = {value} does not split evenly over {size} ranks", where,
+                           f"set tensor_parallel_size to a divisor of {value}")
+    return None
+
+
 def precision_refusal(precision: str, *, use_gpu: bool, compile: bool) -> Refusal | None:
     """Whether [train] precision can train on these devices (CPU or GPU) with compile on or off."""
     where = "[train] precision"

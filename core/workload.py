@@ -6,6 +6,8 @@
     loss = workload.loss(model, inputs, targets, loss_kernel="fused")   # mean over the targets
     loss = workload.loss(model, inputs, targets, loss_mask=mask, positions=positions)  # fine-tuning data
     workload.blocks(model)                       # FSDP2 shards, compiles and checkpoints each
+    workload.tensor_parallel_plan(model)         # optional: {module path: [ParallelStyle]}, and
+    workload.tie_weights(model)                  # re-ties shared weights once parallelized (gpt, llama)
 
 The planner sizes the model (parameters, FLOPs per token counted on fake tensors) and estimates its
 memory through it; the engine builds, wraps, compiles, converts to float8 and checkpoints it through

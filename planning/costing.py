@@ -90,8 +90,9 @@ class PlanningJob:
     max_devices: int
     """0 = no limit."""
     tensor_parallel_size: int
+    """The size the search costs ([placement] tensor_parallel_size; for 0 the planner searches once per size)."""
     strategies: tuple[DataParallel, ...]
-    """The data-parallel strategies the search costs: the one [parallel] strategy names."""
+    """The data-parallel strategies the search costs: the one [parallel] strategy names, or every one for "auto"."""
     use_gpu: bool
     cpus_per_worker: int
     spot: bool
@@ -120,8 +121,8 @@ class PlanningJob:
                    objective=Objective(placement.objective), deadline_hours=placement.deadline_hours,
                    min_devices=placement.min_gpus if config.cluster.use_gpu else workers,
                    max_devices=placement.max_gpus if config.cluster.use_gpu else workers,
-                   tensor_parallel_size=placement.tensor_parallel_size if config.cluster.use_gpu else 1,
-                   strategies=(DataParallel(config.parallel.strategy),), use_gpu=config.cluster.use_gpu,
+                   tensor_parallel_size=(placement.tensor_parallel_size or 1) if config.cluster.use_gpu else 1,
+                   strategies=strategies_for(config.parallel.strategy), use_gpu=config.cluster.use_gpu,
                    cpus_per_worker=config.cluster.cpus_per_worker,
                    spot=placement.pricing == "spot", use_mig=placement.use_mig,
                    float8=precision == "fp8", gradient_element_bytes=gradient_element_bytes(config),
@@ -135,6 +136,11 @@ class PlanningJob:
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch_size * self.seq_len
+
+
+def strategies_for(strategy: str) -> tuple[DataParallel, ...]:
+    """[parallel] strategy as the strategies the planner costs."""
+    return tuple(DataParallel) if strategy == "auto" else (DataParallel(strategy),)
 
 
 @dataclass(slots=True)
@@ -233,6 +239,12 @@ class Costing:
         """What the comm hook keeps on each worker: only DDP over several replicas runs one."""
         t = self.job.tensor_parallel_size
         return self.comm_hook.state_bytes / t if strategy == DataParallel.DDP and world // t > 1 else 0.0
+
+    def sharded_over(self, outcome: Outcome) -> int:
+        """The ranks a worker's model state is spread over, as the memory profile counts them: an
+        island's under hsdp, every rank otherwise."""
+        t = self.job.tensor_parallel_size
+        return outcome.footprint.island_size * t if outcome.data_parallel == DataParallel.HSDP else outcome.devices
 
     def capacity_for_step(self, device: DeviceType, strategy: DataParallel, world: int) -> int:
         """The device memory the memory profile may plan a step into: the hook's state taken off what
@@ -348,9 +360,14 @@ class Costing:
         if refusal is not None:  # several MIG slices of one GPU reduce through gloo
             return Refusal(refusal.what, f"{refusal.fix}, or use one MIG slice per GPU (bound [placement] max_gpus)",
                            world)
+        if strategy == DataParallel.HSDP and footprint.island_size < 2:
+            return Refusal("hsdp needs two or more NVLink islands with the same number of replicas, two or more each",
+                           'use strategy = "fsdp" or "ddp" (or "auto") on these devices', world)
         replicas = footprint.replicas
         types = list(replicas)
-        caps = {accumulating: [self.micro_batch_cap(d, strategy, world, accumulating) for d in types]
+        # An hsdp worker holds 1/island of the model state: its memory is an fsdp worker's in one island.
+        sharded_over = footprint.island_size * t if strategy == DataParallel.HSDP else world
+        caps = {accumulating: [self.micro_batch_cap(d, strategy, sharded_over, accumulating) for d in types]
                 for accumulating in (False, True)}
         if min(caps[True]) < 1 and min(caps[False]) < 1:
             small = types[caps[True].index(min(caps[True]))]
@@ -419,6 +436,11 @@ class Costing:
             hook_seconds = max(hook.compute_seconds(d, ranks, t) for d in types)
             # Only the last micro-step reduces (the others run under no_sync), so only it is slowed.
             compute += hook_seconds + split.micro_step_seconds * self._ddp_compute_slowdown(footprint)
+        elif ranks > 1 and strategy == DataParallel.HSDP:
+            communication = self._hsdp_seconds(footprint, split.grad_accum_steps)
+            hidden = FSDP_OVERLAP * split.grad_accum_steps * max(split.micro_step_seconds - overhead, 0.0)
+            exposed = max(communication / (job.n_layer + 1), communication - hidden)
+            algorithm = AllReduce.HIERARCHICAL
         elif ranks > 1:
             gather, _ = self.collectives.all_gather(job.parameter_bytes_compute / t, ranks, hops["world"])
             scatter, _ = self.collectives.reduce_scatter(job.gradient_bytes / t, ranks, hops["world"])
@@ -435,6 +457,21 @@ class Costing:
                           devices=world, hook_compute_seconds=hook_seconds)
         outcome.score = self.score(outcome)
         return outcome
+
+    def _hsdp_seconds(self, footprint: Footprint, accumulation: int) -> float:
+        """One step's hsdp collectives: each micro-step all-gathers the parameters twice (forward and
+        backward) among the island's replicas, on its links; the gradients are reduce-scattered there
+        once, and each island's shard all-reduced across islands, over the slowest link between them."""
+        job, t = self.job, self.job.tensor_parallel_size
+        shard, islands = footprint.island_size, len(footprint.domains)
+        intra = footprint.hops.get("intra", footprint.hops["world"])
+        inter = footprint.hops.get("inter", footprint.hops["world"])
+        gather, _ = self.collectives.all_gather(job.parameter_bytes_compute / t, shard, intra)
+        scatter, _ = self.collectives.reduce_scatter(job.gradient_bytes / t, shard, intra)
+        # The island's ranks all-reduce their shards at once, sharing the links out of the island.
+        shared = replace(inter, bytes_per_s=inter.bytes_per_s / shard)
+        _, across, _ = self.collectives.flat_allreduce(job.gradient_bytes / (t * shard), islands, shared)
+        return accumulation * 2 * gather + scatter + across
 
     def _ddp_compute_slowdown(self, footprint: Footprint) -> float:
         """How much longer the step's kernels run beside DDP's collectives than alone: measured for

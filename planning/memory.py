@@ -294,16 +294,18 @@ class MemoryProfile:
         - one worker, one micro-step: the step as measured;
         - ddp, or gradient accumulation: every gradient alive the whole step (DDP's bucket views;
           accumulation keeps the first micro-step's gradients through the others' backward);
-        - fsdp (FSDP2, one unit per block and a root unit): parameters, gradients and AdamW states
+        - fsdp (FSDP2, one unit per block and a root unit), and hsdp with world_size the ranks of one
+          island (what it shards over): parameters, gradients and AdamW states
           divided by the replicas; the root unit's parameters stay gathered, and two blocks'
           gathered parameters in the compute dtype (the one computing and the one prefetched) plus
           one block's unsharded fp32 gradients exist at once;
         - tensor parallelism t: block parameters, gradients and states divided by t; activations
-          scaled by (10 + 24/t) / 34, the share Korthikanti et al. (2022) give for tensor-parallel
-          blocks without sequence parallelism (attention scores are not stored with flash attention).
+          divided by t: the workers split layers with sequence parallelism (workers/models/
+          tensor_plans.py), whose blocks keep 34/t of the bytes per token and layer that Korthikanti
+          et al. (2022) count (attention scores are not stored with flash attention).
         """
         step = measure_step(self.spec, micro_batch_size) if exact else self._interpolate(micro_batch_size)
-        sharded = data_parallel == "fsdp" and world_size // max(1, tensor_parallel_size) > 1
+        sharded = data_parallel in ("fsdp", "hsdp") and world_size // max(1, tensor_parallel_size) > 1
         if tensor_parallel_size <= 1 and not sharded:
             grads_held = accumulating or (world_size > 1 and data_parallel == "ddp")
             return step.ddp_peak_bytes if grads_held else step.peak_bytes
@@ -317,7 +319,7 @@ class MemoryProfile:
             block = step.largest_block_parameter_bytes / t
             compute_dtype_share = 1.0 if self.spec.precision == "fp32" else 0.5
             model_bytes += root * (1 - 1 / shards) + 2 * block * compute_dtype_share + block
-        activations = step.activation_bytes * (10 + 24 / t) / 34
+        activations = step.activation_bytes / t
         return int(model_bytes + activations + KERNEL_WORKSPACE_BYTES[self.spec.device_type])
 
     def _interpolate(self, micro_batch_size: int) -> StepMemory:

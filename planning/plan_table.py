@@ -19,6 +19,7 @@ WORKER_ROWS_MAX = 32
 
 def print_plan(plan: Plan, naive: Plan | None, console: Console, *, naive_reason: str = "") -> None:
     console.print(_headline(plan), highlight=False)
+    console.print(f"  mesh {mesh_text(plan)}", highlight=False)
     console.print(_models(plan))
     console.print(_workers(plan))
     console.print(_comparison(plan, naive))
@@ -45,6 +46,12 @@ def _headline(plan: Plan) -> str:
             f"{_micro_batches(plan)} × {plan.grad_accum_steps} accumulation" + (f"; buckets {buckets}" if buckets else ""))
 
 
+def mesh_text(plan: Plan) -> str:
+    """The device mesh in one line: "dp_replicate 2 × dp_shard 4 × tp 2 (16 ranks, tp innermost)"."""
+    dims = " × ".join(f"{name} {size}" for name, size in zip(plan.mesh_dim_names, plan.mesh_shape))
+    return f"{dims} ({plan.world_size} rank{'s' * (plan.world_size != 1)}, row-major: the last dimension's ranks are consecutive)"
+
+
 def _micro_batches(plan: Plan) -> str:
     """The replicas' micro-batches whose sum times the accumulation is the global batch: "(16 + 16)", or for many
     replicas grouped by size, "(12 × 32 + 4 × 16)"."""
@@ -58,13 +65,16 @@ def _micro_batches(plan: Plan) -> str:
 def _workers(plan: Plan) -> Table:
     table = Table(box=None, pad_edge=False, padding=(0, 1, 0, 1))
     if plan.world_size <= WORKER_ROWS_MAX:
-        for column in ("rank", "island or node", "device", "micro-batch", "peak GiB", "device UUID"):
+        nics = any(w.environment for w in plan.workers)
+        columns = ("rank", "island or node", "device", "micro-batch", "peak GiB", "device UUID", *(("NCCL NICs",) * nics))
+        for column in columns:
             table.add_column(column, no_wrap=True,
                              justify="right" if column in ("rank", "micro-batch", "peak GiB") else "left")
         for w in plan.workers:
             uuid = w.device_uuid[:13] + "…" if w.device_uuid and len(w.device_uuid) > 14 else (w.device_uuid or "-")
+            nic_names = " ".join(f"{key.removeprefix('NCCL_')}{value}" for key, value in w.environment.items())
             table.add_row(str(w.rank), w.island_id or w.node_id, w.device_model, str(w.micro_batch_size),
-                          f"{w.predicted_peak_memory_bytes / 2**30:.2f}", uuid)
+                          f"{w.predicted_peak_memory_bytes / 2**30:.2f}", uuid, *((nic_names or "-",) * nics))
         return table
     for column in ("workers", "nodes", "device", "micro-batch", "peak GiB", "compute s"):
         table.add_column(column, justify="left" if column == "device" else "right")

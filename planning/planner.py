@@ -19,6 +19,7 @@ from the split, process groups, bucket sizes, and exact fake-tensor memory peaks
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections import defaultdict
@@ -60,6 +61,8 @@ from planning.prices import PriceTable
 from planning.resolve import plan_choices
 from topology import catalog
 from topology.cluster import ClusterTopology
+from topology.nccl_env import nccl_environment
+from topology.ray_resources import island_resource
 from topology.sysfs import format_cpu_list, parse_cpu_list
 
 REFINE_ROUNDS = 64
@@ -136,6 +139,38 @@ class Planner:
 
     # ---- public ----------------------------------------------------------------------------------
     def plan(self) -> Plan:
+        if self.config.placement.tensor_parallel_size == 0 and self.job.use_gpu:
+            return self._plan_each_tensor_parallel_size()
+        return self._plan()
+
+    def _plan_each_tensor_parallel_size(self) -> Plan:
+        """[placement] tensor_parallel_size = 0: a plan for every size from 1 up to the largest NVLink
+        island that the model's heads, hidden width and sequence split evenly over; the best under the
+        objective, with notes saying what each other size was predicted to do or why it could not run."""
+        largest = max((d.size for d in self.pool.domains if d.nvlink), default=1)
+        sizes = [t for t in (2 ** k for k in range(8))
+                 if t <= largest and self.config.tensor_parallel_refusal(t) is None]
+        plans: dict[int, Plan] = {}
+        refused: dict[int, PlacementError] = {}
+        for t in sizes:
+            config = dataclasses.replace(self.config, placement=dataclasses.replace(self.config.placement,
+                                                                                    tensor_parallel_size=t))
+            try:
+                plans[t] = Planner(self.topology, config, memory=self.memory, collectives=self.collectives,
+                                   compute=self.compute, prices=self.prices, exact_memory=self.exact_memory,
+                                   calibration=self.calibration)._plan()
+            except PlacementError as error:
+                refused[t] = error
+        if not plans:
+            raise refused[1]
+        best = min(plans, key=lambda t: _plan_score(plans[t], self.job))
+        others = [f"{t}: {plans[t].predicted.step_seconds * 1e3:.1f} ms a step, "
+                  f"${plans[t].predicted.dollars_per_million_tokens:.2f} per million tokens" for t in plans if t != best]
+        others += [f"{t}: refused, {error.what}" for t, error in refused.items()]
+        note = f"tensor_parallel_size = 0 took {best}" + (f" (other sizes: {'; '.join(others)})" if others else "")
+        return dataclasses.replace(plans[best], notes=[*plans[best].notes, note])
+
+    def _plan(self) -> Plan:
         for _ in range(EXACT_MEMORY_RETRIES):
             choice = self._search_for_hook()
             try:
@@ -153,7 +188,7 @@ class Planner:
         outcome = choice.outcome
         return self.memory.max_micro_batch(
             choice.costing.capacity_for_step(overrun.device, outcome.data_parallel, outcome.devices),
-            data_parallel=outcome.data_parallel.value, world_size=outcome.devices,
+            data_parallel=outcome.data_parallel.value, world_size=choice.costing.sharded_over(outcome),
             tensor_parallel_size=self.job.tensor_parallel_size, accumulating=outcome.split.grad_accum_steps > 1,
             limit=overrun.micro_batch - 1, exact=True)
 
@@ -571,7 +606,9 @@ class Planner:
             ray_node_id=device.node.ray_node_id,
             predicted_compute_seconds=accum * costing.replica_group(
                 device.type, 1, 1, domain.intra_hop).micro_step_seconds(micro_batches[rank]),
-            predicted_peak_memory_bytes=peaks[rank], memory_capacity_bytes=device.type.memory_bytes)
+            predicted_peak_memory_bytes=peaks[rank], memory_capacity_bytes=device.type.memory_bytes,
+            gpu_index=_gpu_index(device), island_resource=_island_resource(device, domain),
+            environment=nccl_environment(device.node, device.uuid) if self._nccl_nics(device) else {})
             for rank, (device, domain) in enumerate(devices)]
         islands: dict[int, list[int]] = defaultdict(list)
         for rank, (_, domain) in enumerate(devices):
@@ -598,6 +635,11 @@ class Planner:
             bottleneck_alpha_us=world.alpha_s * 1e6 if world else 0.0,
             price_basis="spot" if job.spot else "on_demand", predicted=prediction, notes=notes, **choices)
 
+    def _nccl_nics(self, device: Device) -> bool:
+        """Whether the plan names NCCL's NICs for this device: whole GPUs and MIG slices, unless
+        [placement] nccl_nics is off."""
+        return self.config.placement.nccl_nics and device.uuid is not None and device.type.kind != DeviceKind.CPU
+
     def _device_bases(self, devices: list[tuple[Device, Domain]]) -> list[DeviceBasis]:
         """Per device model of the plan, where its figures came from (CPU slots of several nodes that share
         the label "cpu": the slowest)."""
@@ -617,7 +659,8 @@ class Planner:
         peaks = {}
         hook_state = int(costing.hook_state_bytes(outcome.data_parallel, len(devices)))
         for m in set(micro_batches):
-            peaks[m] = hook_state + self.memory.peak_bytes(m, data_parallel=strategy, world_size=len(devices),
+            peaks[m] = hook_state + self.memory.peak_bytes(m, data_parallel=strategy,
+                                                           world_size=costing.sharded_over(outcome),
                                                            tensor_parallel_size=self.job.tensor_parallel_size,
                                                            accumulating=accumulating, exact=self.exact_memory)
         for (device, _), m in zip(devices, micro_batches):
@@ -674,6 +717,28 @@ def _has_float8(device: DeviceType) -> bool:
         return device.kind != DeviceKind.CPU
     major, minor = (int(part) for part in model.compute_capability.split("."))
     return (major, minor) >= (8, 9)
+
+
+def _gpu_index(device: Device) -> int | None:
+    return next((gpu.index for gpu in device.node.gpus if gpu.uuid == device.uuid), None)
+
+
+def _island_resource(device: Device, domain: Domain) -> str:
+    """The Ray resource `archipelago node-resources` advertises for the device's NVLink island of two or
+    more GPUs on one node; "" elsewhere (fabric islands span nodes, PCIe GPUs and MIG slices have none)."""
+    if not domain.nvlink or domain.fabric_id or len(domain.devices) < 2 or device.island_id is None:
+        return ""
+    return island_resource(device.island_id)
+
+
+def _plan_score(plan: Plan, job: PlanningJob) -> tuple:
+    """How plans of different tensor-parallel sizes rank under the job's objective (Costing.score's order)."""
+    step, cost = plan.predicted.step_seconds, plan.predicted.dollars_per_million_tokens
+    if job.objective == Objective.FASTEST:
+        return (step, cost)
+    if job.objective == Objective.CHEAPEST_UNDER_DEADLINE and plan.predicted.job_hours > job.deadline_hours:
+        return (math.inf, step, cost)
+    return (cost, step)
 
 
 def _guide(outcome: Outcome | Refusal) -> tuple:

@@ -63,19 +63,21 @@ def plan_choices(config: JobConfig, *, use_gpu: bool, replicas: int, data_parall
 
 def uniform_spec(config: JobConfig, *, world_size: int, micro_batch_size: int, grad_accum_steps: int,
                  use_gpu: bool | None = None, intra_island_groups: list[list[int]] | None = None,
-                 data_location: str = "", tokenizer: str = "bytes") -> WorkerSpec:
+                 tensor_parallel_size: int = 1, data_location: str = "", tokenizer: str = "bytes") -> WorkerSpec:
     """A spec of `world_size` identical workers with equal micro-batches, resolved from `config` as the
     planner resolves it, for running the worker engine without the planner: [parallel] comm_hook
-    "auto" runs plain all-reduce (nothing is costed), the buckets are [parallel] bucket_mb.
-    use_gpu defaults to [cluster] use_gpu."""
+    "auto" runs plain all-reduce and strategy "auto" ddp (nothing is costed), the buckets are [parallel] bucket_mb.
+    use_gpu defaults to [cluster] use_gpu; tensor_parallel_size consecutive ranks form each group."""
     use_gpu = config.cluster.use_gpu if use_gpu is None else use_gpu
-    data_parallel = DataParallel(config.parallel.strategy)
+    data_parallel = DataParallel("ddp" if config.parallel.strategy == "auto" else config.parallel.strategy)
     hook = "allreduce" if config.parallel.comm_hook == "auto" else config.parallel.comm_hook
-    choices = plan_choices(config, use_gpu=use_gpu, replicas=world_size, data_parallel=data_parallel, comm_hook=hook,
+    choices = plan_choices(config, use_gpu=use_gpu, replicas=world_size // tensor_parallel_size,
+                           data_parallel=data_parallel, comm_hook=hook,
                            backend="nccl" if use_gpu else "gloo", bucket_bytes=None, prediction=None)
     plan = Plan.uniform(job_name=config.name, world_size=world_size, micro_batch_size=micro_batch_size,
                         grad_accum_steps=grad_accum_steps, seq_len=config.model.seq_len,
-                        intra_island_groups=intra_island_groups, data_parallel=data_parallel.value, **choices)
+                        intra_island_groups=intra_island_groups, data_parallel=data_parallel.value,
+                        tensor_parallel_size=tensor_parallel_size, **choices)
     workload = make_workload(config.model)
     facts = model_facts(workload, config.model.seq_len)
     return WorkerSpec.for_plan(config, plan, workload=workload, flops_per_token=facts.flops_per_token,

@@ -45,8 +45,7 @@ class RayStartArguments:
 
 def ray_start_arguments(node: NodeTopology) -> RayStartArguments:
     islands = [island for island in ClusterTopology(nodes=[node]).nvlink_islands if island.size > 1]
-    resources: dict[str, float] = {f"nvlink_island_{label_value(island.island_id)}": float(island.size)
-                                   for island in islands}
+    resources: dict[str, float] = {island_resource(island.island_id): float(island.size) for island in islands}
     profiles = Counter(mig.profile for mig in node.mig_slices if mig.profile)
     resources.update({f"mig_{profile}": float(count) for profile, count in sorted(profiles.items())})
     labels: dict[str, str] = {}
@@ -60,6 +59,11 @@ def ray_start_arguments(node: NodeTopology) -> RayStartArguments:
     if node.mig_slices:
         labels[LABEL_PREFIX + "mig"] = "true"
     return RayStartArguments(resources=resources, labels=labels)
+
+
+def island_resource(island_id: str) -> str:
+    """The Ray custom resource that counts the GPUs of one NVLink island (one unit a GPU)."""
+    return f"nvlink_island_{label_value(island_id)}"
 
 
 def label_value(text: str) -> str:

@@ -26,10 +26,15 @@ visible ones when the plan uses whole nodes (or whole islands, through the islan
 
 Scheduling: each worker is pinned to its node with a label selector — `ray.io/node-id` when the
 topology came from the live cluster (it knows Ray's node ids), else the node's NVLink-domain
-label that `archipelago node-resources` advertises. Whole GPUs reserve Ray's "GPU" resource;
-MIG slices reserve the `mig_<profile>` custom resource node-resources advertises (Ray does not
-count MIG slices as GPUs). Ray Train gives every worker the same resources, so a plan that mixes
-whole GPUs and MIG slices reserves cores only and relies on the UUID binding for the devices.
+label that `archipelago node-resources` advertises. Whole GPUs reserve Ray's "GPU" resource and,
+inside an NVLink island of two or more, one unit of the island's `nvlink_island_<id>` resource, so a
+plan that uses part of a node is scheduled where its islands have room; MIG slices reserve the
+`mig_<profile>` custom resource node-resources advertises (Ray does not count MIG slices as GPUs).
+Ray Train gives every worker the same resources (its worker group takes one bundle shape), so
+ScalingConfig carries the island resource when the plan's workers share one island, and a plan
+that mixes whole GPUs and MIG slices reserves cores only; `placement_bundles` gives each worker its
+own, for a placement group. Either way each worker checks what Ray gave it (`check_placement`) and
+stops with a PlacementError naming the node and the GPUs when it is not what the plan placed.
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ def worker_resources(worker: WorkerPlacement) -> dict[str, float]:
     resources = {"CPU": float(worker.cpus)}
     if worker.device_kind == DeviceKind.GPU:
         resources["GPU"] = 1.0
+        if worker.island_resource:
+            resources[worker.island_resource] = 1.0
     elif worker.device_kind == DeviceKind.MIG:
         resources[f"mig_{worker.device_model.rsplit(' ', 1)[-1]}"] = 1.0
     return resources
@@ -110,6 +117,34 @@ def claim(plan: Plan, *, ray_node_id: str = "", node_id: str = "", local_rank: i
     return on_node[local_rank]
 
 
+def islands_reserved(plan: Plan, assigned: dict[str, float]) -> bool:
+    """Whether the worker group was scheduled with island resources: through ScalingConfig when the
+    plan's workers share one island (scaling_config_kwargs), or per worker through placement_bundles
+    (then Ray reports an island among the worker's resources)."""
+    islands = {worker.island_resource for worker in plan.workers}
+    return (len(islands) == 1 and "" not in islands) or any(name.startswith("nvlink_island_") for name in assigned)
+
+
+def check_placement(worker: WorkerPlacement, *, node: str, assigned: dict[str, float], gpu_ids: list,
+                    islands_requested: bool = True) -> None:
+    """Refuses a worker that Ray scheduled where the plan did not put it: without a unit of its NVLink
+    island's resource when islands were requested (islands_reserved). The GPU itself is checked by
+    bind(): inside its island the plan's GPU is bound by UUID, whichever GPU id Ray counted (Ray
+    hands out the lowest free ids and knows nothing of islands). `node`: where the worker runs, for
+    the message; `assigned`: Ray's resources for this worker (runtime context); `gpu_ids`:
+    ray.get_gpu_ids(), for the message."""
+    planned = f"GPU {worker.gpu_index} ({worker.device_uuid})" if worker.gpu_index is not None else worker.device_uuid
+    held_gpus = f"Ray GPU ids {sorted(map(str, gpu_ids))}" if gpu_ids else "no Ray GPU ids"
+    if islands_requested and worker.island_resource and assigned.get(worker.island_resource, 0.0) <= 0:
+        islands = sorted(name for name in assigned if name.startswith("nvlink_island_")) or ["none"]
+        raise PlacementError(f"rank {worker.rank} runs on node {node} with {held_gpus} and island resources "
+                             f"{', '.join(islands)}; the plan placed it on node {worker.node_id}, {planned}, holding "
+                             f"{worker.island_resource}", where=f"worker rank {worker.rank}",
+                             fix="schedule the workers with binding.scaling_config_kwargs(plan) or placement_bundles(plan) "
+                                 "(they reserve each island), start the nodes with `ray start $(archipelago "
+                                 "node-resources)`, or plan again on the cluster as it is now")
+
+
 def bind(worker: WorkerPlacement, *, environ: MutableMapping[str, str] | None = None, cuda=None,
          set_affinity: Callable[[int, set[int]], None] | None = None,
          get_affinity: Callable[[int], set[int]] | None = None) -> str:
@@ -122,10 +157,13 @@ def bind(worker: WorkerPlacement, *, environ: MutableMapping[str, str] | None = 
     - after (Ray Train's TorchConfig calls torch.cuda.set_device before the train function when
       the worker reserved Ray GPUs), the visible device whose UUID matches is made current:
       "cuda:<its index>"; a UUID that is not visible is a PlacementError.
+    Environment: the plan's variables for the worker (NCCL's NICs) are set first.
     Cores: the worker's NUMA-local share, intersected with what the process may use (containers
     restrict it); left alone when that leaves nothing. `cuda` defaults to torch.cuda (a seam for
     tests: is_initialized, device_count, get_device_properties, set_device)."""
     environ = os.environ if environ is None else environ
+    # NCCL reads its NIC choice when a communicator starts, at the first collective, which comes after.
+    environ.update(worker.environment)
     device = "cpu"
     if worker.device_uuid is not None:
         cuda = cuda if cuda is not None else _torch_cuda()

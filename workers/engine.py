@@ -66,7 +66,7 @@ class Engine:
         # instead of read for it and then read and written again to scale them (1.3B: ~10 GB a step).
         # Not with fp16, whose GradScaler owns grad_scale, nor FSDP's sharded DTensor gradients.
         self.clip_in_optimizer = (self.optimizer.defaults.get("fused") is True and not self.scaler.enabled
-                                  and not self.wrapped.fsdp)
+                                  and not self.wrapped.dtensor_parameters)
         # With bf16 weights, the step from the copy's bf16 gradients to the masters and back into the
         # copy runs as one Triton pass (Bf16ComputeCopy.step_masters): the same numbers as pushing fp32
         # gradients and stepping fused AdamW, moving 30 bytes a parameter instead of 48, norm included
@@ -88,7 +88,9 @@ class Engine:
                                              gradient_tolerance=compile_config.gradient_tolerance,
                                              compare_gradients=self.wrapped.ddp is None and not self.wrapped.fsdp)
                                 if compile_config.enable and compile_config.check_tolerance > 0
-                                and spec.model.dropout == 0 and self.precision.name != "fp8" else None)
+                                and spec.model.dropout == 0 and self.precision.name != "fp8"
+                                # its eager rerun reads whole losses; under TP they are DTensors on shards
+                                and not self.wrapped.tensor_parallel else None)
 
     @property
     def measures_noise(self) -> bool:
@@ -140,10 +142,11 @@ class Engine:
                 backward(loss)
                 if eager_loss is not None and check.compare_gradients:
                     check.check_gradients()
+            # Under tensor parallelism the gradients are DTensor splits: the one-worker read is not made there.
             if (i == 0 and len(micro_batches) > 1 and self._measures_noise and self.wrapped.ddp is None
-                    and not self.wrapped.fsdp):
+                    and not self.wrapped.fsdp and not self.wrapped.tensor_parallel):
                 self._first_micro_batch_norm(weight)
-            total_loss += loss.detach() * weight
+            total_loss += _whole(loss.detach()) * weight
         self._take_local_norm(sum(weights))
         if self.overlap is not None:  # the update follows in the next forward (or settle())
             return total_loss, self.overlap.end_step()
@@ -173,7 +176,7 @@ class Engine:
 
     def _forward(self, tokens: tuple[torch.Tensor, torch.Tensor], masks: dict[str, torch.Tensor]) -> torch.Tensor:
         """One micro-batch's mean loss (collective under DDP and FSDP: every rank makes it)."""
-        with self._training_autocast():
+        with self._training_autocast(), self.wrapped.loss_context():
             return self.workload.loss(self.wrapped.forward, *tokens, loss_kernel=self.spec.train.loss_kernel, **masks)
 
     def _backward(self, loss: torch.Tensor, *, weight: float | torch.Tensor) -> None:
@@ -192,6 +195,8 @@ class Engine:
         total = torch.stack(counts).sum().float()
         if dist.is_initialized():
             dist.all_reduce(total)
+            # The ranks of a tensor-parallel group read one micro-batch: each replica's count came tp times.
+            total /= self.spec.plan.tensor_parallel_size
         replicas = len(self.spec.plan.replica_micro_batch_sizes())
         return [replicas * count / total.clamp_min(1) for count in counts]
 
@@ -254,10 +259,10 @@ class Engine:
         loss_sum, tokens = 0.0, 0
         for batch in batches:
             (inputs, targets), masks = loss_arguments(batch, self.spec.data.token_flags)
-            with self.precision.autocast(self.device):
+            with self.precision.autocast(self.device), self.wrapped.loss_context():
                 loss = self.workload.loss(forward, inputs, targets, loss_kernel=self.spec.train.loss_kernel, **masks)
             counted = int(masks["loss_mask"].sum()) if masks else targets.numel()
-            loss_sum += float(loss) * counted
+            loss_sum += float(_whole(loss)) * counted
             tokens += counted
         self.model.train()
         return loss_sum, tokens
@@ -286,6 +291,11 @@ class Engine:
         if self.qat_layers:
             metrics["qat_layers"] = self.qat_layers
         return metrics
+
+
+def _whole(value: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor: under tensor parallelism it is a replicated DTensor."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 def loss_arguments(batch: torch.Tensor, token_flags: bool) -> tuple[tuple[torch.Tensor, torch.Tensor], dict]:

@@ -243,8 +243,12 @@ def claim_plan_entry(spec: WorkerSpec, ctx, node_rank: int) -> tuple[WorkerSpec,
 
     Ray Train numbers workers itself; each claims the entry of its node and its index there
     (`node_rank`), and the claims, gathered in world-rank order, renumber the plan so plan rank == world rank."""
-    entry = binding.claim(spec.plan, ray_node_id=ray.get_runtime_context().get_node_id(), node_id=socket.gethostname(),
+    context = ray.get_runtime_context()
+    entry = binding.claim(spec.plan, ray_node_id=context.get_node_id(), node_id=socket.gethostname(),
                           local_rank=node_rank)
+    assigned = context.get_assigned_resources()
+    binding.check_placement(entry, node=f"{socket.gethostname()} ({context.get_node_id()[:8]})", assigned=assigned,
+                            gpu_ids=ray.get_gpu_ids(), islands_requested=binding.islands_reserved(spec.plan, assigned))
     device = torch.device(binding.bind(entry))
     if device.type == "cpu":
         torch.set_num_threads(entry.cpus)

@@ -1,4 +1,6 @@
-"""How the model is spread over the workers: DDP with a comm hook, or FSDP2 with one shard group per block.
+"""How the model is spread over the workers: DDP with a comm hook, FSDP2 with one shard group per
+block, or on the plan's device mesh: tensor parallelism inside islands and FSDP2 (sharded, hybrid
+sharded, or replicated) across.
 
 Compilation is applied where it works best with each: DDP is compiled as a whole (Dynamo's
 DDPOptimizer splits the graph at bucket boundaries so all-reduces overlap backward, or compiled
@@ -31,6 +33,7 @@ from workers.comm.stats import CommStats
 from workers.compiler import compile_options, maybe_compile
 from workers.models.stack import BlockStack
 from workers.precision import Precision
+from workers.tensor_parallel import apply_tensor_parallel, data_parallel_mesh, device_mesh, loss_context
 
 
 @dataclass
@@ -45,14 +48,26 @@ class WrappedModel:
     """Backward runs under compiled autograd, which traces DDP's all-reduces into the backward graph."""
     local_norm: LocalGradientNorm | None = None
     """Reads this rank's gradient buckets before their reduction (the noise scale); None where no comm hook runs."""
+    tensor_parallel: bool = False
+    """The model is split over a tensor-parallel group: its loss is a DTensor made on vocabulary shards."""
+
+    @property
+    def dtensor_parameters(self) -> bool:
+        """The parameters are DTensors (FSDP2 shards, tensor-parallel splits), not plain tensors."""
+        return self.fsdp or self.tensor_parallel
+
+    def loss_context(self):
+        """Context for the forward that makes the loss (loss parallel under tensor parallelism)."""
+        return loss_context(self.tensor_parallel)
 
     def backward_context(self):
         """Context for loss.backward(). Compiled autograd is entered only around the backward call:
         torch._dynamo.config.compiled_autograd alone covers backward calls made inside a compiled
-        function, and the engine calls backward outside the compiled module."""
+        function, and the engine calls backward outside the compiled module. Loss parallel covers
+        backward as well as forward."""
         if self.compiled_autograd:
             return maybe_enable_compiled_autograd(True)
-        return contextlib.nullcontext()
+        return loss_context(self.tensor_parallel)
 
     def sync_gradients(self, enabled: bool):
         """Context for one micro-batch: gradients are reduced only on the last micro-batch."""
@@ -70,6 +85,8 @@ def wrap(model: torch.nn.Module, spec: WorkerSpec, precision: Precision, device:
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1:
         return WrappedModel(maybe_compile(model, spec.compile, fullgraph=spec.compile.fullgraph), None, False, None)
+    if plan.tensor_parallel_size > 1 or plan.data_parallel == DataParallel.HSDP:
+        return _wrap_on_mesh(model, blocks, spec, precision, device)
     if plan.data_parallel == DataParallel.FSDP:
         return _wrap_fsdp(model, blocks, spec.compile, precision)
     return _wrap_ddp(model, spec, device, world, comm_stats)
@@ -134,6 +151,26 @@ def _wrap_fsdp(model: torch.nn.Module, blocks: Sequence[torch.nn.Module], compil
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)  # in place: the model itself is now the FSDP module
     return WrappedModel(model, None, True, None)
+
+
+def _wrap_on_mesh(model: torch.nn.Module, blocks: Sequence[torch.nn.Module], spec: WorkerSpec, precision: Precision,
+                  device: torch.device) -> WrappedModel:
+    """The torchtitan order: split each layer over the tensor-parallel ranks, compile block by block,
+    then FSDP2 over the data-parallel dimensions (with one replica, tensor parallelism alone)."""
+    plan = spec.plan
+    mesh = device_mesh(plan, device)
+    tensor_parallel = plan.tensor_parallel_size > 1
+    if tensor_parallel:
+        apply_tensor_parallel(model, spec.workload, mesh["tp"])
+    _compile_by_block(model, blocks, spec.compile)
+    replicas = plan.world_size // plan.tensor_parallel_size
+    if replicas > 1:
+        policy = MixedPrecisionPolicy(param_dtype=precision.autocast_dtype, reduce_dtype=torch.float32)
+        dp_mesh = data_parallel_mesh(plan, mesh)
+        for block in blocks:
+            fully_shard(block, mesh=dp_mesh, mp_policy=policy)
+        fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+    return WrappedModel(model, None, replicas > 1, None, tensor_parallel=tensor_parallel)
 
 
 def _compile_by_block(model: torch.nn.Module, blocks: Sequence[torch.nn.Module], compile_config: CompileConfig) -> None:

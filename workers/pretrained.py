@@ -7,8 +7,9 @@ file by file, tensor slice by tensor slice: no rank ever holds the whole state d
 - kind = "hf": torch.distributed.checkpoint's HuggingFaceStorageReader loads the tensors by their own
   names (DCP plans which slice of which file each rank's shards need, and reads only those).
 - kind = "llama": the built-in stacks and permutes HF tensors (workers/models/hf_weights.py), which
-  DCP's reader cannot do; each rank reads the rows of its dim-0 shard of each parameter with
-  safetensors' slice reads instead.
+  DCP's reader cannot do; each rank reads the rows of its shard of each parameter with safetensors'
+  slice reads instead (FSDP2's and column-wise tensor parallelism's dim-0 shards; row-wise tensor
+  parallelism's column shards are cut from whole rows).
 A resumed or restarted run loads its checkpoint instead (workers/loop.py); these weights are its step 0.
 """
 
@@ -53,14 +54,17 @@ def _load_by_name(model: torch.nn.Module, hf_dir: str, process_group: Any) -> No
 def _load_llama_rows(model: torch.nn.Module, config: ModelConfig) -> None:
     layout, files = llama_layout(config), tensor_files(config.hf_dir)
     for name, param in model.named_parameters():
-        local, first_row = _local_rows(param)
+        local, offset = _local_part(param)
         if local.numel():
-            local.copy_(read_rows(layout[name], first_row, first_row + local.shape[0], files))
+            rows = read_rows(layout[name], offset[0], offset[0] + local.shape[0], files)
+            columns = [slice(start, start + size) for start, size in zip(offset[1:], local.shape[1:], strict=True)]
+            local.copy_(rows[(slice(None), *columns)])
 
 
-def _local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """This rank's part of a parameter and the global row it starts at (FSDP2 shards along dim 0)."""
+def _local_part(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """This rank's part of a parameter and where it starts in each dimension: FSDP2 and column-wise
+    tensor parallelism shard dim 0, row-wise tensor parallelism dim 1 (whose whole rows are read, then cut)."""
     if not isinstance(param, DTensor):
-        return param.data, 0
+        return param.data, (0,) * param.dim()
     _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return param.to_local(), offset[0]
+    return param.to_local(), tuple(offset)

@@ -139,9 +139,16 @@ def test_incompatible_checkpoints_are_refused_with_the_reason(tmp_path):
         checkpoint.check_compatible(saved, **{**job, "identity": llama})
 
 
-def test_gpt_checkpoints_record_the_model_keys_they_always_have():
-    """Checkpoints written before workloads recorded these [model] keys: they keep resuming."""
-    assert set(IDENTITY) == {"n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "dropout", "bias"}
+def test_gpt_checkpoints_record_the_model_keys_and_the_order_of_the_stacked_rows(tmp_path):
+    """Checkpoints from before the stacked projections ran head by head hold the same shapes with other
+    meanings: they are refused, naming the difference, not loaded into the wrong rows."""
+    assert set(IDENTITY) == {"n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "dropout", "bias", "stacked_rows"}
+    old = {key: value for key, value in IDENTITY.items() if key != "stacked_rows"}
+    info = checkpoint.CheckpointInfo(step=1, consumed_samples=4, model=old, tokenizer="bytes",
+                                     seed=CONFIG.train.seed, global_batch_size=4)
+    with pytest.raises(CheckpointError, match="stacked_rows: checkpoint None, config 'by head'"):
+        checkpoint.check_compatible(info, identity=IDENTITY, seed=CONFIG.train.seed, tokenizer="bytes",
+                                    global_batch_size=4, directory=tmp_path)
 
 
 def test_a_checkpoint_of_another_writer_is_refused(tmp_path):

@@ -98,21 +98,12 @@ def distributed_runs(rank: int, world: int, data_dir: str) -> dict:
                 "train": {"global_batch_size": 16, "micro_batch_size": 8, "lr": 3e-3, "min_lr": 3e-3,
                           "warmup_steps": 0}, "cluster": {"num_workers": 2}}
     topk = {"comm_hook": "topk", "topk_ratio": 0.07, "topk_ramp_steps": 80, "comm_warmup_steps": 0}
-    for name, parallel in {"text_allreduce": {}, "text_topk": topk, "text_topk_no_feedback": topk}.items():
+    for name, parallel in {"text_allreduce": {}, "text_topk": topk}.items():
         engine = Engine(engine_spec(JobConfig.from_dict({**text_job, "parallel": parallel}), world, 8, 1), rank,
                         torch.device("cpu"))
-        if name == "text_topk_no_feedback":
-            engine.wrapped.hook_state.residuals = Forgetful()
         results[name] = {"losses": text_losses(engine, data_dir, rank, world, TEXT_STEPS),
                          **_plain(engine.window_metrics())}
     return results
-
-
-class Forgetful(dict):
-    """Error feedback off: the top-k hook's residuals, never kept, so every step starts from zeros."""
-
-    def __setitem__(self, key, value) -> None:
-        pass
 
 
 def _plain(metrics: dict) -> dict:
@@ -166,8 +157,11 @@ def test_ddp_reports_communication(runs):
 def test_topk_with_error_feedback_tracks_uncompressed_training(runs):
     """On real text (150 steps on 2 ranks, fused loss, seed 0), top-k with its sparsity ramp (25% of
     the entries falling to 7% over 80 steps, no dense steps) ends within 5% of uncompressed training
-    with at most 5% of its bytes: +0.9% with 4.91% of the bytes (the bytes are fixed by the layouts,
-    so the margin there is small but does not move; the loss has room, at this seed). The places go Elias-Fano coded
+    with at most 5% of its bytes: +1.8% with 4.91% of the bytes (the bytes are fixed by the layouts,
+    so the margin there is small but does not move; the loss has room, at this seed). The tables
+    below were measured before GPT's qkv rows ran head by head (+0.9% here then): the hook selects
+    and scales per block of the flat bucket, so the rows' order moves single runs, by less than
+    the 2 points they are read to. The places go Elias-Fano coded
     (kernels.wire, [parallel] topk_wire); sent as int16 offsets the same run (the same losses)
     takes 9.08% of the bytes. `benchmarks/topk_loss.py` runs this setup at any share, ramp and seed
     against plain all-reduce (benchmarks/RESULTS.md: under 1% of loss needs ~30% of the entries).
@@ -264,10 +258,11 @@ def test_topk_with_error_feedback_tracks_uncompressed_training(runs):
     topk, plain = runs["text_topk"], runs["text_allreduce"]
     final = lambda losses: sum(losses[-10:]) / 10  # noqa: E731
     assert final(topk["losses"]) <= 1.05 * final(plain["losses"])
-    # Error feedback is what buys most of that: the same run with the residual forgotten every step
-    # ends further above plain all-reduce (+3.6 % against +0.9 % at this seed, measured).
-    gap = lambda run: final(run["losses"]) / final(plain["losses"]) - 1  # noqa: E731
-    assert gap(topk) < 0.5 * gap(runs["text_topk_no_feedback"])
+    # Error feedback is exact over steps (test_kernels_compression); what it buys in loss here is not
+    # told apart from a single run's noise. The same runs with the residual forgotten every step, one
+    # thread a rank, gaps at seeds 0-3, with feedback / without: +1.5 / +3.1, +5.4 / +4.0, +4.0 / +3.9,
+    # +7.5 / +6.4 with the [q; k; v] rows; +2.1 / +2.7, +4.9 / +4.5, +4.7 / +4.3, +6.9 / +5.9 head
+    # by head. (At seed 0 alone it had looked like most of the gap: +0.9 against +3.6.)
     assert final(plain["losses"]) < plain["losses"][0] - 2.0
     assert topk["comm_bytes"] <= 0.05 * plain["comm_bytes"]
 

@@ -7,10 +7,12 @@ import json
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from core.config import JobConfig
 from core.errors import ConfigError
 from orchestrator import Orchestrator
+from planning.resolve import uniform_spec
 from tests.conftest import tiny_job
 from tests.hf_support import write_model
 
@@ -58,29 +60,33 @@ def test_the_built_in_llama_refuses_qwen2s_biases(tmp_path):
 
 def sharded_losses(rank: int, world: int, hf_dir: str) -> dict:
     """On each rank of an FSDP2 group: hf_dir's weights read into this rank's shards (kind hf through
-    DCP's HuggingFaceStorageReader, the built-in through row reads), then the loss of one batch."""
+    DCP's HuggingFaceStorageReader, the built-in through row reads), then the loss of one batch; and
+    the built-in split by tensor parallelism (row-wise layers sharded by columns)."""
     from storage.checkpoint_io import checkpoint_group
-    from tests.engine_support import engine_spec
     from workers.engine import Engine
     from workers.pretrained import load_pretrained
 
     torch.manual_seed(0)
     batch = torch.randint(0, 320, (2, 33))
     losses = {}
-    for kind in ("hf", "llama"):
+    for kind, tensor_parallel_size in (("hf", 1), ("llama", 1), ("llama", 2)):
         config = JobConfig.from_dict({"model": {"kind": kind, "hf_dir": hf_dir, "seq_len": 32},
                                       "parallel": {"strategy": "fsdp"}, "train": {"global_batch_size": 4,
                                                                                   "micro_batch_size": 2}})
-        engine = Engine(engine_spec(config, world, 2, 1), rank, torch.device("cpu"))
+        spec = uniform_spec(config, world_size=world, micro_batch_size=2, grad_accum_steps=1,
+                            tensor_parallel_size=tensor_parallel_size)
+        engine = Engine(spec, rank, torch.device("cpu"))
         shard = next(p for p in engine.model.parameters() if p.dim() == 2)
         assert shard.to_local().shape[0] < shard.shape[0]  # sharded: each rank reads a part of each tensor
         assert load_pretrained(engine.model, config.model, process_group=checkpoint_group())
-        with torch.no_grad():
-            losses[kind] = float(engine.workload.loss(engine.model, batch[:, :-1], batch[:, 1:]))
+        with torch.no_grad(), engine.wrapped.loss_context():
+            loss = engine.workload.loss(engine.model, batch[:, :-1], batch[:, 1:])
+        losses[kind if tensor_parallel_size == 1 else f"{kind} tp{tensor_parallel_size}"] = float(
+            loss.full_tensor() if isinstance(loss, DTensor) else loss)
     return losses
 
 
-def test_weights_stream_into_fsdp2_shards(tmp_path):
+def test_weights_stream_into_fsdp2_and_tensor_parallel_shards(tmp_path):
     from tests.engine_support import run_ranks
     from tests.hf_support import hf_loss
 
@@ -88,4 +94,4 @@ def test_weights_stream_into_fsdp2_shards(tmp_path):
     torch.manual_seed(0)
     expected = hf_loss(model, torch.randint(0, 320, (2, 33)))
     losses = run_ranks(2, sharded_losses, str(tmp_path))
-    assert losses["hf"] == pytest.approx(expected, rel=1e-5) and losses["llama"] == pytest.approx(expected, rel=1e-5)
+    assert all(loss == pytest.approx(expected, rel=1e-5) for loss in losses.values()) and len(losses) == 3

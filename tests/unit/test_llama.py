@@ -61,8 +61,8 @@ def reference_logits(model: Llama, tokens: torch.Tensor) -> torch.Tensor:
     x = w["tok_embeddings.weight"][tokens]
     for i in range(cfg.n_layer):
         prefix = f"layers.{i}."
-        wq, wk, wv = w[prefix + "attention.wqkv.weight"].split([heads * head_dim, kv_heads * head_dim,
-                                                                 kv_heads * head_dim])
+        grouped = w[prefix + "attention.wqkv.weight"].view(kv_heads, heads // kv_heads + 2, head_dim, -1)
+        wq, wk, wv = grouped[:, :-2].reshape(heads * head_dim, -1), grouped[:, -2].flatten(0, 1), grouped[:, -1].flatten(0, 1)
         h = rms_norm(x, w[prefix + "attention_norm.weight"], cfg.norm_eps)
         q = rotate((h @ wq.T).view(B, T, heads, head_dim), freqs_cis)
         k = rotate((h @ wk.T).view(B, T, kv_heads, head_dim), freqs_cis)
@@ -72,7 +72,7 @@ def reference_logits(model: Llama, tokens: torch.Tensor) -> torch.Tensor:
         attended = (scores.softmax(-1) @ v.transpose(1, 2)).transpose(1, 2).reshape(B, T, -1)
         x = x + attended @ w[prefix + "attention.wo.weight"].T
         h = rms_norm(x, w[prefix + "ffn_norm.weight"], cfg.norm_eps)
-        w1, w3 = w[prefix + "feed_forward.w13.weight"].chunk(2)
+        w1, w3 = w[prefix + "feed_forward.w13.weight"][0::2], w[prefix + "feed_forward.w13.weight"][1::2]
         x = x + (F.silu(h @ w1.T) * (h @ w3.T)) @ w[prefix + "feed_forward.w2.weight"].T
     x = rms_norm(x, w["norm.weight"], cfg.norm_eps)
     return x @ w["output.weight" if not cfg.tie_embeddings else "tok_embeddings.weight"].T

@@ -4,6 +4,7 @@ import pytest
 
 from core.config import JobConfig
 from core.errors import ConfigError
+from tests.hf_support import write_model
 
 
 def test_defaults_plan_for_speed_on_every_device():
@@ -23,7 +24,7 @@ def test_prices_are_a_table_of_numbers(tmp_path):
 @pytest.mark.parametrize("placement, where, message", [
     ({"objective": "cheapest_under_deadline"}, "[placement] deadline_hours", "needs a deadline"),
     ({"min_gpus": 8, "max_gpus": 4}, "[placement] max_gpus", "is below min_gpus = 8"),
-    ({"tensor_parallel_size": 0}, "[placement] tensor_parallel_size", "must be positive"),
+    ({"tensor_parallel_size": -1}, "[placement] tensor_parallel_size", "must be 0 (the planner picks) or more"),
     ({"prices": {"L4": -1.0}}, "[placement] prices.L4", "must be 0 or more"),
     ({"prices": {"L4": "cheap"}}, "[placement] prices.L4", "must be a number"),
     ({"prices": 3}, "[placement] prices", "must be a table"),
@@ -33,4 +34,20 @@ def test_prices_are_a_table_of_numbers(tmp_path):
 def test_bad_placement_names_the_key(placement, where, message):
     with pytest.raises(ConfigError) as refused:
         JobConfig.from_dict({"placement": placement})
+    assert refused.value.where == where and message in refused.value.what
+
+
+@pytest.mark.parametrize("sections, where, message", [
+    ({"model": {"kind": "hf", "hf_dir": "HF_DIR"}}, "[placement] tensor_parallel_size",
+     "only the built-in gpt and llama models have"),
+    ({"train": {"qat": "int8-weight"}}, "[train] qat", "no plan for the fake-quantized layers"),
+])
+def test_tensor_parallelism_is_refused_for_layers_it_has_no_plan_for(tmp_path, sections, where, message):
+    """A transformers model and torchao's fake-quantized layers have no tensor-parallel plan: refused
+    here rather than failing inside parallelize_module on the workers."""
+    if "model" in sections:  # a transformers config.json to read
+        write_model(tmp_path, "llama", weights=False)
+        sections = {"model": {**sections["model"], "hf_dir": str(tmp_path)}}
+    with pytest.raises(ConfigError) as refused:
+        JobConfig.from_dict({**sections, "placement": {"tensor_parallel_size": 2}})
     assert refused.value.where == where and message in refused.value.what

@@ -1,5 +1,6 @@
 """The Plan object: it checks itself, describes CPU and GPU workers, and survives a JSON round trip."""
 
+import dataclasses
 import json
 
 import pytest
@@ -85,10 +86,41 @@ def test_a_tensor_parallel_group_never_holds_a_mig_slice():
                  data_parallel_groups=[[0], [1]])
 
 
+def test_a_tensor_parallel_group_never_spans_two_nvlink_islands():
+    """The plan's own island check, apart from the planner's (which never makes such a group)."""
+    workers = [gpu_worker(0, "GPU-a", 16, dp=0, tp=0, island="n0-nvl0", accum=1),
+               gpu_worker(1, "GPU-b", 16, dp=0, tp=1, island="n0-nvl1", accum=1)]
+    groups = dict(global_batch_size=16, tensor_parallel_size=2, tensor_parallel_groups=[[0, 1]],
+                  data_parallel_groups=[[0], [1]], intra_island_groups=[[0], [1]], inter_island_groups=[[0, 1]])
+    with pytest.raises(PlacementError, match=r"group \[0, 1\] leaves one NVLink island"):
+        cpu_plan(workers=workers, **groups)
+    same_island = [dataclasses.replace(w, island_id="n0-nvl0") for w in workers]
+    assert cpu_plan(workers=same_island, **groups | dict(intra_island_groups=[[0, 1]], inter_island_groups=[[0], [1]]))
+
+
+def test_the_plan_names_its_mesh_and_hsdp_shards_inside_islands():
+    workers = [gpu_worker(r, f"GPU-{r}", 8, island=f"n{r // 2}-nvl0", accum=1) for r in range(4)]
+    hsdp = dict(workers=workers, data_parallel=DataParallel.HSDP, intra_island_groups=[[0, 1], [2, 3]],
+                inter_island_groups=[[0, 2], [1, 3]], tensor_parallel_groups=[[r] for r in range(4)],
+                data_parallel_groups=[[0, 1, 2, 3]])
+    plan = cpu_plan(**hsdp)
+    assert (plan.mesh_dim_names, plan.mesh_shape) == (["dp_replicate", "dp_shard"], [2, 2])
+    assert Plan.from_json(plan.to_json()) == plan
+    with pytest.raises(PlacementError, match="hsdp shards over groups of 2 consecutive ranks"):
+        cpu_plan(**hsdp | dict(intra_island_groups=[[0, 2], [1, 3]], inter_island_groups=[[0, 1], [2, 3]]))
+    with pytest.raises(PlacementError, match="mesh"):
+        cpu_plan(**hsdp | dict(mesh_dim_names=["dp_shard"], mesh_shape=[4]))
+
+
 def test_older_plans_read_with_plain_all_reduce_and_a_newer_one_is_refused():
     data = json.loads(cpu_plan(comm_hook="bf16").to_json())
-    assert data["version"] == 4 and data["comm_hook"] == "bf16" and data["precision"] == "fp32"
-    version_3 = {key: value for key, value in data.items() if key != "device_bases"} | {"version": 3}
+    assert data["version"] == 5 and data["comm_hook"] == "bf16" and data["precision"] == "fp32"
+    added_in_5 = ("gpu_index", "island_resource", "environment")
+    workers_4 = [{key: value for key, value in w.items() if key not in added_in_5} for w in data["workers"]]
+    version_4 = {key: value for key, value in data.items() if not key.startswith("mesh_")} | {
+        "version": 4, "workers": workers_4}
+    assert Plan.from_dict(version_4) == cpu_plan(comm_hook="bf16")  # the mesh its groups imply
+    version_3 = {key: value for key, value in version_4.items() if key != "device_bases"} | {"version": 3}
     assert Plan.from_dict(version_3) == cpu_plan(comm_hook="bf16")
     resolved = ("hook_settings", "bucket_cap_mb", "precision", "activation_checkpointing", "overlap",
                 "overlap_backward_share")
@@ -96,8 +128,8 @@ def test_older_plans_read_with_plain_all_reduce_and_a_newer_one_is_refused():
     assert Plan.from_dict(version_2) == cpu_plan(comm_hook="bf16")
     version_1 = {key: value for key, value in version_2.items() if key != "comm_hook"} | {"version": 1}
     assert Plan.from_dict(version_1) == cpu_plan(comm_hook="allreduce")
-    with pytest.raises(PlacementError, match="plan version 5; this archipelago reads 4"):
-        Plan.from_dict({**data, "version": 5})
+    with pytest.raises(PlacementError, match="plan version 6; this archipelago reads 5"):
+        Plan.from_dict({**data, "version": 6})
 
 
 @pytest.mark.parametrize("choices, named", [

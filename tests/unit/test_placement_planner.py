@@ -169,7 +169,7 @@ def test_a_model_too_large_for_ddp_is_told_about_fsdp():
 @pytest.mark.parametrize("cluster, config, where, message", [
     ("8xH100-SXM:2", job(placement={"min_gpus": 20}), "[placement] min_gpus",
      "asks for 20 workers; the cluster has 16 usable GPUs"),
-    ("8xH100-SXM:1", job(placement={"tensor_parallel_size": 16}), "[placement] tensor_parallel_size",
+    ("8xH100-SXM:1", job(model={"n_head": 16}, placement={"tensor_parallel_size": 16}), "[placement] tensor_parallel_size",
      "the largest has 8 GPUs"),
     ("8xH100-SXM:2", job(placement={"min_gpus": 16}, train={"global_batch_size": 8, "micro_batch_size": 1}),
      "[train] global_batch_size", "16 workers but a global batch of 8"),

@@ -14,23 +14,39 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from core.config import ModelConfig
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
+
 from workers.models.stack import BlockStack
+from workers.models.tensor_plans import embedding_style, final_norm_styles, gpt_block_plan
 
 
 class CausalSelfAttention(nn.Module):
+    """The query, key and value projections are one matrix whose rows run head by head ([q_h; k_h; v_h]
+    for each head h), so that any contiguous cut of its rows holds whole heads: tensor parallelism
+    shards it by rows (column-wise) and each rank attends with the heads it holds."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_head = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        B, T, _ = x.shape
+        # -1 heads: all of them, or this rank's share under tensor parallelism.
+        q, k, v = self.qkv(x).view(B, T, -1, 3, self.head_dim).unbind(dim=3)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        return F.dropout(self.proj(y.transpose(1, 2).reshape(B, T, C)), self.dropout, self.training)
+        return F.dropout(self.proj(y.transpose(1, 2).reshape(B, T, -1)), self.dropout, self.training)
+
+    @torch.no_grad()
+    def lay_out_heads(self) -> None:
+        """Reorders rows drawn as [q; k; v] blocks to run head by head: one seed then builds the model it
+        built before the rows ran head by head, so what was measured at a seed still holds."""
+        for p in [self.qkv.weight] + ([self.qkv.bias] if self.qkv.bias is not None else []):
+            p.copy_(p.view(3, -1, self.head_dim, *p.shape[1:]).transpose(0, 1).reshape(p.shape))
 
 
 class MLP(nn.Module):
@@ -72,6 +88,8 @@ class GPT(BlockStack):
         for name, p in self.named_parameters():
             if name.endswith("proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        for block in self.blocks:
+            block.attn.lay_out_heads()
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -94,6 +112,18 @@ class GPT(BlockStack):
             self.stage(i + 1)
             x = block(x)
         return self.head(x, targets, loss_kernel, loss_mask)
+
+    def tensor_parallel_plan(self) -> dict[str, list[ParallelStyle]]:
+        # Positions split by rows too: each rank gets its sequence shard's positions to add.
+        plan = {"tok_emb": [embedding_style()],
+                "pos_emb": [RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-2))],
+                "ln_f": final_norm_styles()}
+        for i in range(len(self.blocks)):
+            plan.update({f"blocks.{i}.{path}": [style] for path, style in gpt_block_plan().items()})
+        return plan
+
+    def tie_weights(self) -> None:
+        self.lm_head.weight = self.tok_emb.weight
 
     @property
     def final_norm(self) -> nn.Module:

@@ -11,11 +11,14 @@ A directory holds `model.safetensors`, or shards `model-0000k-of-0000n.safetenso
 HuggingFaceStorageReader does), so the index is not needed to find a tensor.
 
 The built-in Llama stacks q, k, v into one matrix (wqkv) and SwiGLU's gate and up into another
-(w13), and rotates interleaved pairs (x0, x1), (x2, x3), … as Meta's reference does, where Hugging
-Face's LlamaForCausalLM rotates the two halves of each head (rotate_half). A HF q or k projection's
-row h·d + c·d/2 + i (head h of size d, half c, index i) is therefore the built-in's row h·d + 2i + c:
-`Piece.heads` marks the pieces so turned. Reading by rows lets a rank read only the rows of its FSDP2
-shard (dim 0) from each file, never the whole tensor.
+(w13), interleaved so that any contiguous cut of rows holds whole units of work (what tensor
+parallelism shards): wqkv key/value group by group (the group's query heads, then its key head and
+its value head), w13 a gate row then an up row. `Piece.block` is how many of a piece's rows each
+such group takes. The built-in also rotates interleaved pairs (x0, x1), (x2, x3), … as Meta's
+reference does, where Hugging Face's LlamaForCausalLM rotates the two halves of each head
+(rotate_half). A HF q or k projection's row h·d + c·d/2 + i (head h of size d, half c, index i) is
+therefore the built-in's row h·d + 2i + c: `Piece.heads` marks the pieces so turned. Reading by rows
+lets a rank read only the rows of its FSDP2 shard (dim 0) from each file, never the whole tensor.
 """
 
 from __future__ import annotations
@@ -78,6 +81,10 @@ class Piece:
     rows: int
     heads: int = 0
     """Rotary heads to turn from HF's halves into interleaved pairs (q and k projections); 0 = as stored."""
+    block: int = 0
+    """Rows of this piece in each group of our parameter, whose groups take `block` rows from each of
+    its pieces in turn (wqkv: a key/value group's q heads, then its k head, then its v head); 0 = all
+    its rows in one block."""
 
     def source_rows(self) -> np.ndarray:
         """For each of this piece's rows in our parameter, the HF tensor's row it comes from."""
@@ -89,11 +96,27 @@ class Piece:
         return ours - within + (within % 2) * (head_dim // 2) + within // 2
 
 
+def row_sources(pieces: list[Piece]) -> tuple[np.ndarray, np.ndarray]:
+    """For each row of our parameter stacked from `pieces`, which piece it comes from (its index) and
+    that HF tensor's row."""
+    blocks = [piece.block or piece.rows for piece in pieces]
+    stride, total = sum(blocks), sum(piece.rows for piece in pieces)
+    which, source = np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64)
+    offset = 0
+    for i, (piece, block) in enumerate(zip(pieces, blocks, strict=True)):
+        rows = np.arange(piece.rows)
+        ours = rows // block * stride + offset + rows % block
+        which[ours], source[ours] = i, piece.source_rows()
+        offset += block
+    return which, source
+
+
 def llama_layout(config: ModelConfig) -> dict[str, list[Piece]]:
     """Our built-in Llama's parameters (deduplicated names: a tied head is the embedding) and the HF
     LlamaForCausalLM / MistralForCausalLM tensors each stacks."""
     head_dim = config.n_embd // config.n_head
     q_rows, kv_rows = config.n_head * head_dim, config.kv_heads * head_dim
+    group_rows = config.n_head // config.kv_heads * head_dim  # one key/value group's query rows
     layout = {"tok_embeddings.weight": [Piece("model.embed_tokens.weight", config.vocab_size)],
               "norm.weight": [Piece("model.norm.weight", config.n_embd)]}
     if not config.tie_embeddings:
@@ -101,14 +124,15 @@ def llama_layout(config: ModelConfig) -> dict[str, list[Piece]]:
     for i in range(config.n_layer):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
         layout |= {
-            ours + "attention.wqkv.weight": [Piece(theirs + "self_attn.q_proj.weight", q_rows, config.n_head),
-                                             Piece(theirs + "self_attn.k_proj.weight", kv_rows, config.kv_heads),
-                                             Piece(theirs + "self_attn.v_proj.weight", kv_rows)],
+            ours + "attention.wqkv.weight": [
+                Piece(theirs + "self_attn.q_proj.weight", q_rows, config.n_head, block=group_rows),
+                Piece(theirs + "self_attn.k_proj.weight", kv_rows, config.kv_heads, block=head_dim),
+                Piece(theirs + "self_attn.v_proj.weight", kv_rows, block=head_dim)],
             ours + "attention.wo.weight": [Piece(theirs + "self_attn.o_proj.weight", config.n_embd)],
             ours + "attention_norm.weight": [Piece(theirs + "input_layernorm.weight", config.n_embd)],
             ours + "ffn_norm.weight": [Piece(theirs + "post_attention_layernorm.weight", config.n_embd)],
-            ours + "feed_forward.w13.weight": [Piece(theirs + "mlp.gate_proj.weight", config.hidden_dim),
-                                               Piece(theirs + "mlp.up_proj.weight", config.hidden_dim)],
+            ours + "feed_forward.w13.weight": [Piece(theirs + "mlp.gate_proj.weight", config.hidden_dim, block=1),
+                                               Piece(theirs + "mlp.up_proj.weight", config.hidden_dim, block=1)],
             ours + "feed_forward.w2.weight": [Piece(theirs + "mlp.down_proj.weight", config.n_embd)],
         }
     return layout
@@ -124,28 +148,27 @@ def read_rows(pieces: list[Piece], start: int, stop: int, files: dict[str, Path]
     (tensor name -> file): each piece's rows in one slice read of the span they come from."""
     from safetensors import safe_open
 
-    parts, offset = [], 0
-    for piece in pieces:
-        lo, hi = max(start, offset) - offset, min(stop, offset + piece.rows) - offset
-        offset += piece.rows
-        if lo >= hi:
-            continue
-        source = piece.source_rows()[lo:hi]
-        first, last = int(source.min()), int(source.max()) + 1
+    which, source = (rows[start:stop] for rows in row_sources(pieces))
+    out = None
+    for i in np.unique(which):
+        piece, here = pieces[i], np.flatnonzero(which == i)
+        first, last = int(source[here].min()), int(source[here].max()) + 1
         with safe_open(str(files[piece.key]), framework="pt") as f:
             span = f.get_slice(piece.key)[first:last]
-        parts.append(span[torch.from_numpy(source - first)])
-    return torch.cat(parts)
+        if out is None:
+            out = span.new_empty((stop - start, *span.shape[1:]))
+        out[torch.from_numpy(here)] = span[torch.from_numpy(source[here] - first)]
+    return out
 
 
 def stack_for_export(pieces: list[Piece], tensor: torch.Tensor) -> dict[str, torch.Tensor]:
     """Our whole parameter `tensor` cut back into the HF tensors of `pieces` (read_rows turned around)."""
-    out, offset = {}, 0
-    for piece in pieces:
-        rows = tensor[offset:offset + piece.rows]
-        offset += piece.rows
-        hf = torch.empty_like(rows)
-        hf[torch.from_numpy(piece.source_rows())] = rows
+    which, source = row_sources(pieces)
+    out = {}
+    for i, piece in enumerate(pieces):
+        here = np.flatnonzero(which == i)
+        hf = tensor.new_empty((piece.rows, *tensor.shape[1:]))
+        hf[torch.from_numpy(source[here])] = tensor[torch.from_numpy(here)]
         out[piece.key] = hf
     return out
 

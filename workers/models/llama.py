@@ -5,7 +5,11 @@ Sized by `ModelConfig` (kind = "llama"), or a preset: llama3-1b, llama3-3b and l
 of Llama-3.2-1B, Llama-3.2-3B and Llama-3.1-8B. Names follow Meta's reference (tok_embeddings, layers,
 attention, feed_forward, norm, output); the query, key and value projections are one matrix (wqkv),
 and SwiGLU's gate and up projections another (w13), so each is one matmul. Rotary embeddings rotate
-interleaved pairs (x0, x1), (x2, x3), … as Meta's reference does.
+interleaved pairs (x0, x1), (x2, x3), … as Meta's reference does. Both stacked matrices order their
+rows so that any contiguous cut holds whole units of work: wqkv key/value group by group (the query
+heads that share a key/value head, then that key and value head), w13 gate and up row by row. Tensor
+parallelism shards them by rows (workers/models/tensor_plans.py), and each rank computes with the
+groups and hidden units it holds, with no reordering.
 
 Initialisation: every projection N(0, 0.02), the ones writing into the residual stream (wo, w2)
 scaled by 1/sqrt(2 · n_layer) so its variance does not grow with depth, embeddings N(0, 0.02), and
@@ -22,7 +26,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from core.config import ModelConfig
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
+
 from workers.models.stack import BlockStack
+from workers.models.tensor_plans import embedding_style, final_norm_styles, llama_block_plan
 
 ROPE_LOW_FREQ_FACTOR = 1.0
 ROPE_HIGH_FREQ_FACTOR = 4.0
@@ -72,18 +79,29 @@ class Attention(nn.Module):
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """mask: (batch, 1, seq, seq) bool, True where a query may attend (packed documents); None is causal."""
         B, T, _ = x.shape
-        kv_width = self.n_kv_head * self.head_dim
-        q, k, v = self.wqkv(x).split([self.n_head * self.head_dim, kv_width, kv_width], dim=-1)
-        q = apply_rope(q.view(B, T, self.n_head, self.head_dim), cos, sin).transpose(1, 2)
-        k = apply_rope(k.view(B, T, self.n_kv_head, self.head_dim), cos, sin).transpose(1, 2)
-        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                           enable_gqa=self.n_kv_head != self.n_head)
+        group = self.n_head // self.n_kv_head
+        # Rows by key/value group: [q heads of the group; k; v]. -1 groups: all, or this rank's share.
+        grouped = self.wqkv(x).view(B, T, -1, group + 2, self.head_dim)
+        q = grouped[:, :, :, :group].flatten(2, 3)
+        k, v = grouped[:, :, :, group], grouped[:, :, :, group + 1]
+        q = apply_rope(q, cos, sin).transpose(1, 2)
+        k = apply_rope(k, cos, sin).transpose(1, 2)
+        v = v.transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=group > 1)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+    @torch.no_grad()
+    def lay_out_groups(self) -> None:
+        """Reorders rows drawn as [q; k; v] blocks to run key/value group by group: one seed then builds
+        the model it built before the rows were grouped, so what was measured at a seed still holds."""
+        w = self.wqkv.weight
+        kv_rows = self.n_kv_head * self.head_dim
+        blocks = w.split([self.n_head * self.head_dim, kv_rows, kv_rows])
+        w.copy_(torch.cat([block.view(self.n_kv_head, -1, w.shape[1]) for block in blocks], dim=1).reshape(w.shape))
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(x w1) * x w3), with w1 and w3 stacked in one matrix (w13)."""
+    """SwiGLU: w2(silu(x w1) * x w3), with w1 and w3 interleaved row by row in one matrix (w13)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -91,8 +109,14 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(cfg.hidden_dim, cfg.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)
+        gate, up = self.w13(x).unflatten(-1, (-1, 2)).unbind(dim=-1)
         return self.w2(F.silu(gate) * up)
+
+    @torch.no_grad()
+    def lay_out_rows(self) -> None:
+        """Reorders rows drawn as [gate; up] blocks to alternate (as Attention.lay_out_groups, for the seed's sake)."""
+        w = self.w13.weight
+        w.copy_(torch.stack(w.chunk(2), dim=1).reshape(w.shape))
 
 
 class TransformerBlock(nn.Module):
@@ -129,6 +153,8 @@ class Llama(BlockStack):
             nn.init.normal_(layer.feed_forward.w13.weight, std=0.02)
             nn.init.normal_(layer.attention.wo.weight, std=residual_std)
             nn.init.normal_(layer.feed_forward.w2.weight, std=residual_std)
+            layer.attention.lay_out_groups()
+            layer.feed_forward.lay_out_rows()
         if not self.cfg.tie_embeddings:
             nn.init.normal_(self.output.weight, std=self.cfg.n_embd ** -0.5)
 
@@ -159,6 +185,18 @@ class Llama(BlockStack):
             self.stage(i + 1)
             x = layer(x, cos, sin, mask)
         return self.head(x, targets, loss_kernel, loss_mask)
+
+    def tensor_parallel_plan(self) -> dict[str, list[ParallelStyle]]:
+        plan = {"tok_embeddings": [embedding_style()], "norm": final_norm_styles()}
+        if not self.cfg.tie_embeddings:  # split by vocabulary rows; head() multiplies by it (the module is not called)
+            plan["output"] = [ColwiseParallel()]
+        for i in range(len(self.layers)):
+            plan.update({f"layers.{i}.{path}": [style] for path, style in llama_block_plan().items()})
+        return plan
+
+    def tie_weights(self) -> None:
+        if self.cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
 
     @property
     def final_norm(self) -> nn.Module:

@@ -6,7 +6,10 @@ do only with a model written for them, which the built-in GPT and Llama are:
   the forward calls before the embeddings (0) and before block i (i + 1), and reads which stage first
   uses each parameter (`forward_stages`);
 - compile the head apart: FSDP2 compiles block by block, and `head` (final norm, output projection
-  and loss) is compiled too, since its logits cost time and memory eagerly.
+  and loss) is compiled too, since its logits cost time and memory eagerly;
+- split across a tensor-parallel group: `tensor_parallel_plan` (workers/models/tensor_plans.py) says
+  how each module splits, and `head` computes the loss on vocabulary shards when the output
+  projection is split (loss parallel).
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ParallelStyle
 
-from kernels.loss import ignore_masked, linear_cross_entropy, plain_cross_entropy
+from kernels.loss import counted_rows, ignore_masked, linear_cross_entropy, plain_cross_entropy
 from workers.models.chunked_loss import chunked_cross_entropy
 
 LOSS_KERNELS = ("fused", "plain", "chunked")
@@ -59,8 +64,34 @@ class BlockStack(nn.Module, ABC):
 
     def head(self, x: torch.Tensor, targets: torch.Tensor | None, loss_kernel: str,
              loss_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Final norm, output projection and loss (head_loss)."""
-        return head_loss(x, self.output_weight(), targets, loss_kernel, self.final_norm, loss_mask)
+        """Final norm, output projection and loss (head_loss; under tensor parallelism, on the
+        vocabulary shards)."""
+        weight = self.output_weight()
+        if isinstance(weight, DTensor):
+            return self._vocabulary_sharded_head(x, targets, loss_mask)
+        return head_loss(x, weight, targets, loss_kernel, self.final_norm, loss_mask)
+
+    def _vocabulary_sharded_head(self, x: torch.Tensor, targets: torch.Tensor | None,
+                                 loss_mask: torch.Tensor | None) -> torch.Tensor:
+        """The head under tensor parallelism: the final norm hands over the whole sequence as a DTensor
+        (tensor_plans.final_norm_styles), the logits stay split by vocabulary, and cross-entropy runs
+        on the shards (call it inside torch's loss_parallel(), forward and backward). The fused and
+        chunked kernels need whole vocabulary rows, so every loss_kernel is this one here. The mean
+        is over the targets loss_mask keeps, as plain_cross_entropy's."""
+        logits = F.linear(self.final_norm(x), self.output_weight())
+        if targets is None:
+            return logits.full_tensor()
+        targets = ignore_masked(targets, loss_mask).reshape(-1)
+        summed = F.cross_entropy(logits.float().flatten(0, 1), targets, reduction="sum")
+        return summed / counted_rows(targets)
+
+    @abstractmethod
+    def tensor_parallel_plan(self) -> dict[str, list[ParallelStyle]]:
+        """Module path -> the parallel styles applied to it, in order (workers/models/tensor_plans.py)."""
+
+    def tie_weights(self) -> None:
+        """Shares the embedding's matrix with the head again where the model ties them: parallelizing
+        replaces each module's parameters with new DTensors, one per module."""
 
     @property
     @abstractmethod

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from core.config import ModelConfig
 from core.errors import ConfigError
@@ -36,10 +37,14 @@ from workers.models.layers import repeated_layers
 from workers.models.llama import Llama
 from workers.models.stack import BlockStack
 
-GPT_IDENTITY = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "dropout", "bias")
-"""What a gpt checkpoint records of its model (the keys every gpt checkpoint has had)."""
+GPT_IDENTITY = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "dropout", "bias", "stacked_rows")
+"""What a gpt checkpoint records of its model (the keys every gpt checkpoint has had, and stacked_rows)."""
 LLAMA_IDENTITY = ("kind", "n_layer", "n_head", "n_kv_head", "n_embd", "ffn_dim", "seq_len", "vocab_size",
-                  "rope_theta", "rope_scaling", "tie_embeddings", "norm_eps")
+                  "rope_theta", "rope_scaling", "tie_embeddings", "norm_eps", "stacked_rows")
+STACKED_ROWS = "by head"
+"""How the stacked projections order their rows (qkv and wqkv head by head or key/value group by group,
+w13 gate and up interleaved): checkpoints from before, whose rows ran q, k, v and gate, up in blocks,
+hold the same shapes with other meanings, and are refused instead of loaded."""
 FACTORY = "[model] factory"
 DETERMINISM_CHECKED_UP_TO = 50_000_000
 """Parameters up to which the driver builds a custom model twice to see that one seed gives one model
@@ -58,6 +63,7 @@ class BuiltinWorkload:
     def identity(self) -> dict[str, Any]:
         values = dataclasses.asdict(self.config)
         values["n_kv_head"], values["ffn_dim"] = self.config.kv_heads, self.config.hidden_dim
+        values["stacked_rows"] = STACKED_ROWS
         return {key: values[key] for key in self._identity_keys}
 
     def build(self) -> BlockStack:
@@ -69,6 +75,13 @@ class BuiltinWorkload:
 
     def blocks(self, model: nn.Module) -> Sequence[nn.Module]:
         return list(model.blocks)
+
+    def tensor_parallel_plan(self, model: BlockStack) -> dict[str, list[ParallelStyle]]:
+        """How each module splits over a tensor-parallel group (workers/tensor_parallel.py applies it)."""
+        return model.tensor_parallel_plan()
+
+    def tie_weights(self, model: BlockStack) -> None:
+        model.tie_weights()
 
     def __repr__(self) -> str:  # the memory estimate's cache key
         return f"{type(self).__name__}({self.identity()!r})"

@@ -1,0 +1,72 @@
+"""How the built-in models split across a tensor-parallel group (torch DTensor, Megatron-style).
+
+    styles = gpt_plan(model)        # {module path: ParallelStyle}; parallelize_module(model, tp_mesh, styles)
+
+Each block is the pattern of Megatron-LM with sequence parallelism: the norms run on a shard of the
+sequence (SequenceParallel), the attention and MLP inputs are gathered whole, their first
+projection is split by output rows (column-wise: each rank holds whole heads and hidden units, as
+the models order their stacked rows) and their second by input columns (row-wise), whose partial
+sums are reduce-scattered back onto sequence shards. Between blocks each rank holds 1/t of the
+sequence, so activations (and their memory) shrink with t.
+
+The token embedding is split by vocabulary rows and hands out sequence shards; GPT's position
+embedding is split by position rows the same way, so its sequence shard adds to the tokens'. The
+final norm gathers the sequence back whole and the output projection keeps the vocabulary split:
+the logits stay sharded by vocabulary and the loss is computed on the shards (loss parallel,
+BlockStack.head). A tied head shares the embedding's vocabulary-sharded matrix (same placement).
+"""
+
+from __future__ import annotations
+
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+
+def embedding_style() -> ParallelStyle:
+    """Vocabulary (or position) rows split; whole token ids in, sequence shards out."""
+    return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+
+
+def gathered_input(extra_inputs: int = 0) -> ParallelStyle:
+    """A sublayer's input gathered from sequence shards into the whole sequence (other inputs as they are)."""
+    return PrepareModuleInput(input_layouts=(Shard(1), *[None] * extra_inputs),
+                              desired_input_layouts=(Replicate(), *[None] * extra_inputs))
+
+
+def final_norm_styles() -> list[ParallelStyle]:
+    """The final norm on sequence shards, its output gathered whole and kept a DTensor for the head."""
+    return [SequenceParallel(), PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate(),
+                                                    use_local_output=False)]
+
+
+def gpt_block_plan() -> dict[str, ParallelStyle]:
+    return {
+        "ln_1": SequenceParallel(),
+        "attn": gathered_input(),
+        "attn.qkv": ColwiseParallel(),
+        "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+        "ln_2": SequenceParallel(),
+        "mlp": gathered_input(),
+        "mlp.fc": ColwiseParallel(),
+        "mlp.proj": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def llama_block_plan() -> dict[str, ParallelStyle]:
+    return {
+        "attention_norm": SequenceParallel(),
+        "attention": gathered_input(extra_inputs=3),  # the rotary tables and the document mask pass through whole
+        "attention.wqkv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": gathered_input(),
+        "feed_forward.w13": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    }
