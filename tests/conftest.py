@@ -39,15 +39,6 @@ def pytest_runtest_makereport(item, call):
                            "what it needs in the Makefile or .ci/run, or mark it gpu")
 
 
-def pytest_collection_modifyitems(config, items):
-    """`make test` runs pytest-xdist with --dist loadgroup: the integration tests, which share one local Ray
-    cluster per process and time faults (tests/integration/conftest.py), run one after another in one
-    worker while the unit tests fill the other."""
-    for item in items:
-        if item.get_closest_marker("integration") is not None:
-            item.add_marker(pytest.mark.xdist_group("ray"))
-
-
 # A slice of the standard library: real text, present on every machine, a few hundred KB.
 CORPUS_SOURCE = Path(sysconfig.get_paths()["stdlib"]) / "email"
 
