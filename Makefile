@@ -25,19 +25,24 @@ demo: $(STAMP)
 # pytest exits 5 when it collects no tests; make treats any non-zero exit as a failure.
 # lint-imports holds the layers of ARCHITECTURE.md: an import back up the stack fails the build.
 # -rs prints why each skipped test skipped (under CI=true only gpu-marked tests may: tests/conftest.py).
-# Two pytest processes side by side on the two cores: the Ray integration tests one after another (they
-# share one local cluster and time faults), the unit tests beside them; the integration log prints when
-# both have ended. (pytest-xdist's --dist loadgroup cannot keep the Ray tests together under pytest 9:
-# it renames the tests through a field pytest 9 no longer reads, and both workers ran Ray jobs at once.)
+# Two pytest processes side by side on the two cores, each with its own local Ray cluster: one runs the
+# integration tests that share the uninterrupted run and the S3 server, or kill and time workers and
+# drivers, one after another (a new integration file goes there by default); the other runs the unit
+# tests, then the integration files listed in INTEGRATION_BESIDE_UNIT, which need neither. The first
+# process's log prints when both have ended. (pytest-xdist's --dist loadgroup cannot keep the Ray tests
+# together under pytest 9: it renames tests through a field pytest 9 no longer reads.)
+INTEGRATION_BESIDE_UNIT := $(addprefix tests/integration/,test_adaptive_batch.py test_hf_models.py \
+	test_island_placement.py test_overlap_fit.py test_topology_discover.py test_job_submit.py)
 INTEGRATION_LOG := $(VENV)/integration-tests.log
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
-	@$(PYTHON) -m pytest --timeout=900 --durations=10 -rs tests/integration > $(INTEGRATION_LOG) 2>&1 & integration=$$!; \
-	$(PYTHON) -m pytest --timeout=900 --durations=10 -rs tests/unit tests/gpu; unit=$$?; \
+	@$(PYTHON) -m pytest --timeout=900 --durations=10 -rs tests/integration \
+	    $(addprefix --ignore=,$(INTEGRATION_BESIDE_UNIT)) > $(INTEGRATION_LOG) 2>&1 & integration=$$!; \
+	$(PYTHON) -m pytest --timeout=900 --durations=10 -rs tests/unit tests/gpu $(INTEGRATION_BESIDE_UNIT); unit=$$?; \
 	wait $$integration; integration=$$?; \
 	echo "================ tests/integration (ran beside the unit tests) ================"; \
 	cat $(INTEGRATION_LOG); \
-	echo "unit tests: exit $$unit; integration tests: exit $$integration"; \
+	echo "unit tests and $(words $(INTEGRATION_BESIDE_UNIT)) integration files: exit $$unit; other integration tests: exit $$integration"; \
 	test $$unit -eq 0 && test $$integration -eq 0
 
 test-gpu:
