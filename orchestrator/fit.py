@@ -30,7 +30,7 @@ from rich.console import Console
 import planning
 import topology
 from core.config import JobConfig
-from core.errors import ArchipelagoError, ConfigError, DataError, FailureBudgetError, PlacementError
+from core.errors import ArchipelagoError, ConfigError, DataError, FailureBudgetError
 from core.plan import Plan
 from core.schedule import LrSchedule
 from core.spec import WorkerSpec
@@ -127,7 +127,6 @@ class Orchestrator:
         """Trains the job; on any way out before the end (an error, Ctrl-C) the earlier run an --overwrite set
         aside comes back if this one committed nothing, and a run that trained writes report.json."""
         self._clock, self._rows = _Clock(), []
-        _refuse_before_start(self.config)
         _ = self.workload  # a factory's errors, before anything starts
         data_dir, tokenizer, token_flags = self._dataset()
         if token_flags:
@@ -411,14 +410,6 @@ class Orchestrator:
             self._save_report("running", Plan.load(self.run.plan_path))
 
 
-def _refuse_before_start(config: JobConfig) -> None:
-    """What the config alone shows the workers cannot run, said before anything starts."""
-    if config.cluster.use_gpu and config.placement.tensor_parallel_size > 1:
-        raise PlacementError(f"[placement] tensor_parallel_size = {config.placement.tensor_parallel_size}: the worker "
-                             "engine runs DDP and FSDP2 only", where="[placement] tensor_parallel_size",
-                             fix="set tensor_parallel_size = 1 to train (`archipelago plan` still plans it)")
-
-
 def _fit_into(trainer: TorchTrainer, outcome: dict) -> None:
     try:
         outcome["result"] = trainer.fit()
@@ -460,26 +451,3 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-
-
-def _fit_into(trainer: TorchTrainer, outcome: dict) -> None:
-    try:
-        outcome["result"] = trainer.fit()
-    except Exception as e:  # handed to the driver thread, which re-raises it
-        outcome["error"] = e
-
-
-def _user_error(error: BaseException) -> ArchipelagoError | None:
-    """Finds an ArchipelagoError a worker raised inside Ray's wrappers, so the user sees it as is."""
-    seen: set[int] = set()
-    stack = [error]
-    while stack:
-        e = stack.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, ArchipelagoError):
-            return e
-        stack.extend([e.__cause__, e.__context__, getattr(e, "cause", None), getattr(e, "controller_failure", None)])
-        stack.extend(getattr(e, "worker_failures", {}).values())
-    return None
