@@ -4,6 +4,8 @@ built-in Llama asked to take Qwen2's biased projections. Nothing is written into
 input streams into FSDP2 shards: each rank reads its part, and the sharded model computes transformers' loss."""
 
 import json
+import sys
+import types
 
 import pytest
 import torch
@@ -40,6 +42,22 @@ def test_an_architecture_transformers_does_not_know(tmp_path):
     (tmp_path / "odd" / "config.json").write_text(json.dumps({"model_type": "llamazilla", "vocab_size": 300}))
     error = refused(tmp_path, tmp_path / "odd")
     assert "odd/config.json" in error.what and "llamazilla" in error.what and "transformers" in error.fix
+
+
+class TransformersNeedingHubKernels(types.ModuleType):
+    """What transformers 5.25 does on import: reaches for Hugging Face's `kernels`, and finds ours."""
+
+    def __getattr__(self, name):
+        raise ImportError("cannot import name 'CUDAProperties' from 'kernels' (archipelago/kernels/__init__.py)")
+
+
+@pytest.mark.parametrize("installed, said", [(None, "needs transformers"),
+                                             (TransformersNeedingHubKernels("transformers"), "shadows it")])
+def test_a_transformers_that_will_not_import_is_named(tmp_path, monkeypatch, installed, said):
+    write_model(tmp_path / "m", "llama")
+    monkeypatch.setitem(sys.modules, "transformers", installed)
+    error = refused(tmp_path, tmp_path / "m")
+    assert said in error.what and "archipelago[hf]" in error.fix
 
 
 def test_safetensors_of_another_shape(tmp_path):

@@ -82,9 +82,8 @@ class HFWorkload:
                               fix="archipelago runs no downloaded code: use an architecture transformers ships")
         try:
             from transformers import AutoConfig
-        except ImportError:
-            raise ConfigError('kind = "hf" needs transformers', where=WHERE,
-                              fix="pip install 'archipelago[hf]'") from None
+        except ImportError as e:
+            raise _transformers_missing(e) from None
         try:
             hf_config = AutoConfig.for_model(**values)
         except (ValueError, KeyError) as e:
@@ -120,6 +119,16 @@ class HFWorkload:
 
     def blocks(self, model: nn.Module) -> Sequence[nn.Module]:
         return repeated_layers(model)
+
+
+def _transformers_missing(error: ImportError) -> ConfigError:
+    """Why transformers would not import: absent, or a release that needs Hugging Face's `kernels` library,
+    whose import name archipelago's own `kernels` package takes."""
+    if "kernels" in str(error):
+        return ConfigError(f"this transformers release imports Hugging Face's `kernels` library, and archipelago's "
+                           f"own `kernels` package shadows it ({error})", where=WHERE,
+                           fix="pip install 'transformers>=5,<5.25' (what archipelago[hf] asks for)")
+    return ConfigError('kind = "hf" needs transformers', where=WHERE, fix="pip install 'archipelago[hf]'")
 
 
 def expected_weights(model: nn.Module) -> dict[str, tuple[int, ...]]:
