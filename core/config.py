@@ -771,7 +771,8 @@ class JobConfig:
         """Whether this job's layers can be split over `size` GPUs: its own tensor_parallel_size, or each
         size the planner weighs under tensor_parallel_size = 0."""
         train, parallel = self.train, self.parallel
-        return rules.tensor_parallel_refusal(size, builtin_model=self.model.kind in ("gpt", "llama"),
+        return rules.tensor_parallel_refusal(size, use_gpu=self.cluster.use_gpu,
+                                             builtin_model=self.model.kind in ("gpt", "llama"),
                                              hook=parallel.comm_hook, overlap=parallel.overlap, precision=train.precision,
                                              bf16_weights=train.bf16_weights, qat=train.qat,
                                              divisible=self.model.tensor_split_sizes())

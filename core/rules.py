@@ -83,8 +83,8 @@ def overlap_refusal(*, strategy: str, hook: str, precision: str, grad_clip: floa
     return None
 
 
-def tensor_parallel_refusal(size: int, *, builtin_model: bool = True, hook: str = "allreduce", overlap: str = "off",
-                            precision: str = "bf16", bf16_weights: bool = False, qat: str = "",
+def tensor_parallel_refusal(size: int, *, use_gpu: bool = True, builtin_model: bool = True, hook: str = "allreduce",
+                            overlap: str = "off", precision: str = "bf16", bf16_weights: bool = False, qat: str = "",
                             divisible: dict[str, int] | None = None) -> Refusal | None:
     """Whether layers can be split over `size` GPUs with the rest of the job (1: nothing split; 0: the
     planner picks, and these are asked again for its pick). `divisible`: the model's sizes that each
@@ -92,6 +92,10 @@ def tensor_parallel_refusal(size: int, *, builtin_model: bool = True, hook: str 
     if size <= 1:
         return None
     where, fix = "[placement] tensor_parallel_size", "or set tensor_parallel_size = 1"
+    if not use_gpu:  # the planner splits layers over an NVLink island's GPUs; CPU slots have none
+        return Refusal(f"tensor_parallel_size = {size} splits layers over the GPUs of an NVLink island, and this job "
+                       "trains on CPUs ([cluster] use_gpu = false), whose workers split the batch only", where,
+                       "set tensor_parallel_size = 1, or use_gpu = true on GPUs")
     if not builtin_model:
         return Refusal(f"tensor_parallel_size = {size} splits layers by a plan only the built-in gpt and llama models have", where,
                        f'use [model] kind = "gpt" or "llama" (FSDP2 shards a custom or hf model: strategy = "fsdp"), {fix}')

@@ -49,5 +49,15 @@ def test_tensor_parallelism_is_refused_for_layers_it_has_no_plan_for(tmp_path, s
         write_model(tmp_path, "llama", weights=False)
         sections = {"model": {**sections["model"], "hf_dir": str(tmp_path)}}
     with pytest.raises(ConfigError) as refused:
-        JobConfig.from_dict({**sections, "placement": {"tensor_parallel_size": 2}})
+        JobConfig.from_dict({"cluster": {"use_gpu": True}, **sections, "placement": {"tensor_parallel_size": 2}})
     assert refused.value.where == where and message in refused.value.what
+
+
+def test_tensor_parallelism_on_cpus_is_refused_not_dropped():
+    """CPU plans split the batch only: a tensor_parallel_size there would have been silently ignored."""
+    with pytest.raises(ConfigError) as refused:
+        JobConfig.from_dict({"placement": {"tensor_parallel_size": 2}})
+    assert refused.value.where == "[placement] tensor_parallel_size" and "trains on CPUs" in refused.value.what
+    assert "tensor_parallel_size = 1" in refused.value.fix
+    for size in (0, 1):  # the planner's pick, and nothing split
+        assert JobConfig.from_dict({"placement": {"tensor_parallel_size": size}}).placement.tensor_parallel_size == size
