@@ -953,6 +953,8 @@ def _convert(value: Any, hint: Any, where: str, key: str, path: str) -> Any:
                               fix=f"set it to one of {', '.join(map(repr, choices))}")
         return value
     if origin in (typing.Union, types.UnionType):
+        if value is None:  # to_dict's JSON (a report's config) writes a key left out as null
+            return None
         return _convert(value, next(a for a in typing.get_args(hint) if a is not type(None)), where, key, path)
     if origin is dict:
         if not isinstance(value, dict):

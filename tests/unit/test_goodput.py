@@ -149,3 +149,10 @@ def test_goodput_settings_that_cannot_be_planned_are_config_errors_naming_key_an
     with pytest.raises(ConfigError) as error:
         JobConfig.from_dict({"placement": placement})
     assert error.value.where == key and error.value.fix.startswith(fix)
+
+
+@pytest.mark.parametrize("noise", [None, 300.0])
+def test_the_noise_scale_survives_the_configs_json_round_trip(noise):
+    """A report keeps its config as JSON (to_dict), where a noise scale left out is null."""
+    config = job(**({} if noise is None else {"noise_scale": noise}))
+    assert JobConfig.from_dict(config.to_dict()).placement == config.placement
