@@ -12,9 +12,14 @@ loss falls; Pollux (OSDI'21) trains at the batch the measured noise says is effi
 larger batch takes almost proportionally fewer steps (the same samples, fewer, larger and so
 cheaper steps); above it, the samples are wasted.
 
+The same law prices a batch (`statistical_efficiency`, Pollux's E(B)): reaching a loss takes
+(φ + B) / (φ + base) times the samples at batch B that it takes at `base`, φ the noise scale, so a
+sample at B is worth E(B) = (φ + base) / (φ + B) samples at base. The planner's goodput objectives
+rank plans by it (planning/goodput.py).
+
 The learning rate is tuned for `base_batch` ([train] global_batch_size). At batch B it is scaled by
 sqrt(B / base) (the variance-preserving rule for Adam, Malladi et al. 2022), or by AdaScale's gain
-(Johnson et al. 2020) r = (1 + φ/base) / (1 + φ/B), φ the noise scale: near 1 where the gradient is
+(Johnson et al. 2020) r = (1 + φ/base) / (1 + φ/B) = (B / base) · E(B): near 1 where the gradient is
 clean (a larger batch does not help, so neither does a larger rate), near B/base where noise
 dominates. The schedule is a function of samples trained, measured in steps of `base_batch`
 (`progress`), so warmup and decay keep their shape in tokens whatever the batch does; a fixed-batch
@@ -40,6 +45,14 @@ moments, estimated at the old batch's noise, need a few steps to settle before t
 MIN_UPDATES = 20
 """Steps measured before the first decision: the moving average's bias correction makes early
 estimates unbiased, not steady."""
+
+
+def statistical_efficiency(batch: float, base_batch: float, noise_scale: float | None) -> float:
+    """Progress of a sample trained at `batch`, in samples at `base_batch`: (φ + base) / (φ + batch).
+    Without a noise scale, 1: nothing says a larger batch wastes samples."""
+    if noise_scale is None:
+        return 1.0
+    return (noise_scale + base_batch) / (noise_scale + batch)
 
 
 @dataclass(slots=True)
@@ -103,7 +116,7 @@ class BatchPolicy:
         noise = state.noise_scale
         if noise is None:  # nothing measured yet: no evidence that a larger batch averages noise away
             return 1.0
-        return (1 + noise / self.base_batch) / (1 + noise / state.batch)
+        return scale * statistical_efficiency(state.batch, self.base_batch, noise)
 
     def decide(self, state: AdaptiveBatch, choices: list[int]) -> int | None:
         """The batch to change to, or None to keep it: once the noise scale has left the hysteresis

@@ -495,11 +495,25 @@ class ClusterConfig:
 
 @dataclass(kw_only=True, slots=True)
 class PlacementConfig:
-    objective: Literal["fastest", "cheapest", "cheapest_under_deadline"] = "fastest"
-    """What the planner optimises: the shortest step, the fewest dollars per million tokens, or the
-    fewest dollars per million tokens among plans that finish `[train] steps` within deadline_hours."""
+    objective: Literal["fastest", "cheapest", "cheapest_under_deadline", "goodput", "cheapest_to_target"] = "fastest"
+    """What the planner optimises: the shortest step, the fewest dollars per million tokens, the
+    fewest dollars per million tokens among plans that finish `[train] steps` within deadline_hours,
+    the most goodput (tokens a second times the statistical efficiency of the plan's global batch at
+    the gradient noise scale, core/adaptive_batch.py), or the fewest dollars to train tokens_to_target
+    tokens' worth of progress. The two last also choose the global batch among [train] min_batch_size
+    … max_batch_size when batch_size = "adaptive" (planning/goodput.py); with a fixed batch they rank
+    as fastest and cheapest do."""
     deadline_hours: float = 0.0
     """Wall-clock limit for the whole job; needed by cheapest_under_deadline, ignored otherwise."""
+    noise_scale: float | None = None
+    """goodput, cheapest_to_target: the gradient noise scale B_noise (samples) to plan with until the run
+    has measured one (an elastic re-plan takes the run's measured value), e.g. the noise_scale an
+    earlier run's metrics.jsonl ends with. Left out: every batch is costed as equally useful per
+    sample (efficiency 1), and the plan's notes say so."""
+    tokens_to_target: int = 0
+    """cheapest_to_target: tokens the run needs to reach its target loss when trained at [train]
+    global_batch_size (an earlier run's report gives the tokens at each [bill] targets loss); at batch
+    B it needs (B_noise + B) / (B_noise + global_batch_size) times as many."""
     min_gpus: int = 1
     """Fewest GPUs (or MIG slices) the plan may use."""
     max_gpus: int = 0
@@ -542,6 +556,15 @@ class PlacementConfig:
                "give the job's wall-clock limit in hours, e.g. deadline_hours = 12.0")
         _check(self.objective != "cheapest_under_deadline" or self.deadline_hours > 0, "[placement] deadline_hours",
                "cheapest_under_deadline needs a deadline", "set deadline_hours, e.g. deadline_hours = 12.0")
+        _check(self.noise_scale is None or (math.isfinite(self.noise_scale) and self.noise_scale >= 0),
+               "[placement] noise_scale", f"must be a number of samples ≥ 0, got {self.noise_scale}",
+               "give the gradient noise scale a run measured (metrics.jsonl's noise_scale), or leave it out")
+        _check(self.tokens_to_target >= 0, "[placement] tokens_to_target", f"must be 0 or more, got {self.tokens_to_target}",
+               "give the tokens the run needs to reach its target loss, e.g. tokens_to_target = 2000000000")
+        _check(self.objective != "cheapest_to_target" or self.tokens_to_target > 0, "[placement] tokens_to_target",
+               "cheapest_to_target needs the tokens to reach the target", "set tokens_to_target to the tokens the run "
+               "needs at [train] global_batch_size (a finished run's report gives them at each [bill] targets loss), "
+               'or use objective = "goodput"')
         for model, price in self.prices.items():
             _check(price >= 0, f"[placement] prices.{model}", f"must be 0 or more, got {price}",
                    "give dollars per device-hour, e.g. 2.10")
@@ -931,6 +954,8 @@ def _convert(value: Any, hint: Any, where: str, key: str, path: str) -> Any:
                               fix=f"set it to one of {', '.join(map(repr, choices))}")
         return value
     if origin in (typing.Union, types.UnionType):
+        if value is None:  # to_dict's JSON (a report's config) writes a key left out as null
+            return None
         return _convert(value, next(a for a in typing.get_args(hint) if a is not type(None)), where, key, path)
     if origin is dict:
         if not isinstance(value, dict):

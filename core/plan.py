@@ -45,6 +45,10 @@ class Objective(StrEnum):
     """Fewest dollars per million training tokens."""
     CHEAPEST_UNDER_DEADLINE = "cheapest_under_deadline"
     """Fewest dollars per million tokens among plans that finish `[train] steps` before the deadline."""
+    GOODPUT = "goodput"
+    """Most tokens of progress a second: throughput times the statistical efficiency of the global batch."""
+    CHEAPEST_TO_TARGET = "cheapest_to_target"
+    """Fewest dollars to reach the target: [placement] tokens_to_target, scaled by the batch's efficiency."""
 
 
 class DataParallel(StrEnum):
@@ -159,6 +163,13 @@ class Prediction:
     job_hours: float
     """`[train] steps` × step_seconds."""
     job_dollars: float
+    statistical_efficiency: float = 1.0
+    """Pollux's E(B) of the global batch against [train] global_batch_size at the noise scale the plan
+    was made with (core/adaptive_batch.py); 1 without one."""
+    goodput_tokens_per_second: float = 0.0
+    """tokens_per_second × statistical_efficiency: progress a second, in tokens at [train] global_batch_size."""
+    dollars_to_target: float = 0.0
+    """Dollars to train [placement] tokens_to_target's worth of progress at this batch; 0 without a target."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -427,7 +427,7 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     topology = _load(args)
     planner = Planner(topology, config, calibration=Calibration.for_job(config))
     plan = planner.plan()
-    naive = planner.naive(plan.world_size)
+    naive = planner.naive(plan.world_size, plan.global_batch_size)
     reason = "" if naive else (f"no single micro-batch divides {plan.global_batch_size} samples over "
                                f"{plan.world_size} whole GPUs in PACK order and fits them all")
     print_plan(plan, naive, console, naive_reason=reason)

@@ -135,13 +135,14 @@ def matches(plan: Plan, reports: list[WorkerReport]) -> bool:
 class ElasticState:
     """The coordinator's logic: specs for granted groups, failures, and the timeline of each recovery.
 
-    `spec` is what the first group runs (the driver's first plan); `plan_for(topology, config)` plans
-    (planning.make_plan with a cached memory profile in the actor); `discover()` maps the live cluster
+    `spec` is what the first group runs (the driver's first plan); `plan_for(topology, config, noise_scale)`
+    plans (planning.make_plan with a cached memory profile in the actor, and the gradient noise scale
+    the run measured last, for the goodput objectives, or None); `discover()` maps the live cluster
     (called only when a granted node is not in the map yet: a node that keeps its Ray id keeps its
     hardware)."""
 
     def __init__(self, config: JobConfig, spec: WorkerSpec, nodes: list[NodeTopology], *,
-                 plan_for: Callable[[ClusterTopology, JobConfig], Plan],
+                 plan_for: Callable[[ClusterTopology, JobConfig, float | None], Plan],
                  discover: Callable[[], ClusterTopology], clock: Callable[[], float] = time.time):
         self.config = config
         self.spec = spec
@@ -154,6 +155,8 @@ class ElasticState:
         self.fatal: ArchipelagoError | None = None
         """An error a worker raised for the user (bad data, a bad checkpoint): later groups stop at once."""
         self.last_step, self.last_step_at = 0, clock()
+        self.noise_scale: float | None = None
+        """The gradient noise scale rank 0 last reported: what a re-plan's goodput objective weighs batches by."""
         self.noticed_in = 0
         """The group that last had a preemption notice."""
         self._lost: Failure | None = None
@@ -165,8 +168,10 @@ class ElasticState:
         return self.spec.plan
 
     # ---- what the workers and the controller tell it ----------------------------------------------
-    def reached(self, step: int, at: float) -> None:
+    def reached(self, step: int, at: float, noise_scale: float | None = None) -> None:
         self.last_step, self.last_step_at = step, at
+        if noise_scale is not None:
+            self.noise_scale = noise_scale
 
     def failed(self, errors: dict[int, str]) -> list[dict]:
         """The controller saw these ranks fail; [] when this group's failure was recorded already
@@ -252,7 +257,7 @@ class ElasticState:
         topology = granted_topology(list(self.nodes.values()), reports, cpus_per_worker=cluster.cpus_per_worker,
                                     use_gpu=cluster.use_gpu)
         try:
-            return self._plan_for(topology, config_for_world(self.config, len(reports)))
+            return self._plan_for(topology, config_for_world(self.config, len(reports)), self.noise_scale)
         except (ConfigError, PlacementError) as e:  # ConfigError: the batch cannot be split over this many
             raise PlacementError(f"no plan for the {len(reports)} workers Ray granted: {e.what}", where=e.where,
                                  fix=e.fix or "narrow the [elastic] worker range") from None
@@ -286,8 +291,8 @@ class PlanCoordinator:
         self.record(rows)
         return spec
 
-    def reached(self, step: int, at: float) -> None:
-        self.state.reached(step, at)
+    def reached(self, step: int, at: float, noise_scale: float | None = None) -> None:
+        self.state.reached(step, at, noise_scale)
 
     def failed(self, errors: dict[int, str]) -> None:
         self.record(self.state.failed(errors))
@@ -322,8 +327,9 @@ class PlanCoordinator:
                 "world_size": len(self.state.reports), "workers": [dataclasses.asdict(r) for r in self.state.reports],
                 "events": list(self.events)}
 
-    def _plan_for(self, topology: ClusterTopology, config: JobConfig) -> Plan:
-        return planning.make_plan(topology, config, memory=self.memory, calibration=self.calibration)
+    def _plan_for(self, topology: ClusterTopology, config: JobConfig, noise_scale: float | None) -> Plan:
+        return planning.make_plan(topology, config, memory=self.memory, calibration=self.calibration,
+                                  measured_noise_scale=noise_scale)
 
 
 def _discover() -> ClusterTopology:

@@ -23,6 +23,7 @@ from planning.collectives import Bucketing, CollectiveCostModel, Hop, LinkClass,
 from planning.compute import ComputeModel
 from planning.devices import DevicePool, DeviceType, Domain
 from planning.figures import Source
+from planning.goodput import GOODPUT_OBJECTIVES, Statistics, Throughput, batch_ladder, goodput_score
 from planning.hook_costs import CommHookCost, gradient_element_bytes
 from planning.memory import ALLOCATOR_SLACK, MemoryProfile
 from planning.model_size import model_facts
@@ -104,6 +105,11 @@ class PlanningJob:
     comm_hook: CommHookCost | None = None
     """What DDP's comm hook puts on the wire, costs in compute and keeps in memory; a job built by
     hand without one is planned with plain all-reduce of its buckets."""
+    statistics: Statistics = Statistics(base_batch=1)
+    """The noise scale and target the goodput objectives weigh batches by (planning/goodput.py)."""
+    batch_sizes: tuple[int, ...] = ()
+    """The global batches the planner weighs: several for a goodput objective with [train] batch_size =
+    "adaptive" (its range), else none but global_batch_size."""
 
     @classmethod
     def from_config(cls, config: JobConfig) -> PlanningJob:
@@ -113,12 +119,19 @@ class PlanningJob:
         precision = config.train.precision
         dtype = "fp32" if precision == "fp32" or (precision == "auto" and not config.cluster.use_gpu) else "bf16"
         workers = config.cluster.num_workers
+        objective, train = Objective(placement.objective), config.train
+        statistics = Statistics(base_batch=train.global_batch_size, noise_scale=placement.noise_scale,
+                                samples_to_target=placement.tokens_to_target / config.model.seq_len,
+                                source="configured" if placement.noise_scale is not None else "")
+        adaptive = train.batch_size == "adaptive" and objective in GOODPUT_OBJECTIVES
+        batches = (batch_ladder(train.min_batch_size, train.max_batch_size, train.global_batch_size) if adaptive
+                   else (train.global_batch_size,))
         return cls(name=config.name, global_batch_size=config.train.global_batch_size, seq_len=config.model.seq_len,
                    steps=config.train.steps, micro_batch_limit=config.train.micro_batch_size,
                    flops_per_sample=float(facts.flops_per_token * config.model.seq_len),
                    parameters=parameters, n_layer=facts.blocks, n_embd=facts.width,
                    compute_dtype=dtype, parameter_bytes_compute=parameters * (4 if dtype == "fp32" else 2),
-                   objective=Objective(placement.objective), deadline_hours=placement.deadline_hours,
+                   objective=objective, deadline_hours=placement.deadline_hours,
                    min_devices=placement.min_gpus if config.cluster.use_gpu else workers,
                    max_devices=placement.max_gpus if config.cluster.use_gpu else workers,
                    tensor_parallel_size=(placement.tensor_parallel_size or 1) if config.cluster.use_gpu else 1,
@@ -126,7 +139,7 @@ class PlanningJob:
                    cpus_per_worker=config.cluster.cpus_per_worker,
                    spot=placement.pricing == "spot", use_mig=placement.use_mig,
                    float8=precision == "fp8", gradient_element_bytes=gradient_element_bytes(config),
-                   comm_hook=CommHookCost.for_job(config))
+                   comm_hook=CommHookCost.for_job(config), statistics=statistics, batch_sizes=batches)
 
     @property
     def gradient_bytes(self) -> int:
@@ -186,6 +199,9 @@ class Outcome:
     def job_hours(self, job: PlanningJob) -> float:
         return job.steps * self.step_seconds / 3600
 
+    def throughput(self, job: PlanningJob) -> Throughput:
+        return Throughput(self.devices, job.global_batch_size, self.step_seconds, self.dollars_per_hour)
+
 
 @dataclass(frozen=True, slots=True)
 class Refusal:
@@ -225,6 +241,13 @@ class Costing:
         # slices of one GPU, and the reduction goes through gloo on the host.
         self._shared_parent_at = np.array([_shared_parent_at(d) for d in domains], dtype=np.int64)
         self._cpu = any(t.kind == DeviceKind.CPU for t in self._types)
+
+    def with_batch(self, job: PlanningJob) -> Costing:
+        """The same costing for `job`, the same one at another global batch (a goodput search); the
+        replica groups and micro-batch caps found so far do not depend on the batch and carry over."""
+        other = copy.copy(self)
+        other.job = job
+        return other
 
     def with_comm_hook(self, hook: CommHookCost) -> Costing:
         """The same costing with another comm hook (comm_hook = "auto", the what-if notes); micro-batch
@@ -507,13 +530,7 @@ class Costing:
         return Reduction(algorithm, seconds - latency, latency * per_bucket)
 
     def score(self, outcome: Outcome) -> tuple[float, ...]:
-        job = self.job
-        step, cost = outcome.step_seconds, outcome.dollars_per_million_tokens(job)
-        if job.objective == Objective.FASTEST:
-            return (step, cost)
-        if job.objective == Objective.CHEAPEST_UNDER_DEADLINE and outcome.job_hours(job) > job.deadline_hours:
-            return (math.inf, step, cost)  # misses the deadline: ranked by how close it comes
-        return (cost, step)
+        return rank(self.job, outcome.throughput(self.job))
 
     def bucket_sizes(self, outcome: Outcome) -> dict[str, int]:
         """The bucket that suits each link class the reduction crosses: the plan's own for the slowest
@@ -530,6 +547,19 @@ class Costing:
                 last_ready_bytes=self.memory.root_parameter_bytes / t).bucket_bytes
         sizes[outcome.hops["world"].link_class.value] = outcome.bucketing.bucket_bytes
         return sizes
+
+
+def rank(job: PlanningJob, size: Throughput) -> tuple[float, ...]:
+    """How the job's objective orders candidates, lower first: Costing.score asks it of each candidate,
+    the planner of whole plans (of several tensor-parallel sizes or global batches)."""
+    if job.objective in GOODPUT_OBJECTIVES:
+        return goodput_score(job.objective, size, job.statistics)
+    step, cost = size.step_seconds, size.dollars_per_step / (size.batch * job.seq_len) * 1e6
+    if job.objective == Objective.FASTEST:
+        return (step, cost)
+    if job.objective == Objective.CHEAPEST_UNDER_DEADLINE and job.steps * step / 3600 > job.deadline_hours:
+        return (math.inf, step, cost)  # misses the deadline: ranked by how close it comes
+    return (cost, step)
 
 
 def _promising(accumulations: list[int], groups: list[ReplicaGroup], global_batch: int,

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from core.plan import AllReduce, Plan
+from core.plan import AllReduce, Objective, Plan
 
 WORKER_ROWS_MAX = 32
 """Plans with more workers print one row per (node kind, device, micro-batch) group instead."""
@@ -114,6 +114,11 @@ _ROWS = (("step s", "step_seconds", "{:.4f}"), ("compute s", "compute_seconds", 
          ("$/hour", "dollars_per_hour", "{:,.2f}"), ("$/step", "dollars_per_step", "{:.5f}"),
          ("$/M tokens", "dollars_per_million_tokens", "{:.4f}"), ("job hours", "job_hours", "{:,.2f}"),
          ("job $", "job_dollars", "{:,.2f}"))
+_GOODPUT_ROWS = (("batch efficiency", "statistical_efficiency", "{:.3f}"),
+                 ("goodput tokens/s", "goodput_tokens_per_second", "{:,.0f}"))
+"""Shown under the goodput objectives: what the plan's global batch is worth at the noise scale."""
+_TARGET_ROW = ("$ to target", "dollars_to_target", "{:,.2f}")
+"""Shown where the plan was made with [placement] tokens_to_target."""
 
 
 def _comparison(plan: Plan, naive: Plan | None) -> Table:
@@ -123,7 +128,13 @@ def _comparison(plan: Plan, naive: Plan | None) -> Table:
     table.add_column("naive (Ray PACK, uniform)", justify="right")
     table.add_column("naive / planned", justify="right")
     table.add_row("workers", str(plan.world_size), str(naive.world_size) if naive else "-", "")
-    for label, name, form in _ROWS:
+    table.add_row("global batch", str(plan.global_batch_size), str(naive.global_batch_size) if naive else "-", "")
+    rows = _ROWS
+    if plan.objective in (Objective.GOODPUT, Objective.CHEAPEST_TO_TARGET):
+        rows += _GOODPUT_ROWS
+    if plan.predicted.dollars_to_target > 0:
+        rows += (_TARGET_ROW,)
+    for label, name, form in rows:
         mine = getattr(plan.predicted, name)
         theirs = getattr(naive.predicted, name) if naive else None
         table.add_row(label, form.format(mine), form.format(theirs) if theirs is not None else "-",

@@ -19,6 +19,7 @@ from the split, process groups, bucket sizes, and exact fake-tensor memory peaks
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
@@ -52,9 +53,11 @@ from planning.costing import (
     PlanningJob,
     Refusal,
     Selection,
+    rank,
 )
 from planning.devices import Device, DevicePool, DeviceType, Domain
 from planning.figures import FigureBook
+from planning.goodput import GOODPUT_OBJECTIVES, Throughput, dollars_to_target, goodput_samples_per_second
 from planning.hook_costs import COMPRESSING_HOOKS, CommHookCost
 from planning.memory import MemoryProfile, measure_steps, profile, usable_bytes
 from planning.prices import PriceTable
@@ -73,6 +76,8 @@ FINE_MOVES_UP_TO = 128
 EXACT_MEMORY_RETRIES = 3
 """Searches again, with an exactly measured micro-batch cap, when the exact memory check of a plan
 finds a micro-batch the interpolated profile let through too large."""
+DOLLAR_OBJECTIVES = (Objective.CHEAPEST, Objective.CHEAPEST_UNDER_DEADLINE, Objective.CHEAPEST_TO_TARGET)
+"""The objectives that need every device's price and prefer cheap compute."""
 AUTO_BF16_MIN_GAIN = 0.05
 """comm_hook = "auto" takes the bf16 hook only for a step at least this much shorter than plain
 all-reduce's: it rounds the averaged gradients to bf16 (over a 3.4 GB/s link between two H200s it
@@ -99,12 +104,15 @@ class _Overrun(Exception):
 class Planner:
     def __init__(self, topology: ClusterTopology, config: JobConfig, *, memory: MemoryProfile | None = None,
                  collectives: CollectiveCostModel | None = None, compute: ComputeModel | None = None,
-                 prices: PriceTable | None = None, exact_memory: bool = True, calibration: Calibration | None = None):
+                 prices: PriceTable | None = None, exact_memory: bool = True, calibration: Calibration | None = None,
+                 measured_noise_scale: float | None = None):
         """memory: the job's MemoryProfile (computed from the config when not given; it is the slow
         part, a few fake training steps); exact_memory re-measures the chosen micro-batches exactly.
         calibration: link rows and compute efficiencies over the defaults (the file [placement]
         calibration_file names when not given; the CLI and fit pass Calibration.for_job's, which also
         looks in the runs directory); `collectives` and `compute`, when given, are taken as they are.
+        measured_noise_scale: the gradient noise scale the run has measured (an elastic re-plan), which
+        the goodput objectives take over [placement] noise_scale.
 
         Refuses at once (PlacementError), before the memory profile, a job the cluster cannot hold
         whatever the memory: no devices, no NVLink island for a tensor-parallel group, too few
@@ -112,6 +120,10 @@ class Planner:
         self.topology = topology
         self.config = config
         self.job = PlanningJob.from_config(config)
+        self.measured_noise_scale = measured_noise_scale
+        if measured_noise_scale is not None:
+            self.job = dataclasses.replace(self.job, statistics=dataclasses.replace(
+                self.job.statistics, noise_scale=measured_noise_scale, source="measured"))
         self.calibration = calibration or Calibration.named_by(config)
         self.collectives = collectives or self.calibration.collectives()  # defaults and measured rows
         self.compute = compute or self.calibration.compute(
@@ -158,19 +170,63 @@ class Planner:
             try:
                 plans[t] = Planner(self.topology, config, memory=self.memory, collectives=self.collectives,
                                    compute=self.compute, prices=self.prices, exact_memory=self.exact_memory,
-                                   calibration=self.calibration)._plan()
+                                   calibration=self.calibration, measured_noise_scale=self.measured_noise_scale)._plan()
             except PlacementError as error:
                 refused[t] = error
         if not plans:
             raise refused[1]
         best = min(plans, key=lambda t: _plan_score(plans[t], self.job))
-        others = [f"{t}: {plans[t].predicted.step_seconds * 1e3:.1f} ms a step, "
-                  f"${plans[t].predicted.dollars_per_million_tokens:.2f} per million tokens" for t in plans if t != best]
+        others = [f"{t}: {self._predicted(plans[t])}" for t in plans if t != best]
         others += [f"{t}: refused, {error.what}" for t, error in refused.items()]
         note = f"tensor_parallel_size = 0 took {best}" + (f" (other sizes: {'; '.join(others)})" if others else "")
         return dataclasses.replace(plans[best], notes=[*plans[best].notes, note])
 
     def _plan(self) -> Plan:
+        if len(self.job.batch_sizes) > 1:
+            return self._plan_each_batch()
+        return self._plan_at_batch()
+
+    def _plan_each_batch(self) -> Plan:
+        """A goodput objective with an adaptive batch: the best plan at each global batch of the job's
+        ladder (each with its own worker count), and of those the one the objective ranks first, with
+        notes saying what each other batch was predicted to do. A larger batch keeps more workers busy,
+        and pays where the noise scale says its samples are not wasted."""
+        plans: dict[int, Plan] = {}
+        refused: dict[int, PlacementError] = {}
+        for batch in self.job.batch_sizes:
+            try:
+                plans[batch] = self._at_batch(batch)._plan_at_batch()
+            except PlacementError as error:
+                refused[batch] = error
+        if not plans:
+            raise refused[self.job.global_batch_size] if self.job.global_batch_size in refused else next(iter(refused.values()))
+        best = min(plans, key=lambda batch: _plan_score(plans[batch], self.job))
+        others = [f"{batch}: {_workers(plans[batch])}, {self._predicted(plans[batch])}" for batch in plans if batch != best]
+        others += [f"{batch}: refused, {error.what}" for batch, error in refused.items()]
+        note = (f"{self.job.objective.value} took global batch {best} on {_workers(plans[best])}"
+                + (f" (other batches: {'; '.join(others)})" if others else ""))
+        return dataclasses.replace(plans[best], notes=[*plans[best].notes, note])
+
+    def _at_batch(self, batch: int) -> Planner:
+        """This planner with the job's global batch set to `batch` (the costing's caches carry over)."""
+        other = copy.copy(self)
+        other.job = dataclasses.replace(self.job, global_batch_size=batch, batch_sizes=(batch,))
+        other.costing = self.costing.with_batch(other.job)
+        return other
+
+    def _predicted(self, plan: Plan) -> str:
+        """What the objective weighs of a plan, for notes comparing it with the chosen one."""
+        predicted = plan.predicted
+        if self.job.objective == Objective.GOODPUT:
+            return (f"{predicted.goodput_tokens_per_second:,.0f} goodput tokens/s "
+                    f"(efficiency {predicted.statistical_efficiency:.2f}), {predicted.step_seconds * 1e3:.1f} ms a step")
+        if self.job.objective == Objective.CHEAPEST_TO_TARGET:
+            return (f"{_dollars(predicted.dollars_to_target)} to the target "
+                    f"(efficiency {predicted.statistical_efficiency:.2f}), {predicted.step_seconds * 1e3:.1f} ms a step")
+        return (f"{predicted.step_seconds * 1e3:.1f} ms a step, "
+                f"${predicted.dollars_per_million_tokens:.2f} per million tokens")
+
+    def _plan_at_batch(self) -> Plan:
         for _ in range(EXACT_MEMORY_RETRIES):
             choice = self._search_for_hook()
             try:
@@ -286,12 +342,15 @@ class Planner:
                                  fix="see `archipelago plan` for the constraint that fails")
         return best
 
-    def naive(self, world_size: int | None = None) -> Plan | None:
+    def naive(self, world_size: int | None = None, global_batch_size: int | None = None) -> Plan | None:
         """What `ScalingConfig(num_workers=N, use_gpu=…)` does without a plan: Ray packs N workers
         onto the nodes in order (PACK), each takes the next whole GPU by index, every worker gets
         the config's micro-batch (lowered until it fits the smallest device and divides the batch),
         DDP all-reduces flat with its default 25 MiB buckets. N defaults to every whole GPU (CPU
-        slot). None when N devices are not there or no uniform micro-batch fits."""
+        slot); the batch to [train]'s (a goodput plan's own, to compare like with like). None when N
+        devices are not there or no uniform micro-batch fits."""
+        if global_batch_size is not None and global_batch_size != self.job.global_batch_size:
+            return self._at_batch(global_batch_size).naive(world_size)
         order = [(i, d) for i, d in enumerate(self.pool.domains) if d.type.kind != DeviceKind.MIG]
         wanted = world_size or sum(d.size for _, d in order)
         selection, left = [], wanted
@@ -327,7 +386,7 @@ class Planner:
         classes: dict[tuple, list[int]] = defaultdict(list)
         for i in sorted(usable, key=lambda i: -self.pool.domains[i].network_hop.bytes_per_s):
             classes[self.pool.domains[i].class_key()].append(i)
-        cheap = self.job.objective != Objective.FASTEST
+        cheap = self.job.objective in DOLLAR_OBJECTIVES
 
         def preference(members: list[int]) -> tuple:
             device = self.pool.domains[members[0]].type
@@ -426,7 +485,7 @@ class Planner:
                                  fix=f"raise global_batch_size to at least {job.min_devices // unit}")
         missing = sorted({d.type.model for d in pool.domains
                           if self.prices.dollars_per_hour(d.type.model, spot=job.spot) is None})
-        if missing and job.objective != Objective.FASTEST:
+        if missing and job.objective in DOLLAR_OBJECTIVES:
             raise PlacementError(f"no price for {', '.join(missing)}", where="[placement] prices",
                                  fix=f"add them, e.g. prices = {{ \"{missing[0]}\" = 2.0 }} (dollars per hour)")
 
@@ -507,7 +566,8 @@ class Planner:
         used = {self.pool.domains[i].type.label for i, _ in best.selection}
         unused = sorted({d.type.label for d in self.pool.domains} - used)
         if unused:
-            reason = "slower" if self.job.objective == Objective.FASTEST else "dearer per token"
+            reason = {Objective.FASTEST: "slower", Objective.GOODPUT: "slower in goodput",
+                      Objective.CHEAPEST_TO_TARGET: "dearer to the target"}.get(self.job.objective, "dearer per token")
             notes.append(f"left out {', '.join(unused)}: adding them made the plan {reason}")
         notes.extend(self._no_fast_path_notes({self.pool.domains[i].type.model for i, _ in best.selection}))
         if best.split.grad_accum_steps > 1:
@@ -515,6 +575,8 @@ class Planner:
                          f"(or exceed [train] micro_batch_size = {self.job.micro_batch_limit})")
         if choice.note:
             notes.append(choice.note)
+        if self.job.objective in GOODPUT_OBJECTIVES:
+            notes.append(self.job.statistics.describe())
         hook = costing.comm_hook
         if hook.compresses and best.bucketing is not None:
             share = f"{hook.wire_bytes / 1e6:.1f} MB a step ({hook.wire_bytes / hook.buffer_bytes:.1%} of its " \
@@ -669,15 +731,18 @@ class Planner:
         return [peaks[m] for m in micro_batches]
 
     def _prediction(self, outcome: Outcome) -> Prediction:
-        job = self.job
-        step = outcome.step_seconds
+        job, stats = self.job, self.job.statistics
+        step, size = outcome.step_seconds, outcome.throughput(self.job)
         return Prediction(step_seconds=step, compute_seconds=outcome.compute_seconds,
                           exposed_communication_seconds=outcome.exposed_communication_seconds,
                           communication_seconds=outcome.communication_seconds,
                           tokens_per_second=job.tokens_per_step / step if step > 0 else 0.0,
                           dollars_per_hour=outcome.dollars_per_hour, dollars_per_step=outcome.dollars_per_step(),
                           dollars_per_million_tokens=outcome.dollars_per_million_tokens(job),
-                          job_hours=outcome.job_hours(job), job_dollars=outcome.dollars_per_step() * job.steps)
+                          job_hours=outcome.job_hours(job), job_dollars=outcome.dollars_per_step() * job.steps,
+                          statistical_efficiency=stats.efficiency(job.global_batch_size),
+                          goodput_tokens_per_second=goodput_samples_per_second(size, stats) * job.seq_len,
+                          dollars_to_target=dollars_to_target(size, stats) if stats.samples_to_target else 0.0)
 
 
 def make_plan(topology: ClusterTopology, config: JobConfig, **kwargs) -> Plan:
@@ -731,14 +796,21 @@ def _island_resource(device: Device, domain: Domain) -> str:
     return island_resource(device.island_id)
 
 
+def _workers(plan: Plan) -> str:
+    return f"{plan.world_size} worker{'s' * (plan.world_size != 1)}"
+
+
+def _dollars(amount: float) -> str:
+    """Cents where they matter, three figures where a sum is small: "$1,234.50", "$0.0123"."""
+    return f"${amount:,.2f}" if amount >= 100 else f"${amount:.3g}"
+
+
 def _plan_score(plan: Plan, job: PlanningJob) -> tuple:
-    """How plans of different tensor-parallel sizes rank under the job's objective (Costing.score's order)."""
-    step, cost = plan.predicted.step_seconds, plan.predicted.dollars_per_million_tokens
-    if job.objective == Objective.FASTEST:
-        return (step, cost)
-    if job.objective == Objective.CHEAPEST_UNDER_DEADLINE and plan.predicted.job_hours > job.deadline_hours:
-        return (math.inf, step, cost)
-    return (cost, step)
+    """How whole plans (of different tensor-parallel sizes or global batches) rank under the job's
+    objective: in Costing.score's order."""
+    size = Throughput(plan.world_size, plan.global_batch_size, plan.predicted.step_seconds,
+                      plan.predicted.dollars_per_hour)
+    return rank(job, size)
 
 
 def _guide(outcome: Outcome | Refusal) -> tuple:

@@ -31,7 +31,9 @@ class BatchAdapter:
         self.group_plan = spec.plan
         """The plan the coordinator made for this group: each replica's micro-batch at its limit."""
         self.choices = batch_choices(self.policy, self.group_plan.replica_micro_batch_sizes())
-        self.state = AdaptiveBatch.from_dict(restored) if restored else AdaptiveBatch(self.policy.base_batch)
+        # A fresh run starts at the plan's batch: a goodput plan may have chosen another than [train]'s.
+        first = self.group_plan.global_batch_size if self.policy.adaptive else self.policy.base_batch
+        self.state = AdaptiveBatch.from_dict(restored) if restored else AdaptiveBatch(first)
         if self.state.batch not in self.choices:  # resumed on another group: the nearest batch it can split
             self.state.batch = min(self.choices, key=lambda b: abs(math.log(b / self.state.batch)))
         self.plan = self._plan_for(self.state.batch)

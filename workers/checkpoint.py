@@ -75,10 +75,11 @@ class CheckpointInfo:
     @classmethod
     def for_spec(cls, spec: WorkerSpec, step: int, consumed_samples: int, world_size: int = 0,
                  adaptive_batch: dict | None = None) -> CheckpointInfo:
-        """`spec` is the group's, as the coordinator made it: its plan's batch is [train]'s; an adaptive
-        run's current batch is in `adaptive_batch`."""
+        """`spec` is the group's, as the coordinator made it. The batch recorded is [train]'s, the one
+        the sampler and the schedule count steps of: a goodput plan of an adaptive run may start at
+        another, and an adaptive run's current batch is in `adaptive_batch`."""
         return cls(step, consumed_samples, spec.workload.identity(), spec.data.tokenizer, spec.train.seed,
-                   spec.plan.global_batch_size, SAMPLER_NAME, world_size, spec.lr_schedule, adaptive_batch)
+                   spec.train.global_batch_size, SAMPLER_NAME, world_size, spec.lr_schedule, adaptive_batch)
 
 
 def read_info(directory: str | Path | Location) -> CheckpointInfo:
@@ -189,7 +190,7 @@ class RunCheckpoints:
             return None
         info = read_info(latest)
         check_compatible(info, identity=self.spec.workload.identity(), seed=self.spec.train.seed,
-                         tokenizer=self.spec.data.tokenizer, global_batch_size=self.spec.plan.global_batch_size,
+                         tokenizer=self.spec.data.tokenizer, global_batch_size=self.spec.train.global_batch_size,
                          directory=latest)
         self.restored_from = latest
         return load(latest, model, optimizer, info=info, reader=self.settings.reader,

@@ -179,7 +179,7 @@ def train(job: WorkerJob, ctx, started_at: float) -> dict:
         ledger.trained(progress.step)
         window.record(progress.step, lr, loss, grad_norm, data_wait_s, engine.local_gradient)
         if rank == 0:
-            job.coordinator.reached.remote(progress.step, time.time())
+            job.coordinator.reached.remote(progress.step, time.time(), adapter.state.noise_scale)
             if progress.step == restored_step + 1:
                 loss.item()  # the step has really finished (GPU work is asynchronous)
                 marks["first_step_done"] = time.time()

@@ -1,5 +1,7 @@
 """The elastic policy without Ray: [elastic] config, the map cut to granted workers, re-planning, events."""
 
+import dataclasses
+
 import pytest
 
 import planning
@@ -70,8 +72,9 @@ def state_and_nodes():
     config = job()
     memory = profile(config, device_type="cpu")
     nodes = [node("a"), node("b"), node("c")]
-    plan_for = lambda topology, cfg: planning.make_plan(topology, cfg, memory=memory)  # noqa: E731
-    first = plan_for(granted_topology(nodes, reports(*nodes), cpus_per_worker=1, use_gpu=False), config)
+    plan_for = lambda topology, cfg, noise: planning.make_plan(topology, cfg, memory=memory,  # noqa: E731
+                                                               measured_noise_scale=noise)
+    first = plan_for(granted_topology(nodes, reports(*nodes), cpus_per_worker=1, use_gpu=False), config, None)
     clock = iter(float(t) for t in range(2000, 3000))
     spec = WorkerSpec.for_plan(config, first, workload=make_workload(config.model), flops_per_token=1e6,
                                data_location="data/tiny", tokenizer="bytes")
@@ -122,6 +125,17 @@ def test_the_same_workers_keep_the_plan_and_a_planner_refusal_names_the_group(st
                        cluster={"num_workers": 1})
     with pytest.raises(PlacementError, match="no plan for the 2 workers Ray granted"):
         state.group_started(reports(a, b))
+
+
+def test_a_replan_plans_with_the_noise_scale_the_run_measured_last(state_and_nodes):
+    state, (a, b, c) = state_and_nodes
+    state.group_started(reports(a, b, c))
+    state.config = dataclasses.replace(state.config, placement=dataclasses.replace(state.config.placement,
+                                                                                   objective="goodput"))
+    state.reached(5, at=1990.0, noise_scale=250.0)
+    state.reached(6, at=1991.0)  # a window without an estimate keeps the last one
+    spec, _ = state.group_started(reports(a, c))
+    assert "planned with the run's measured gradient noise scale 250 samples" in spec.plan.notes
 
 
 def test_config_for_world_pins_the_device_range():
