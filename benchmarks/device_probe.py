@@ -185,6 +185,12 @@ def plan_check(warmup: int, steps: int) -> list[dict]:
     return rows
 
 
+def printed(rows: list[dict]) -> list[dict]:
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the rows here too")
@@ -196,13 +202,11 @@ def main() -> None:
     parser.add_argument("--plan-steps", type=int, default=20, help="GPU: timed engine steps per model (after 5)")
     args = parser.parse_args()
     gpu = torch.cuda.is_available() and not args.cpu_only
-    rows = gpu_rows(args.seconds) if gpu else []
+    rows = printed(gpu_rows(args.seconds)) if gpu else []  # printed as they come: a later part may fail
     if gpu and not args.skip_plan_check:
         torch.backends.cuda.matmul.allow_tf32 = True
-        rows += plan_check(warmup=5, steps=args.plan_steps)
-    rows.append(cpu_row(args.rounds, args.steps, args.seconds))
-    for row in rows:
-        print(json.dumps(row), flush=True)
+        rows += printed(plan_check(warmup=5, steps=args.plan_steps))
+    rows += printed([cpu_row(args.rounds, args.steps, args.seconds)])
     if args.json:
         Path(args.json).write_text(json.dumps({"torch": torch.__version__, "date": time.strftime(
             "%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows}, indent=1))

@@ -350,10 +350,12 @@ class CompileConfig:
     2.11's Inductor fed the 1.3B model's fused loss a wrong input once 0.4 % off and once 0.025 %
     off (under this tolerance; the model diverged), hence gradient_tolerance. 0 skips the check (and
     the gradients'); it is not made with dropout (the masks differ) or float8."""
-    gradient_tolerance: float = 1e-2
+    gradient_tolerance: float = 3e-2
     """Largest relative difference (L2 norm of the difference over the eager gradient's) allowed
     between any parameter's first-micro-batch gradient from the compiled step and from the same
-    model run eagerly. Compared by a worker alone only: DDP and FSDP reduce gradients inside
+    model run eagerly. bf16 rounds to 0.4 %, and reordered sums leave correct compiled gradients on an
+    H200 up to 1.4 % away (GPT 124M's pos_emb 1.04 %, Llama-1B from transformers 0.84 %, with bf16
+    weights 1.40 %); a 1 % tolerance stopped those runs. Compared by a worker alone only: DDP and FSDP reduce gradients inside
     backward. The eager pass recomputes its activations, so it needs less memory than the step, and
     keeps its gradients on the host until compared."""
     ddp_mode: Literal["auto", "ddp_optimizer", "compiled_autograd"] = "auto"
@@ -375,7 +377,7 @@ class CompileConfig:
                "set check_tolerance = 0 to skip the check, or e.g. 1e-3")
         _check(self.gradient_tolerance > 0, "[compile] gradient_tolerance",
                f"must be more than 0, got {self.gradient_tolerance}",
-               "set gradient_tolerance to e.g. 1e-2; check_tolerance = 0 skips the whole check")
+               "set gradient_tolerance to e.g. 3e-2; check_tolerance = 0 skips the whole check")
 
 
 @dataclass(kw_only=True, slots=True)
