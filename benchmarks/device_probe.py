@@ -21,7 +21,8 @@ CPU row: the probe's fp32 product rate per core (measured as the probe measures 
 work), beside the examples/cpu-tiny.toml model's training step on one core (the worker engine,
 micro-batch 16, one thread): the share of the product rate the step reaches beyond the compute
 model's fixed overhead, which is what planning/compute.py's CPU_UTILISATION_OF_MEASURED
-holds. Rounds alternate between the two and the median of the rounds' shares is reported. Run it on
+holds; and the probe's reference block rate (what CPU workers are planned at), with the step beyond
+the overhead over the time that rate predicts (1.0: the plan's compute is right). Rounds alternate between the two and the median of the rounds' shares is reported. Run it on
 an idle machine: other work slows a product far more than it slows a small model's step (on this
 project's 2-core machine, under two other test suites, the share read 0.47 to 1.14 against 0.28-0.35
 from idle demo runs).
@@ -81,9 +82,11 @@ def cpu_row(rounds: int, steps: int, seconds: float) -> dict:
     # The planner's per-block overhead, over the blocks it counts (planning/costing.py's n_layer).
     overhead = ComputeModel().overhead_s(model_facts(spec.workload, config.model.seq_len).blocks, cpu=True)
     engine([batch], 1e-3)  # warm-up: allocator, first kernels
-    shares, rates, step_times = [], [], []
+    shares, rates, step_times, block_rates = [], [], [], []
     for _ in range(rounds):
-        rate = measure_cpu(seconds).fp32_tflops  # the probe's own figure: every core at work, per core
+        figures = measure_cpu(seconds)  # the probe's own figures: every core at work, per core
+        rate = figures.fp32_tflops
+        block_rates.append(figures.fp32_block_tflops)
         torch.set_num_threads(1)
         begin = time.perf_counter()
         for _ in range(steps):
@@ -95,6 +98,9 @@ def cpu_row(rounds: int, steps: int, seconds: float) -> dict:
     return {"device": "cpu (one core)", "probe_fp32_tflops": round(statistics.median(rates), 5),
             "step_ms": round(statistics.median(step_times) * 1e3, 2), "flops_per_step": flops,
             "share_of_product_rate": round(statistics.median(shares), 4),
+            "probe_fp32_block_tflops": round(statistics.median(block_rates), 5),
+            "step_over_block_rate": round(statistics.median(
+                (s - overhead) * b * 1e12 / flops for s, b in zip(step_times, block_rates)), 4),
             "share_range": [round(min(shares), 4), round(max(shares), 4)],
             "compute_model_share": CPU_UTILISATION_OF_MEASURED}
 

@@ -239,8 +239,9 @@ class Orchestrator:
         predicted = plan.predicted
         self.console.print(f"plan: {plan.world_size} × {plan.workers[0].device_model} workers, "
                            f"{plan.data_parallel.value}, micro-batches {list(plan.replica_micro_batch_sizes())} "
-                           f"× {plan.grad_accum_steps} accumulation; predicted {predicted.tokens_per_second:,.0f} "
-                           f"tokens/s, ${predicted.dollars_per_million_tokens:.4f} per million tokens "
+                           f"× {plan.grad_accum_steps} accumulation; predicted {predicted.step_seconds * 1000:,.1f} ms a step, "
+                           f"{predicted.tokens_per_second:,.0f} tokens/s, ${predicted.dollars_per_million_tokens:.4f} "
+                           f"per million tokens "
                            f"({self.run.plan_path})", markup=False)
         for note in plan.notes:
             self.console.print(f"  plan note: {note}", markup=False)

@@ -61,14 +61,14 @@ H200 host (28.6 ms in an earlier call on another host)."""
 
 
 CPU_UTILISATION_OF_MEASURED = 0.31
-"""Share of the probe's measured product rate per core (topology/device_bench.py: 1024³ fp32, one thread
-on every core) that a CPU worker's training step reaches beyond its fixed overhead: the demo model
-(examples/cpu-tiny.toml, two workers of micro-batch 16) on this project's 2-core Intel Xeon, nearly
-idle, in two `make demo` runs on fresh caches: the probe read 203 and 214 GFLOP/s a core and a step
-took 178 and 205 ms (3-4 % of it waiting on gloo), shares 0.35 and 0.28 (benchmarks/RESULTS.md,
-2026-12-03). Read under other work the share comes out higher (0.47): a busy core slows a large
-product more than a small model's step. `archipelago calibrate` corrects a machine's own figure from
-its runs."""
+"""Share of the probe's measured product rate per core (topology/device_bench.py: 1024³, one thread on every
+core) that a CPU worker's training step reaches beyond its fixed overhead, used only where the probe gave no
+training rate (bf16 workers, maps probed before it measured one): the demo model (examples/cpu-tiny.toml, two
+workers of micro-batch 16) on a 2-core Intel Xeon, nearly idle, in two `make demo` runs: the probe read 203
+and 214 GFLOP/s a core and a step took 178 and 205 ms, shares 0.35 and 0.28 (benchmarks/RESULTS.md,
+2026-12-03). It is that CPU's share, not every CPU's: on a 2-core AMD EPYC the product read 74-145 GFLOP/s a
+core and the same step reached about half of it, so the share predicted 511 ms for a 245 ms step. Where the
+probe trained its reference block, CPU workers are planned at that rate instead (ComputeModel)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +77,9 @@ class ComputeModel:
 
     Utilisation is interpolated in log(n_embd) between measured anchors and held flat outside
     them; the same share of peak is assumed for every GPU (its own peak, or the peak its measured
-    product rate implies: MIG slices and slower models are slower in proportion). CPU workers run at
-    a share of the product rate the probe measured on their node, else of a nominal peak per core."""
+    product rate implies: MIG slices and slower models are slower in proportion). CPU workers train at
+    the rate the probe measured training a transformer block on their node's cores (fp32), else at a
+    share of its measured product rate, else of a nominal peak per core."""
 
     mfu_anchors: tuple[tuple[int, float], ...] = MFU_ANCHORS
     micro_step_overhead_s_per_layer: float = 1e-4
@@ -93,6 +94,8 @@ class ComputeModel:
     it. CPUs with AMX would be faster; the run's measured step time, not this, is what the bill uses."""
     cpu_measured_utilisation: float = CPU_UTILISATION_OF_MEASURED
     cpu_overhead_s_per_layer: float = 5e-4
+    """Per block per micro-step on CPU workers: Python and the work beside the blocks (the loss, the
+    optimizer's step over every parameter), which a measured block rate leaves out."""
     efficiency: tuple[tuple[str, float], ...] = ()
     """(device model, factor) from a calibration: that model's compute runs `factor` times as fast as
     the figures above predict (planning/calibration.py)."""
@@ -115,9 +118,13 @@ class ComputeModel:
         return peak_tflops * 1e12 * self.utilisation(n_embd) / flops_per_sample
 
     def cpu_samples_per_second(self, tflops: float, flops_per_sample: float, dtype: str = "fp32", *,
-                               measured: bool = False) -> float:
-        """A CPU slot's `tflops` (its cores' measured product rate in the job's dtype, fp32 or bf16,
-        or the nominal peak) at the share of it a training step reaches."""
+                               measured: bool = False, training_tflops: float = 0.0) -> float:
+        """A CPU slot's `training_tflops` (its cores' measured rate training the probe's reference block,
+        FLOPs counted as the model's are) as it is: that rate is what a step of small matrices, attention
+        and elementwise work reaches on this CPU. Without it, `tflops` (its cores' measured product rate
+        in the job's dtype, fp32 or bf16, or the nominal peak) at the share of it a training step reaches."""
+        if training_tflops:
+            return training_tflops * 1e12 / flops_per_sample
         if measured:
             utilisation = self.cpu_measured_utilisation
         else:

@@ -287,7 +287,8 @@ class Costing:
         if device.kind == DeviceKind.CPU:
             per_sample = 1 / self.compute.cpu_samples_per_second(device.peak_tflops, job.flops_per_sample,
                                                                  job.compute_dtype,
-                                                                 measured=device.source == Source.MEASURED)
+                                                                 measured=device.source == Source.MEASURED,
+                                                                 training_tflops=device.training_tflops)
         else:
             per_sample = 1 / self.compute.gpu_samples_per_second(device.peak_tflops * t, job.flops_per_sample,
                                                                  job.n_embd)

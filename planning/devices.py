@@ -59,6 +59,10 @@ class DeviceType:
     """Where the figures come from: declared, measured, catalog, or (CPU slots) nominal."""
     stated_tflops: float = 0.0
     """The figure as its source gives it, for people: a measured rate, a declared or catalog peak."""
+    training_tflops: float = 0.0
+    """CPU slots in fp32: cores × the probe's measured rate training a small transformer block
+    (MeasuredDevice.fp32_block_tflops), what the compute model prices a CPU step at; 0 where the node
+    has no such figure (then a share of peak_tflops)."""
 
 
 @dataclass(slots=True)
@@ -174,13 +178,14 @@ def _cpu_type(node: NodeTopology, cores: int, memory_bytes: int, dtype: str,
               nominal_gflops_per_core: float) -> DeviceType:
     measured = next((d for d in node.measured if d.name == "cpu"), None)
     per_core = (measured.fp32_tflops if dtype == "fp32" else measured.bf16_tflops) if measured else 0.0
+    training = measured.fp32_block_tflops if measured and dtype == "fp32" else 0.0
     source = Source.MEASURED if per_core else Source.NOMINAL
     per_core = per_core or nominal_gflops_per_core / 1000
     bandwidth = (measured.memory_gb_per_s * 1e9 if measured and measured.memory_gb_per_s
                  else CPU_MEMORY_BYTES_PER_S_PER_CORE)
     return DeviceType(kind=DeviceKind.CPU, model="cpu", label="cpu", cores=cores, peak_tflops=cores * per_core,
                       memory_bytes=memory_bytes, price_units=float(cores), memory_bytes_per_s=cores * bandwidth,
-                      source=source, stated_tflops=cores * per_core)
+                      source=source, stated_tflops=cores * per_core, training_tflops=cores * training)
 
 
 def _gpu_type(gpu: Gpu | MigSlice, parent: Gpu, figure: Figure) -> DeviceType:

@@ -153,6 +153,12 @@ class MeasuredDevice:
     """float8 (e4m3, torch._scaled_mm) product at the same shape; GPUs of compute capability 8.9 and up."""
     fp32_tflops: float = 0.0
     """fp32 product (TF32 off): what CPU workers train in."""
+    fp32_block_tflops: float = 0.0
+    """For "cpu": a small transformer block trained in fp32, forward and backward, its FLOPs counted as
+    planning/model_size.py counts a model's (device_bench.REFERENCE_BLOCK): the rate a CPU worker's
+    step reaches, which a product rate does not say. Its small matrices, attention, GELU and layer
+    norms reach a share of the product rate that differs from CPU to CPU (the demo's step: 0.3 on an Intel Xeon,
+    0.4-0.7 on an AMD EPYC; benchmarks/RESULTS.md)."""
     memory_gb_per_s: float = 0.0
     """Copying a buffer far larger than the caches, counting bytes read and written (HBM, or DRAM)."""
     host_to_device_gb_per_s: float = 0.0

@@ -7,7 +7,10 @@
 Per device model (the first GPU of each name; MIG devices are left out: a slice is its parent's
 share) and for the CPUs: dense matrix products at a training shape in bf16, float8 (where the GPU
 has it) and fp32, a copy far larger than the caches, host↔device copies from pinned memory, and a
-copy to a second GPU of the same model. Each figure is the best of a few timed rounds: the probe
+copy to a second GPU of the same model. The CPUs also train a small transformer block
+(REFERENCE_BLOCK): a CPU worker's step is small matrices, attention and elementwise work, whose
+share of the product rate is the CPU's own (a share fitted on one CPU model missed another's step
+by 2x), so CPU workers are planned at the block's rate. Each figure is the best of a few timed rounds: the probe
 runs while Ray starts its workers, and a core taken away for a moment should not lower the figure
 for good. CPU rates are per core, measured with every core of the process's affinity at work, one
 thread each, as CPU workers run them.
@@ -19,6 +22,7 @@ stay in the Ray worker that probed, holding GPU memory that training needs.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -29,6 +33,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from topology.cluster import MeasuredDevice
 
@@ -44,6 +51,20 @@ TRANSFER_BYTES = 256 * 2**20
 """Host↔device and peer copies."""
 ROUNDS = 5
 """Timed rounds per figure; the best counts."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockShape:
+    width: int
+    heads: int
+    seq_len: int
+    batch: int
+
+
+REFERENCE_BLOCK = BlockShape(width=128, heads=4, seq_len=128, batch=16)
+"""The block CPU figures train: a pre-norm GPT block (causal attention, 4x GELU MLP, no biases) at the
+scale CPU workers train, examples/cpu-tiny.toml's blocks at one worker's micro-batch of 16 sequences:
+2.8 GFLOP a pass, about 50 ms on a core of this project's AMD EPYC."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +116,35 @@ def fp8_matmul_tflops(device: torch.device, size: int, seconds: float) -> float:
                      2 * size**3, seconds) / 1e12
 
 
+def reference_block(shape: BlockShape, device: torch.device | str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """torch's own pre-norm encoder layer made a GPT block (workers/models/gpt.py's: tanh GELU, no biases,
+    causal attention through scaled_dot_product_attention), its input and its causal mask."""
+    with torch.device(device):
+        torch.manual_seed(0)
+        block = nn.TransformerEncoderLayer(shape.width, shape.heads, 4 * shape.width, dropout=0.0, bias=False,
+                                           activation=functools.partial(F.gelu, approximate="tanh"),
+                                           batch_first=True, norm_first=True)
+        x = torch.randn(shape.batch, shape.seq_len, shape.width, requires_grad=True)
+        mask = nn.Transformer.generate_square_subsequent_mask(shape.seq_len)
+    return block, x, mask
+
+
+def block_training_flops(shape: BlockShape) -> float:
+    """One forward and backward of the block, counted on the meta device as planning/model_size.py counts
+    a model (attention in full), so a rate in these FLOPs prices a model's counted FLOPs."""
+    block, x, mask = reference_block(shape, "meta")
+    with FlopCounterMode(display=False) as counter:
+        block(x, src_mask=mask, is_causal=True).sum().backward()
+    return float(counter.get_total_flops())
+
+
+def block_training_tflops(shape: BlockShape, seconds: float) -> float:
+    """The reference block trained (forward and backward, no optimizer) on the CPU, in counted TFLOP/s."""
+    block, x, mask = reference_block(shape, "cpu")
+    return best_rate(Clock(torch.device("cpu")), lambda: block(x, src_mask=mask, is_causal=True).sum().backward(),
+                     block_training_flops(shape), seconds) / 1e12
+
+
 def copy_gb_per_s(source: torch.device, target: torch.device, nbytes: int, seconds: float, *,
                   pinned: bool = False, count_both_ends: bool = False) -> float:
     """A copy of `nbytes` from `source` to `target`; count_both_ends counts bytes read and written
@@ -120,6 +170,7 @@ def measure_cpu(seconds: float) -> MeasuredDevice:
                                                                          seconds)), 5),
             bf16_tflops=round(on_every_core(cores, lambda: matmul_tflops(cpu, torch.bfloat16, CPU_MATMUL_SIZE,
                                                                          seconds)), 5),
+            fp32_block_tflops=round(on_every_core(cores, lambda: block_training_tflops(REFERENCE_BLOCK, seconds)), 5),
             memory_gb_per_s=round(on_every_core(cores, lambda: copy_gb_per_s(cpu, cpu, CPU_COPY_BYTES // cores, seconds,
                                                                              count_both_ends=True)), 2),
             seconds=round(time.perf_counter() - begin, 2))
@@ -191,7 +242,7 @@ def measure_all(seconds: float) -> dict:
 
 
 def _table(result: dict) -> str:
-    columns = ("name", "bf16_tflops", "fp8_tflops", "fp32_tflops", "memory_gb_per_s", "host_to_device_gb_per_s",
+    columns = ("name", "bf16_tflops", "fp8_tflops", "fp32_tflops", "fp32_block_tflops", "memory_gb_per_s", "host_to_device_gb_per_s",
                "device_to_host_gb_per_s", "peer_gb_per_s", "cores", "seconds")
     lines = ["\t".join(columns)]
     lines += ["\t".join(str(device[c]) for c in columns) for device in result["devices"]]

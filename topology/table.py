@@ -135,7 +135,7 @@ def _measured_table(node: NodeTopology) -> Table:
     """The micro-benchmark's figures: per GPU, or per core for the CPUs (0 shown as -)."""
     table = Table(box=None, pad_edge=False, padding=(0, 2, 0, 2), title="measured", title_justify="left")
     columns = (("device", "name"), ("bf16 TFLOP/s", "bf16_tflops"), ("fp8", "fp8_tflops"), ("fp32", "fp32_tflops"),
-               ("memory GB/s", "memory_gb_per_s"), ("host→device", "host_to_device_gb_per_s"),
+               ("fp32 block", "fp32_block_tflops"), ("memory GB/s", "memory_gb_per_s"), ("host→device", "host_to_device_gb_per_s"),
                ("device→host", "device_to_host_gb_per_s"), ("peer", "peer_gb_per_s"))
     for label, _ in columns:
         table.add_column(label, justify="left" if label == "device" else "right")

@@ -1,5 +1,6 @@
 """benchmarks/device_probe.py's CPU row on this machine: the share of the probe's product rate the demo
-model's training step reaches on one core (ComputeModel's CPU_UTILISATION_OF_MEASURED comes from it)."""
+model's training step reaches on one core (ComputeModel's CPU_UTILISATION_OF_MEASURED comes from it), and
+the step over what the probe's block rate predicts."""
 
 from tests.benchmark_support import load_benchmark
 
@@ -13,3 +14,4 @@ def test_the_cpu_row_puts_the_demo_step_beside_the_probes_product_rate():
     # step moved the share to 1.61 once. The bounds catch a unit slip (ms for s, GFLOP for TFLOP: 1000x),
     # not the figure; the figure is benchmarks/device_probe.py's, measured with its rounds.
     assert 0.02 < row["share_of_product_rate"] < 5, row
+    assert 0.001 < row["probe_fp32_block_tflops"] < 0.5 and 0.2 < row["step_over_block_rate"] < 50, row

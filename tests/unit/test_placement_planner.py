@@ -11,7 +11,7 @@ from planning import memory
 from planning.compute import ComputeModel
 from planning.planner import Planner
 from topology import machines
-from topology.cluster import ClusterTopology, Nic, NicKind, NodeTopology, NumaNode
+from topology.cluster import ClusterTopology, MeasuredDevice, Nic, NicKind, NodeTopology, NumaNode
 
 TINY_MODEL = {"n_layer": 4, "n_head": 4, "n_embd": 128, "seq_len": 128, "vocab_size": 257}
 NO_OVERHEAD = ComputeModel(micro_step_overhead_s_per_layer=0.0)
@@ -48,6 +48,43 @@ def test_the_cpu_demo_goes_through_the_planner():
     assert [w.micro_batch_size for w in plan.workers] == [16, 16] and plan.grad_accum_steps == 1
     assert plan.predicted.step_seconds > 0 and plan.workers[0].predicted_peak_memory_bytes > 0
     assert Plan.from_json(plan.to_json()) == plan
+
+
+DEMO_WORKER_STEP_FLOPS = 5_702_400 * 128 * 16
+"""The demo model's counted FLOPs a token (planning/model_size.py) × 128 tokens × one worker's 16 sequences."""
+
+
+def probed_laptop(**cpu_figures: float) -> ClusterTopology:
+    topology = laptop()
+    topology.nodes[0].measured = [MeasuredDevice(name="cpu", cores=2, **cpu_figures)]
+    return topology
+
+
+def test_cpu_workers_are_planned_at_the_probes_block_training_rate():
+    """The demo on a 2-core AMD EPYC: the probe's product read 74 GFLOP/s a core (0.31 of it predicted 511 ms
+    for a 245 ms step); training its reference block read 55 GFLOP/s, which prices the step at 212 ms."""
+    demo = job(cluster={"use_gpu": False, "num_workers": 2, "cpus_per_worker": 1},
+               train={"global_batch_size": 32, "micro_batch_size": 16})
+    flops_only = ComputeModel(cpu_overhead_s_per_layer=0.0)
+
+    def compute_ms(**figures: float) -> float:
+        return planner(probed_laptop(**figures), demo, compute=flops_only).plan().predicted.compute_seconds * 1e3
+
+    assert DEMO_WORKER_STEP_FLOPS == pytest.approx(11.68e9, rel=1e-3)
+    # One core a worker: the core's block rate prices the step, whatever its product rate reads.
+    assert compute_ms(fp32_tflops=0.074, fp32_block_tflops=0.055) == pytest.approx(212.3, abs=0.1)
+    assert compute_ms(fp32_tflops=0.145, fp32_block_tflops=0.055) == pytest.approx(212.3, abs=0.1)
+    # A map probed before the block was measured keeps the product rate's share.
+    assert compute_ms(fp32_tflops=0.074) == pytest.approx(DEMO_WORKER_STEP_FLOPS / (0.074e12 * 0.31) * 1e3, rel=1e-6)
+    assert compute_ms(fp32_tflops=0.074) == pytest.approx(509.1, abs=0.1)
+
+
+def test_a_cpu_worker_of_two_cores_trains_at_both_cores_block_rate():
+    config = job(cluster={"use_gpu": False, "num_workers": 1, "cpus_per_worker": 2},
+                 train={"global_batch_size": 16, "micro_batch_size": 16})
+    flops_only = ComputeModel(cpu_overhead_s_per_layer=0.0)
+    plan = planner(probed_laptop(fp32_tflops=0.074, fp32_block_tflops=0.055), config, compute=flops_only).plan()
+    assert plan.predicted.compute_seconds == pytest.approx(DEMO_WORKER_STEP_FLOPS / (2 * 0.055e12))
 
 
 def test_bf16_on_cpu_workers_is_planned_at_its_measured_speed_not_fp32s():

@@ -124,13 +124,13 @@ def test_a_version_1_map_reads_and_measured_figures_print(capsys, tmp_path, monk
     assert json.loads((EXAMPLES / "h200-single.json").read_text())["version"] == 1 and old.nodes[0].measured == []
     old.nodes[0].measured = [MeasuredDevice(name="NVIDIA H200", driver_version="580.159.04", bf16_tflops=781.4,
                                             memory_gb_per_s=4287.0),
-                             MeasuredDevice(name="cpu", fp32_tflops=0.0512, cores=16)]
+                             MeasuredDevice(name="cpu", fp32_tflops=0.0512, fp32_block_tflops=0.0301, cores=16)]
     path = old.save(tmp_path / "measured.json")
     assert json.loads(path.read_text())["version"] == 2
     code, text = run(capsys, "topology", "--from", str(path))
     assert code == 0
-    assert re.search(r"NVIDIA H200\s+781\.4\s+-\s+-\s+4287\s+-\s+-\s+-\s+driver 580\.159\.04", text)
-    assert re.search(r"cpu \(per core of 16\)\s+-\s+-\s+0\.0512", text)
+    assert re.search(r"NVIDIA H200\s+781\.4\s+-\s+-\s+-\s+4287\s+-\s+-\s+-\s+driver 580\.159\.04", text)
+    assert re.search(r"cpu \(per core of 16\)\s+-\s+-\s+0\.0512\s+0\.0301", text)
 
 
 def test_the_map_reads_at_80_columns_leaving_out_uuids_first(capsys, monkeypatch):

@@ -13,7 +13,8 @@ import torch
 from core.errors import TopologyError
 from topology import ClusterTopology, Gpu, NodeTopology
 from topology.cluster import MeasuredDevice
-from topology.device_bench import copy_gb_per_s, gpus_to_measure, measure_cpu
+from topology.device_bench import (REFERENCE_BLOCK, BlockShape, block_training_flops, copy_gb_per_s, gpus_to_measure,
+                                   measure_cpu)
 from topology.device_figures import CACHE_FILE, DeviceBench
 from topology.probe import probe_local_node
 
@@ -49,8 +50,19 @@ def test_the_benchmark_measures_this_machines_cpus_per_core():
     # Per core: a 2026 server core does 10-300 GFLOP/s of fp32 products, not the machine's total.
     assert 0.002 < figures.fp32_tflops < 0.5 and 0 < figures.bf16_tflops < 0.5
     assert 0.1 < figures.memory_gb_per_s < 200
+    # Training the reference block reaches less than the big product, never 100x less (on the 2-core EPYC: 55 of ~100).
+    assert 0.001 < figures.fp32_block_tflops < 0.5
     both_ends = copy_gb_per_s(torch.device("cpu"), torch.device("cpu"), 2**20, 0.01, count_both_ends=True)
     assert both_ends > 0
+
+
+def test_the_reference_block_is_counted_as_the_planner_counts_a_models_flops():
+    """6 FLOPs a weight a token (12·width² weights) and attention in full (12·width·T), as model_size counts:
+    the block's rate then prices the model's counted FLOPs."""
+    assert (REFERENCE_BLOCK.width, REFERENCE_BLOCK.seq_len, REFERENCE_BLOCK.batch) == (128, 128, 16)
+    tokens, width, seq_len = 16 * 128, 128, 128
+    assert block_training_flops(REFERENCE_BLOCK) == tokens * (72 * width**2 + 12 * width * seq_len) == 2_818_572_288
+    assert block_training_flops(BlockShape(width=64, heads=2, seq_len=32, batch=2)) == 64 * (72 * 64**2 + 12 * 64 * 32)
 
 
 def test_one_gpu_of_each_model_is_measured_with_a_peer_of_its_model():
