@@ -1,10 +1,12 @@
 """Hugging Face models through `archipelago fit`: a 2-layer Llama, Qwen2 and Mistral, each from weights
 transformers saved, fine-tune for 5 steps on two gloo workers, and the first step's loss is transformers'
-own loss on that step's batch; `archipelago export` then writes the trained model, which transformers
+own loss on that step's batch (the Mistral run, cut back to its step-3 checkpoint, resumes to the same
+losses); `archipelago export` then writes the trained model, which transformers
 loads with the logits archipelago's model restored from the run's checkpoint gives."""
 
 import dataclasses
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -24,14 +26,14 @@ from tests.integration.conftest import SEQ_LEN, job
 from workers.models import make_workload
 
 pytestmark = pytest.mark.integration
-STEPS = 5
+STEPS, CUT = 5, 3
 GLOBAL_BATCH = 8
 
 
 def hf_job(small_dataset, runs, name: str, table: dict, **sections) -> JobConfig:
     """The integration job with the [model] `table` alone (the tiny job's shape keys would contradict
     config.json's) and seq_len."""
-    config = job(small_dataset, runs, name, STEPS, checkpoint={"every_steps": STEPS}, **sections)
+    config = job(small_dataset, runs, name, STEPS, **{"checkpoint": {"every_steps": STEPS}, **sections})
     model = JobConfig.from_dict({"model": {**table, "seq_len": SEQ_LEN}}).model
     return dataclasses.replace(config, model=model)
 
@@ -48,8 +50,9 @@ def first_batch(small_dataset) -> torch.Tensor:
 def test_a_hugging_face_model_fine_tunes_from_its_weights(cluster, small_dataset, tmp_path, architecture):
     model = write_model(tmp_path / architecture, architecture)
     tracked = {"bill": {"mlflow": True}} if architecture == "llama" else {}  # one run checks MLflow as well
+    cut = {"checkpoint": {"every_steps": CUT, "keep_last": 2}} if architecture == "mistral" else {}  # one resumes
     config = hf_job(small_dataset, tmp_path / "runs", architecture, {"kind": "hf", "hf_dir": str(tmp_path / architecture)},
-                    **tracked)
+                    **tracked, **cut)
     result = Orchestrator(config).fit()
     rows = result.metrics
     losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
@@ -71,6 +74,19 @@ def test_a_hugging_face_model_fine_tunes_from_its_weights(cluster, small_dataset
         assert not torch.allclose(logits, model(input_ids=tokens).logits, atol=1e-3)  # trained, not the start
     if tracked:
         mlflow_tracked_the_run(tmp_path / "runs" / architecture)
+    if cut:
+        resumed_where_it_stopped(config, tmp_path / "runs", losses)
+
+
+def resumed_where_it_stopped(config: JobConfig, runs, straight: dict[int, float]) -> None:
+    """A copy of the run cut back to its step-CUT checkpoint and resumed trains the uninterrupted run's losses."""
+    shutil.copytree(runs / config.name, runs / "cut")
+    shutil.rmtree(runs / "cut" / f"step_{STEPS:08d}")
+    resumed = Orchestrator(dataclasses.replace(config, name="cut"), resume=True).fit()
+    losses = {r["step"]: r["loss"] for r in resumed.metrics if "loss" in r}
+    assert sorted(losses) == list(range(CUT + 1, STEPS + 1))
+    for step, loss in losses.items():
+        assert loss == pytest.approx(straight[step], rel=1e-5)
 
 
 def mlflow_tracked_the_run(run_dir):

@@ -19,6 +19,7 @@ sequences from position_ids when no attention mask is given).
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -99,7 +100,8 @@ class HFWorkload:
 
     def identity(self) -> dict[str, Any]:
         shape = {k: v for k, v in self.hf_config.to_dict().items() if k not in VOLATILE_KEYS}
-        return {"kind": "hf", "config": shape, "seq_len": self.config.seq_len}
+        # As a checkpoint's JSON gives it back: id2label's int keys turn into strings there.
+        return {"kind": "hf", "config": json.loads(json.dumps(shape)), "seq_len": self.config.seq_len}
 
     def build(self) -> HFCausalLM:
         from transformers import AutoModelForCausalLM
