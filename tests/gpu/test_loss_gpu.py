@@ -38,27 +38,30 @@ def test_out_of_range_target_gives_a_nan_loss():
 
 # (n_embd, n_head, seq_len, batch): small, and the 1.3B model's width, at which Inductor's final-norm
 # kernel once fed the op a wrong input under one of its block sizes (kernels/loss.py says how;
-# test_inductor_configs_gpu.py tries every block size).
+# test_inductor_configs_gpu.py tries every block size). The reference is the plain loss run eagerly: on the
+# H200 with torch 2.11 the *plain* loss compiled at width 2048 is the one that is off (GPT: loss 11.181
+# against eager's 11.226, gradients 10 % away, three seeds alike), the race the fused op's eager norm avoids;
+# the compiled fused loss was 1e-6 from eager, its gradients 0.5 % (GPT) and 1.2 % (Llama) away.
 @pytest.mark.parametrize("kind", ["gpt", "llama"])  # a LayerNorm and an RMSNorm inside the op
 @pytest.mark.parametrize("width, heads, seq_len, batch", [(256, 4, 256, 8), (2048, 16, 1024, 16)])
-def test_compiled_model_with_the_fused_loss_matches_the_plain_loss(width, heads, seq_len, batch, kind):
+def test_compiled_model_with_the_fused_loss_matches_the_plain_loss_run_eagerly(width, heads, seq_len, batch, kind):
     torch.manual_seed(0)
     config = ModelConfig(kind=kind, n_layer=2, n_head=heads, n_embd=width, seq_len=seq_len, vocab_size=50304)
     model = make_workload(config).build().cuda()
     tokens = torch.randint(0, 50304, (batch, seq_len + 1), device="cuda")
     results = {}
-    for kernel in ("plain", "fused"):
+    for kernel, compiled in (("plain", False), ("fused", True)):
         torch._dynamo.reset()
-        step = torch.compile(lambda x, y, k=kernel: model(x, y, loss_kernel=k), fullgraph=True)
+        forward = lambda x, y, k=kernel: model(x, y, loss_kernel=k)  # noqa: E731
+        step = torch.compile(forward, fullgraph=True) if compiled else forward
         with torch.autocast("cuda", torch.bfloat16):
             loss = step(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
-        results[kernel] = loss.item(), [p.grad.clone() for p in model.parameters()]
+        results[kernel] = loss.item(), torch.cat([p.grad.flatten().float() for p in model.parameters()])
         model.zero_grad(set_to_none=True)
     (plain, plain_grads), (fused, fused_grads) = results["plain"], results["fused"]
-    assert fused == pytest.approx(plain, rel=1e-3)
-    for a, b in zip(fused_grads, plain_grads):
-        assert (a - b).abs().max() <= 2e-2 * b.abs().max() + 1e-8
+    assert fused == pytest.approx(plain, rel=1e-4)
+    assert ((fused_grads - plain_grads).norm() / plain_grads.norm()).item() < 3e-2  # the compile check's tolerance
 
 
 def test_linear_cross_entropy_under_autocast_on_cuda():
