@@ -58,7 +58,8 @@ class ModelConfig:
     """A local directory holding a Hugging Face model's config.json, and its *.safetensors weights when
     it has any (a sharded model's index too), seen by every node. kind = "hf": that model, from its
     weights or initialised; kind = "llama": the built-in Llama shaped from it and started from its
-    weights (Llama and Mistral shapes). The shape keys (n_layer, n_embd, vocab_size, …) come from the file."""
+    weights (Llama, Mistral and Qwen2 shapes). The shape keys (n_layer, n_embd, vocab_size, …, qkv_bias)
+    come from the file."""
     preset: str = ""
     """A named shape to start from: llama3-1b, llama3-3b or llama3-8b (MODEL_PRESETS)."""
     n_layer: int = 4
@@ -81,6 +82,9 @@ class ModelConfig:
     """gpt: dropout probability in attention and MLP outputs."""
     bias: bool = False
     """gpt: bias terms in linear layers and layer norms."""
+    qkv_bias: bool = False
+    """llama: bias terms on the query, key and value projections (Qwen2's attention; none on the output
+    projection or the MLP). hf_dir's config.json sets it: true for model_type qwen2."""
     rope_theta: float = 500000.0
     """llama: base of the rotary embeddings' frequencies."""
     rope_scaling: float = 0.0
@@ -119,8 +123,11 @@ class ModelConfig:
                    "pick n_kv_head dividing n_head (8 in the Llama-3 presets)")
             _check((self.n_embd // self.n_head) % 2 == 0, "[model] n_head", "rotary embeddings need an even head "
                    f"size; n_embd / n_head = {self.n_embd // self.n_head}", "pick n_head so that each head is even")
-            _check(not self.bias and self.dropout == 0, "[model]", "the llama model has no bias terms and no dropout",
-                   "set bias = false and dropout = 0.0")
+            _check(not self.bias and self.dropout == 0, "[model]", "the llama model has no dropout, and bias terms "
+                   "only on its query, key and value projections", "set bias = false and dropout = 0.0 (qkv_bias = true "
+                   "gives the query, key and value projections biases, as Qwen2's)")
+        _check(self.kind != "gpt" or not self.qkv_bias, "[model] qkv_bias", "is a llama key: the gpt model's biases "
+               "are all or none", "set bias = true for gpt's biases, and leave qkv_bias out")
         self._check_hf_dir()
         _check(self.kind == "custom" or (not self.factory and not self.options), "[model] factory",
                f'kind = "{self.kind}" builds its own model', 'set kind = "custom" to train the factory\'s model')

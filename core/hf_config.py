@@ -20,8 +20,11 @@ from core.errors import ConfigError
 
 CONFIG_FILE = "config.json"
 WHERE = "[model] hf_dir"
-BUILTIN_LLAMA_TYPES = ("llama", "mistral")
-"""model_type values whose weights the built-in Llama takes (Meta's layout: RMSNorm, rotary, GQA, SwiGLU)."""
+BUILTIN_LLAMA_TYPES = ("llama", "mistral", "qwen2")
+"""model_type values whose weights the built-in Llama takes (Meta's layout: RMSNorm, rotary, GQA, SwiGLU;
+Qwen2's with biases on the query, key and value projections: [model] qkv_bias)."""
+QKV_BIAS_TYPES = ("qwen2",)
+"""model_type values whose query, key and value projections, and no other, have biases."""
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 """The Llama-3.1 frequency scaling the built-in implements (workers/models/llama.py)."""
 
@@ -70,31 +73,38 @@ def shape_of(hf: dict[str, Any]) -> dict[str, Any]:
     shape["rope_theta"] = rope_theta(hf)
     scaling = rope_scaling(hf)
     shape["rope_scaling"] = float(scaling.get("factor", 0.0)) if scaling else 0.0
+    shape["qkv_bias"] = hf["model_type"] in QKV_BIAS_TYPES
     return shape
 
 
 def builtin_llama_refusal(hf: dict[str, Any], path: str, seq_len: int) -> str | None:
     """Why the built-in Llama cannot take this model's weights exactly at `seq_len` tokens a sample, or None."""
     model_type = hf["model_type"]
-    if model_type == "qwen2":
-        return (f"{path}: Qwen2's query, key and value projections have biases, the built-in Llama has none; "
-                'train it as kind = "hf"')
     if model_type not in BUILTIN_LLAMA_TYPES:
         return f'{path}: model_type {model_type!r} is not a Llama shape; train it as kind = "hf"'
-    head_dim = hf.get("head_dim")
+    head_dim, window = hf.get("head_dim"), sliding_window(hf)
     problems = [
         (hf.get("hidden_act", "silu") != "silu", f"hidden_act {hf.get('hidden_act')!r} (the built-in's SwiGLU uses silu)"),
-        (bool(hf.get("attention_bias") or hf.get("mlp_bias")), "bias terms in attention or MLP"),
+        # Llama's attention_bias puts a bias on o_proj as well; the built-in has Qwen2's (q, k and v) only.
+        (bool(hf.get("attention_bias")), "attention_bias (biases on o_proj too, where the built-in takes biases on "
+                                         "the query, key and value projections only)"),
+        (bool(hf.get("mlp_bias")), "mlp_bias (bias terms in the MLP)"),
         (head_dim is not None and head_dim * hf["num_attention_heads"] != hf["hidden_size"],
          f"head_dim {head_dim} apart from hidden_size / num_attention_heads"),
-        (0 < (hf.get("sliding_window") or seq_len) < seq_len,
-         f"sliding-window attention over {hf.get('sliding_window')} tokens, fewer than [model] seq_len = {seq_len}"),
+        (0 < (window or seq_len) < seq_len,
+         f"sliding-window attention over {window} tokens, fewer than [model] seq_len = {seq_len}"),
         (_other_rope(hf), f"rope scaling {rope_scaling(hf)} (the built-in implements Llama-3.1's only)"),
     ]
     found = [text for bad, text in problems if bad]
     if found:
         return f'{path}: {"; ".join(found)}: the built-in Llama would compute another model; train it as kind = "hf"'
     return None
+
+
+def sliding_window(hf: dict[str, Any]) -> int | None:
+    """The attention window in tokens, None for full attention: Mistral's sliding_window, Qwen2's only
+    with use_sliding_window (its config.json names a window it does not use otherwise)."""
+    return hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
 
 
 def _other_rope(hf: dict[str, Any]) -> bool:

@@ -7,9 +7,10 @@
 Writes config.json and model.safetensors (transformers' own save_pretrained), and the tokenizer files
 the run had: those beside [model] hf_dir (tokenizer.json, tokenizer_config.json,
 special_tokens_map.json) or the dataset's "hf:PATH" tokenizers file. kind = "hf" saves the trained
-transformers model itself; kind = "llama" (built-in) is cut back into a LlamaForCausalLM (or the
-MistralForCausalLM of its hf_dir): q/k rows turned back from interleaved pairs to halves
-(workers/models/hf_weights.py). The model is rebuilt from the config in the run's report.json and
+transformers model itself; kind = "llama" (built-in) is cut back into the architecture of its hf_dir
+(LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM), or without one a LlamaForCausalLM (a
+Qwen2ForCausalLM with [model] qkv_bias): q/k rows and biases turned back from interleaved pairs to
+halves (workers/models/hf_weights.py). The model is rebuilt from the config in the run's report.json and
 loaded from the newest intact checkpoint on this machine's CPU; OUT is written beside itself and
 renamed into place, so an interrupted export leaves nothing half-written.
 """
@@ -151,16 +152,19 @@ def _save_quantized(hf: torch.nn.Module, config: JobConfig, out: Path) -> None:
 
 
 def _llama_config(config: ModelConfig) -> dict:
-    """The LlamaConfig of a built-in Llama trained from scratch."""
+    """The LlamaConfig of a built-in Llama trained from scratch, or with qkv_bias the Qwen2Config (Llama's
+    own attention_bias would put a bias on o_proj too)."""
     rope = ({"rope_type": "llama3", "factor": config.rope_scaling, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
              "original_max_position_embeddings": 8192, "rope_theta": config.rope_theta} if config.rope_scaling
             else {"rope_type": "default", "rope_theta": config.rope_theta})
-    return {"model_type": "llama", "vocab_size": config.vocab_size, "hidden_size": config.n_embd,
+    architecture = ({"model_type": "qwen2"} if config.qkv_bias
+                    else {"model_type": "llama", "attention_bias": False, "mlp_bias": False})
+    return {**architecture, "vocab_size": config.vocab_size, "hidden_size": config.n_embd,
             "intermediate_size": config.hidden_dim, "num_hidden_layers": config.n_layer,
             "num_attention_heads": config.n_head, "num_key_value_heads": config.kv_heads,
             "head_dim": config.n_embd // config.n_head, "rms_norm_eps": config.norm_eps,
             "max_position_embeddings": config.seq_len, "tie_word_embeddings": config.tie_embeddings,
-            "rope_parameters": rope, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
+            "rope_parameters": rope, "hidden_act": "silu"}
 
 
 def _copy_tokenizer(config: JobConfig, out: Path) -> None:

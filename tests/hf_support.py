@@ -21,10 +21,15 @@ def architectures() -> dict[str, tuple[type, type]]:
 
 def write_model(directory: Path, architecture: str, *, seed: int = 1, weights: bool = True, **overrides):
     """Saves a tiny `architecture` model (its config.json, and its weights unless weights=False) into
-    `directory`; returns the transformers model."""
+    `directory`; returns the transformers model. Its biases (Qwen2's q, k and v) are drawn, not
+    transformers' zeros, so a bias put in the wrong place changes the logits."""
     config_class, model_class = architectures()[architecture]
     torch.manual_seed(seed)
     model = model_class(config_class(**{**SHAPE, **overrides}))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias"):
+                parameter.normal_(std=0.5)
     if weights:
         model.save_pretrained(directory)
     else:

@@ -151,6 +151,20 @@ def test_gpt_checkpoints_record_the_model_keys_and_the_order_of_the_stacked_rows
                                     global_batch_size=4, directory=tmp_path)
 
 
+def test_llama_checkpoints_record_qkv_biases_only_when_the_model_has_them(tmp_path):
+    """Llama checkpoints from before [model] qkv_bias, all without biases, still resume; one with them is
+    refused by a model without, naming the key (not a missing tensor deep in DCP)."""
+    plain = dataclasses.replace(CONFIG.model, kind="llama")
+    identity = make_workload(plain).identity()
+    biased = make_workload(dataclasses.replace(plain, qkv_bias=True)).identity()
+    assert "qkv_bias" not in identity and biased == {**identity, "qkv_bias": True}
+    info = checkpoint.CheckpointInfo(step=1, consumed_samples=4, model=biased, tokenizer="bytes",
+                                     seed=CONFIG.train.seed, global_batch_size=4)
+    with pytest.raises(CheckpointError, match="qkv_bias: checkpoint True, config None"):
+        checkpoint.check_compatible(info, identity=identity, seed=CONFIG.train.seed, tokenizer="bytes",
+                                    global_batch_size=4, directory=tmp_path)
+
+
 def test_a_checkpoint_of_another_writer_is_refused(tmp_path):
     import torch.distributed.checkpoint as dcp
 

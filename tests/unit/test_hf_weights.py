@@ -1,7 +1,9 @@
 """Bad Hugging Face input is refused before anything starts, with the file and the fix: a directory
 without config.json, an architecture transformers does not know, safetensors of another shape, and the
-built-in Llama asked to take Qwen2's biased projections. Nothing is written into the run directory. And good
-input streams into FSDP2 shards: each rank reads its part, and the sharded model computes transformers' loss."""
+built-in Llama asked to take a Llama's o_proj bias or a window shorter than seq_len. Nothing is written
+into the run directory. Good input streams into FSDP2 and tensor-parallel shards: each rank reads its
+part, and the sharded model computes transformers' loss, Qwen2's q, k and v biases included; the
+built-in exports back to the Qwen2ForCausalLM of its logits."""
 
 import json
 import sys
@@ -17,6 +19,7 @@ from orchestrator import Orchestrator
 from planning.resolve import uniform_spec
 from tests.conftest import tiny_job
 from tests.hf_support import write_model
+from workers.models import make_workload
 
 
 def hf_job(tmp_path, hf_dir, kind="hf"):
@@ -70,16 +73,68 @@ def test_safetensors_of_another_shape(tmp_path):
         assert "config.json" in error.fix
 
 
-def test_the_built_in_llama_refuses_qwen2s_biases(tmp_path):
-    write_model(tmp_path / "q", "qwen2", weights=False)
-    error = refused(tmp_path, tmp_path / "q", "llama")
-    assert "Qwen2" in error.what and "biases" in error.what and 'kind = "hf"' in error.what
+@pytest.mark.parametrize("architecture, overrides, said", [
+    ("llama", {"attention_bias": True}, "biases on o_proj too"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 16}, "sliding-window attention over 16 tokens")])
+def test_the_built_in_llama_refuses_what_it_would_compute_otherwise(tmp_path, architecture, overrides, said):
+    write_model(tmp_path / "m", architecture, weights=False, **overrides)
+    error = refused(tmp_path, tmp_path / "m", "llama")
+    assert said in error.what and 'kind = "hf"' in error.what
 
 
-def sharded_losses(rank: int, world: int, hf_dir: str) -> dict:
+def test_the_built_in_llama_computes_qwen2s_logits(tmp_path):
+    """Qwen2's q, k and v biases stack into wqkv's bias in its rows' order (grouped, q and k turned
+    to interleaved pairs): the built-in computes transformers' logits, and without the biases it does not."""
+    from workers.pretrained import load_pretrained
+
+    hf = write_model(tmp_path, "qwen2")
+    config = JobConfig.from_dict({"model": {"kind": "llama", "hf_dir": str(tmp_path), "seq_len": 32}}).model
+    assert config.qkv_bias  # from config.json's model_type
+    model = make_workload(config).build()
+    assert load_pretrained(model, config)
+    tokens = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = hf(input_ids=tokens).logits
+        torch.testing.assert_close(model(tokens), expected, rtol=1e-5, atol=1e-5)
+        for layer in model.layers:
+            layer.attention.wqkv.bias.zero_()
+        assert (model(tokens) - expected).abs().max() > 1e-2  # the biases are what made them equal
+
+
+@pytest.mark.parametrize("from_hf_dir", [True, False])
+def test_a_built_in_with_qkv_biases_exports_to_the_qwen2_of_its_logits(tmp_path, from_hf_dir):
+    """From a Qwen2 hf_dir, or trained from scratch with qkv_bias: `archipelago export` writes a
+    Qwen2ForCausalLM that transformers loads with the built-in's logits (trained biases, not zeros)."""
+    from transformers import AutoModelForCausalLM
+
+    from orchestrator.export import write_hf
+
+    write_model(tmp_path / "hf", "qwen2")
+    table = {"hf_dir": str(tmp_path / "hf")} if from_hf_dir else {"n_layer": 2, "n_head": 4, "n_kv_head": 2,
+                                                                    "n_embd": 32, "qkv_bias": True}
+    config = JobConfig.from_dict({"model": {"kind": "llama", "seq_len": 32, **table}})
+    torch.manual_seed(3)
+    model = make_workload(config.model).build()  # other weights than those in hf_dir: the trained ones
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.attention.wqkv.bias.normal_(std=0.5)
+    write_hf(model, config, tmp_path / "out")
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert type(exported).__name__ == "Qwen2ForCausalLM"
+    tokens = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids=tokens).logits, model(tokens), rtol=1e-5, atol=1e-5)
+
+
+RUNS = (("llama", "hf", 1), ("llama", "llama", 1), ("llama", "llama", 2), ("qwen2", "llama", 1), ("qwen2", "llama", 2))
+"""(architecture of hf_dir, [model] kind, tensor_parallel_size) of each sharded loss."""
+
+
+def sharded_losses(rank: int, world: int, hf_dirs: dict[str, str]) -> dict:
     """On each rank of an FSDP2 group: hf_dir's weights read into this rank's shards (kind hf through
     DCP's HuggingFaceStorageReader, the built-in through row reads), then the loss of one batch; and
-    the built-in split by tensor parallelism (row-wise layers sharded by columns)."""
+    the built-in split by tensor parallelism (row-wise layers sharded by columns, Qwen2's bias by rows
+    as its column-wise weight)."""
     from storage.checkpoint_io import checkpoint_group
     from workers.engine import Engine
     from workers.pretrained import load_pretrained
@@ -87,19 +142,21 @@ def sharded_losses(rank: int, world: int, hf_dir: str) -> dict:
     torch.manual_seed(0)
     batch = torch.randint(0, 320, (2, 33))
     losses = {}
-    for kind, tensor_parallel_size in (("hf", 1), ("llama", 1), ("llama", 2)):
-        config = JobConfig.from_dict({"model": {"kind": kind, "hf_dir": hf_dir, "seq_len": 32},
+    for architecture, kind, tensor_parallel_size in RUNS:
+        config = JobConfig.from_dict({"model": {"kind": kind, "hf_dir": hf_dirs[architecture], "seq_len": 32},
                                       "parallel": {"strategy": "fsdp"}, "train": {"global_batch_size": 4,
                                                                                   "micro_batch_size": 2}})
         spec = uniform_spec(config, world_size=world, micro_batch_size=2, grad_accum_steps=1,
                             tensor_parallel_size=tensor_parallel_size)
         engine = Engine(spec, rank, torch.device("cpu"))
-        shard = next(p for p in engine.model.parameters() if p.dim() == 2)
-        assert shard.to_local().shape[0] < shard.shape[0]  # sharded: each rank reads a part of each tensor
+        # Sharded by rows, Qwen2's bias with its weight: each rank reads a part of each tensor.
+        for name, shard in engine.model.named_parameters():
+            if name.endswith(("embed_tokens.weight", "tok_embeddings.weight", "wqkv.weight", "wqkv.bias")):
+                assert shard.to_local().shape[0] < shard.shape[0], name
         assert load_pretrained(engine.model, config.model, process_group=checkpoint_group())
         with torch.no_grad(), engine.wrapped.loss_context():
             loss = engine.workload.loss(engine.model, batch[:, :-1], batch[:, 1:])
-        losses[kind if tensor_parallel_size == 1 else f"{kind} tp{tensor_parallel_size}"] = float(
+        losses[f"{architecture} as {kind} tp{tensor_parallel_size}"] = float(
             loss.full_tensor() if isinstance(loss, DTensor) else loss)
     return losses
 
@@ -108,8 +165,11 @@ def test_weights_stream_into_fsdp2_and_tensor_parallel_shards(tmp_path):
     from tests.engine_support import run_ranks
     from tests.hf_support import hf_loss
 
-    model = write_model(tmp_path, "llama")
     torch.manual_seed(0)
-    expected = hf_loss(model, torch.randint(0, 320, (2, 33)))
-    losses = run_ranks(2, sharded_losses, str(tmp_path))
-    assert all(loss == pytest.approx(expected, rel=1e-5) for loss in losses.values()) and len(losses) == 3
+    batch = torch.randint(0, 320, (2, 33))
+    expected = {architecture: hf_loss(write_model(tmp_path / architecture, architecture), batch)
+                for architecture in ("llama", "qwen2")}
+    losses = run_ranks(2, sharded_losses, {architecture: str(tmp_path / architecture) for architecture in expected})
+    assert len(losses) == len(RUNS)
+    for run, loss in losses.items():
+        assert loss == pytest.approx(expected[run.split()[0]], rel=1e-5), run

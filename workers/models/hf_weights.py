@@ -17,8 +17,10 @@ its value head), w13 a gate row then an up row. `Piece.block` is how many of a p
 such group takes. The built-in also rotates interleaved pairs (x0, x1), (x2, x3), … as Meta's
 reference does, where Hugging Face's LlamaForCausalLM rotates the two halves of each head
 (rotate_half). A HF q or k projection's row h·d + c·d/2 + i (head h of size d, half c, index i) is
-therefore the built-in's row h·d + 2i + c: `Piece.heads` marks the pieces so turned. Reading by rows
-lets a rank read only the rows of its FSDP2 shard (dim 0) from each file, never the whole tensor.
+therefore the built-in's row h·d + 2i + c: `Piece.heads` marks the pieces so turned. Qwen2's q, k
+and v biases ([model] qkv_bias) stack into wqkv's bias entry for row as their weights stack: the
+same groups, the same turns. Reading by rows lets a rank read only the rows of its FSDP2 shard
+(dim 0) from each file, never the whole tensor.
 """
 
 from __future__ import annotations
@@ -113,10 +115,7 @@ def row_sources(pieces: list[Piece]) -> tuple[np.ndarray, np.ndarray]:
 
 def llama_layout(config: ModelConfig) -> dict[str, list[Piece]]:
     """Our built-in Llama's parameters (deduplicated names: a tied head is the embedding) and the HF
-    LlamaForCausalLM / MistralForCausalLM tensors each stacks."""
-    head_dim = config.n_embd // config.n_head
-    q_rows, kv_rows = config.n_head * head_dim, config.kv_heads * head_dim
-    group_rows = config.n_head // config.kv_heads * head_dim  # one key/value group's query rows
+    LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM tensors each stacks."""
     layout = {"tok_embeddings.weight": [Piece("model.embed_tokens.weight", config.vocab_size)],
               "norm.weight": [Piece("model.norm.weight", config.n_embd)]}
     if not config.tie_embeddings:
@@ -124,10 +123,7 @@ def llama_layout(config: ModelConfig) -> dict[str, list[Piece]]:
     for i in range(config.n_layer):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
         layout |= {
-            ours + "attention.wqkv.weight": [
-                Piece(theirs + "self_attn.q_proj.weight", q_rows, config.n_head, block=group_rows),
-                Piece(theirs + "self_attn.k_proj.weight", kv_rows, config.kv_heads, block=head_dim),
-                Piece(theirs + "self_attn.v_proj.weight", kv_rows, block=head_dim)],
+            ours + "attention.wqkv.weight": qkv_pieces(config, theirs + "self_attn.", ".weight"),
             ours + "attention.wo.weight": [Piece(theirs + "self_attn.o_proj.weight", config.n_embd)],
             ours + "attention_norm.weight": [Piece(theirs + "input_layernorm.weight", config.n_embd)],
             ours + "ffn_norm.weight": [Piece(theirs + "post_attention_layernorm.weight", config.n_embd)],
@@ -135,7 +131,19 @@ def llama_layout(config: ModelConfig) -> dict[str, list[Piece]]:
                                                Piece(theirs + "mlp.up_proj.weight", config.hidden_dim, block=1)],
             ours + "feed_forward.w2.weight": [Piece(theirs + "mlp.down_proj.weight", config.n_embd)],
         }
+        if config.qkv_bias:
+            layout[ours + "attention.wqkv.bias"] = qkv_pieces(config, theirs + "self_attn.", ".bias")
     return layout
+
+
+def qkv_pieces(config: ModelConfig, prefix: str, suffix: str) -> list[Piece]:
+    """HF's q_proj, k_proj and v_proj `suffix` (".weight" or ".bias") as wqkv stacks them: key/value
+    group by group, q and k heads turned from halves to interleaved pairs."""
+    head_dim = config.n_embd // config.n_head
+    group_rows = config.n_head // config.kv_heads * head_dim  # one key/value group's query rows
+    return [Piece(f"{prefix}q_proj{suffix}", config.n_head * head_dim, config.n_head, block=group_rows),
+            Piece(f"{prefix}k_proj{suffix}", config.kv_heads * head_dim, config.kv_heads, block=head_dim),
+            Piece(f"{prefix}v_proj{suffix}", config.kv_heads * head_dim, block=head_dim)]
 
 
 def expected_shapes(layout: dict[str, list[Piece]], ours: dict[str, torch.Size]) -> dict[str, tuple[int, ...]]:

@@ -9,12 +9,13 @@ interleaved pairs (x0, x1), (x2, x3), … as Meta's reference does. Both stacked
 rows so that any contiguous cut holds whole units of work: wqkv key/value group by group (the query
 heads that share a key/value head, then that key and value head), w13 gate and up row by row. Tensor
 parallelism shards them by rows (workers/models/tensor_plans.py), and each rank computes with the
-groups and hidden units it holds, with no reordering.
+groups and hidden units it holds, with no reordering. With [model] qkv_bias (Qwen2's attention) wqkv
+has a bias, whose entries follow its rows, so a row cut takes its bias with it.
 
 Initialisation: every projection N(0, 0.02), the ones writing into the residual stream (wo, w2)
 scaled by 1/sqrt(2 · n_layer) so its variance does not grow with depth, embeddings N(0, 0.02), and
 an untied output projection N(0, 1/sqrt(n_embd)) (torchtitan's Llama-3 recipe, with GPT-2's
-embedding std, which a tied head needs).
+embedding std, which a tied head needs); wqkv's bias, when it has one, zero.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.n_embd // cfg.n_head
-        self.wqkv = nn.Linear(cfg.n_embd, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=False)
+        self.wqkv = nn.Linear(cfg.n_embd, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(self.n_head * self.head_dim, cfg.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -153,6 +154,8 @@ class Llama(BlockStack):
             nn.init.normal_(layer.feed_forward.w13.weight, std=0.02)
             nn.init.normal_(layer.attention.wo.weight, std=residual_std)
             nn.init.normal_(layer.feed_forward.w2.weight, std=residual_std)
+            if layer.attention.wqkv.bias is not None:
+                nn.init.zeros_(layer.attention.wqkv.bias)
             layer.attention.lay_out_groups()
             layer.feed_forward.lay_out_rows()
         if not self.cfg.tie_embeddings:

@@ -5,7 +5,7 @@
 Each block is the pattern of Megatron-LM with sequence parallelism: the norms run on a shard of the
 sequence (SequenceParallel), the attention and MLP inputs are gathered whole, their first
 projection is split by output rows (column-wise: each rank holds whole heads and hidden units, as
-the models order their stacked rows) and their second by input columns (row-wise), whose partial
+the models order their stacked rows, and the bias entries of its rows) and their second by input columns (row-wise), whose partial
 sums are reduce-scattered back onto sequence shards. Between blocks each rank holds 1/t of the
 sequence, so activations (and their memory) shrink with t.
 

@@ -40,7 +40,10 @@ from workers.models.stack import BlockStack
 GPT_IDENTITY = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "dropout", "bias", "stacked_rows")
 """What a gpt checkpoint records of its model (the keys every gpt checkpoint has had, and stacked_rows)."""
 LLAMA_IDENTITY = ("kind", "n_layer", "n_head", "n_kv_head", "n_embd", "ffn_dim", "seq_len", "vocab_size",
-                  "rope_theta", "rope_scaling", "tie_embeddings", "norm_eps", "stacked_rows")
+                  "rope_theta", "rope_scaling", "tie_embeddings", "norm_eps", "stacked_rows", "qkv_bias")
+RECORDED_WHEN_SET = ("qkv_bias",)
+"""Identity keys added later, recorded only when set: checkpoints from before them were made without
+them (and were all unset), so they still resume."""
 STACKED_ROWS = "by head"
 """How the stacked projections order their rows (qkv and wqkv head by head or key/value group by group,
 w13 gate and up interleaved): checkpoints from before, whose rows ran q, k, v and gate, up in blocks,
@@ -64,7 +67,7 @@ class BuiltinWorkload:
         values = dataclasses.asdict(self.config)
         values["n_kv_head"], values["ffn_dim"] = self.config.kv_heads, self.config.hidden_dim
         values["stacked_rows"] = STACKED_ROWS
-        return {key: values[key] for key in self._identity_keys}
+        return {key: values[key] for key in self._identity_keys if values[key] or key not in RECORDED_WHEN_SET}
 
     def build(self) -> BlockStack:
         return self._model_class(self.config)
