@@ -897,7 +897,13 @@ class JobConfig:
         return _build(cls, data, section="")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The config as plain values; a key left at None is left out (TOML has no null), which reads back as None."""
+        return _without_none(dataclasses.asdict(self))
+
+
+def _without_none(table: dict[str, Any]) -> dict[str, Any]:
+    return {key: _without_none(value) if isinstance(value, dict) else value
+            for key, value in table.items() if value is not None}
 
 
 _RENAMED = {"train.chunked_loss": 'it is now loss_kernel: write loss_kernel = "chunked" (or "fused", the default, or "plain")'}

@@ -2,6 +2,7 @@
 global batch they choose, dollars to a target, what the plan shows, and the config they need."""
 
 import dataclasses
+import json
 
 import pytest
 from rich.console import Console
@@ -21,6 +22,7 @@ from planning.goodput import (
 )
 from planning.plan_table import print_plan
 from planning.planner import Planner
+from tests.conftest import write_job
 from topology import machines
 
 TINY_MODEL = {"n_layer": 4, "n_head": 4, "n_embd": 128, "seq_len": 128, "vocab_size": 257}
@@ -152,7 +154,13 @@ def test_goodput_settings_that_cannot_be_planned_are_config_errors_naming_key_an
 
 
 @pytest.mark.parametrize("noise", [None, 300.0])
-def test_the_noise_scale_survives_the_configs_json_round_trip(noise):
-    """A report keeps its config as JSON (to_dict), where a noise scale left out is null."""
+def test_the_noise_scale_survives_the_configs_json_and_toml_round_trips(noise, tmp_path):
+    """A report keeps its config as JSON (to_dict), and a job file is TOML, which has no null: a noise
+    scale left out is left out of both, and a report written with null before reads back too."""
     config = job(**({} if noise is None else {"noise_scale": noise}))
-    assert JobConfig.from_dict(config.to_dict()).placement == config.placement
+    assert ("noise_scale" in config.to_dict()["placement"]) == (noise is not None)
+    assert JobConfig.from_dict(json.loads(json.dumps(config.to_dict()))).placement == config.placement
+    assert JobConfig.from_toml(write_job(tmp_path / "job.toml", config)).placement == config.placement
+    with_null = config.to_dict()
+    with_null["placement"]["noise_scale"] = noise
+    assert JobConfig.from_dict(with_null).placement == config.placement
