@@ -475,7 +475,8 @@ class CheckpointConfig:
     """Copy the state to host memory and write it in the background while training goes on; a step is
     reported committed only once written."""
     reader: Literal["auto", "kvikio", "posix", "remote"] = "auto"
-    """How a restore reads checkpoint files: auto reads straight into GPU memory with kvikio where it can."""
+    """How a restore reads checkpoint files, and a fresh start [model] hf_dir's safetensors: auto reads
+    straight into GPU memory with kvikio where it can."""
 
     def __post_init__(self) -> None:
         _positive("checkpoint", every_steps=self.every_steps, keep_last=self.keep_last)

@@ -144,8 +144,10 @@ def train(job: WorkerJob, ctx, started_at: float) -> dict:
     checkpoints = checkpoint.RunCheckpoints(run_storage(), spec, rank)
     marks["restore_start"] = time.time()
     progress, checkpoint_readers = restore(job, checkpoints, engine.model, engine.optimizer)
+    pretrained_reader = None
     if checkpoints.restored_from is None:  # step 0: [model] hf_dir's weights, when it has any
-        load_pretrained(engine.model, spec.model, process_group=checkpoints.group)
+        pretrained_reader = load_pretrained(engine.model, spec.model, process_group=checkpoints.group,
+                                            reader=spec.checkpoint.reader)
     marks["restored"] = time.time()
     restored_step = progress.step
     replica = plan.worker(rank).data_parallel_rank
@@ -165,7 +167,8 @@ def train(job: WorkerJob, ctx, started_at: float) -> dict:
                       "flops_per_token": spec.flops_per_token, "model": spec.workload.name,
                       "micro_batch_sizes": list(layout.micro_batch_sizes),
                       "grad_accum_steps": adapter.plan.grad_accum_steps, "global_batch": layout.global_batch,
-                      "reader": train_loader.reader_choice, "checkpoint_readers": sorted(checkpoint_readers)}])
+                      "reader": train_loader.reader_choice, "checkpoint_readers": sorted(checkpoint_readers),
+                      "pretrained_reader": pretrained_reader}])
 
     last_val_loss = None
     while not adapter.finished(progress.step, progress.consumed_samples, train_cfg.steps):

@@ -1,6 +1,6 @@
 """Pretrained weights into the model a worker trains, after wrapping: each rank reads only its shard.
 
-    load_pretrained(engine.model, spec.model, process_group=group)    # on a fresh start, every rank
+    used = load_pretrained(engine.model, spec.model, process_group=group, reader="auto")  # fresh start, every rank
 
 [model] hf_dir's safetensors are read straight into the (FSDP2-sharded, or replicated) parameters,
 file by file, tensor slice by tensor slice: no rank ever holds the whole state dict.
@@ -8,8 +8,10 @@ file by file, tensor slice by tensor slice: no rank ever holds the whole state d
   names (DCP plans which slice of which file each rank's shards need, and reads only those).
 - kind = "llama": the built-in stacks and permutes HF tensors (workers/models/hf_weights.py), which
   DCP's reader cannot do; each rank reads the rows of its shard of each parameter with safetensors'
-  slice reads instead (FSDP2's and column-wise tensor parallelism's dim-0 shards; row-wise tensor
+  row reads instead (FSDP2's and column-wise tensor parallelism's dim-0 shards; row-wise tensor
   parallelism's column shards are cut from whole rows).
+Both read the bytes through storage/safetensors_io.py's TensorReads, as checkpoints are read: on GPUs
+with kvikio straight into GPU memory where it runs (`[checkpoint] reader`), else POSIX reads.
 A resumed or restarted run loads its checkpoint instead (workers/loop.py); these weights are its step 0.
 """
 
@@ -19,44 +21,49 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from core.config import ModelConfig
+from storage.readers import ReaderKind
+from storage.safetensors_io import SafetensorsStorageReader, TensorReads
 from workers.models.hf import PREFIX, expected_weights
-from workers.models.hf_weights import llama_layout, read_rows, safetensors_files, tensor_files
+from workers.models.hf_weights import llama_layout, read_rows, safetensors_files, stored_tensors
 
 
-def load_pretrained(model: torch.nn.Module, config: ModelConfig, *, process_group: Any = None) -> bool:
+def load_pretrained(model: torch.nn.Module, config: ModelConfig, *, process_group: Any = None,
+                    reader: ReaderKind = "auto", threads: int = 8) -> str | None:
     """Loads hf_dir's weights into `model` in place (collective under torch.distributed: every rank
-    calls it); False when there are none to load (no hf_dir, or no safetensors in it)."""
+    calls it); the kind of reader they were read with ("kvikio", "posix"), or None when there were
+    none to load (no hf_dir, or no safetensors in it)."""
     if not config.hf_dir or not safetensors_files(config.hf_dir):
-        return False
-    if config.kind == "hf":
-        _load_by_name(model, config.hf_dir, process_group)
-    else:
-        _load_llama_rows(model, config)
-    return True
+        return None
+    device = next(model.parameters()).device
+    with TensorReads(config.hf_dir, device, reader=reader, threads=threads) as reads:
+        if config.kind == "hf":
+            _load_by_name(model, config.hf_dir, reads, process_group)
+        else:
+            _load_llama_rows(model, config, reads)
+        return reads.kind
 
 
-def _load_by_name(model: torch.nn.Module, hf_dir: str, process_group: Any) -> None:
+def _load_by_name(model: torch.nn.Module, hf_dir: str, reads: TensorReads, process_group: Any) -> None:
     wanted = expected_weights(model)
     state = {name.removeprefix(PREFIX): value for name, value in get_model_state_dict(model).items()
              if name.removeprefix(PREFIX) in wanted}
-    dcp.load(state, storage_reader=HuggingFaceStorageReader(hf_dir), process_group=process_group)
+    dcp.load(state, storage_reader=SafetensorsStorageReader(hf_dir, reads), process_group=process_group)
     set_model_state_dict(model, {PREFIX + name: value for name, value in state.items()},
                          options=StateDictOptions(strict=False))
 
 
 @torch.no_grad()
-def _load_llama_rows(model: torch.nn.Module, config: ModelConfig) -> None:
-    layout, files = llama_layout(config), tensor_files(config.hf_dir)
+def _load_llama_rows(model: torch.nn.Module, config: ModelConfig, reads: TensorReads) -> None:
+    layout, stored = llama_layout(config), stored_tensors(config.hf_dir)
     for name, param in model.named_parameters():
         local, offset = _local_part(param)
         if local.numel():
-            rows = read_rows(layout[name], offset[0], offset[0] + local.shape[0], files)
+            rows = read_rows(layout[name], offset[0], offset[0] + local.shape[0], stored, reads)
             columns = [slice(start, start + size) for start, size in zip(offset[1:], local.shape[1:], strict=True)]
             local.copy_(rows[(slice(None), *columns)])
 

@@ -60,6 +60,7 @@ def test_a_hugging_face_model_fine_tunes_from_its_weights(cluster, small_dataset
     assert losses[STEPS] < losses[1]
     start = next(r for r in rows if r.get("event") == "start")
     assert start["model"] == f"hf:{architecture}" and start["params"] == sum(p.numel() for p in model.parameters())
+    assert start["pretrained_reader"] == "posix"  # CPU workers: [checkpoint] reader "auto" reads hf_dir by POSIX
 
     assert main(["export", str(tmp_path / "runs" / architecture), "--hf", str(tmp_path / "out")]) == 0
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
@@ -85,6 +86,8 @@ def resumed_where_it_stopped(config: JobConfig, runs, straight: dict[int, float]
     resumed = Orchestrator(dataclasses.replace(config, name="cut"), resume=True).fit()
     losses = {r["step"]: r["loss"] for r in resumed.metrics if "loss" in r}
     assert sorted(losses) == list(range(CUT + 1, STEPS + 1))
+    start = [r for r in resumed.metrics if r.get("event") == "start"][-1]
+    assert start["pretrained_reader"] is None and start["step"] == CUT  # the checkpoint, not hf_dir, is read
     for step, loss in losses.items():
         assert loss == pytest.approx(straight[step], rel=1e-5)
 

@@ -1,14 +1,15 @@
 """Hugging Face safetensors weights: what a directory holds, checked against a model, and the built-in
 Llama's layout of a Hugging Face Llama's tensors.
 
-    shapes = stored_shapes("models/llama")                  # {tensor name: (shape, file)}, headers only
+    stored = stored_tensors("models/llama")                 # {tensor name: StoredTensor}, headers only
     check_shapes(expected, "models/llama")                  # ConfigError naming the file, tensor and fix
     layout = llama_layout(config)                            # our parameter -> the HF tensors it stacks
-    read_rows(layout["layers.0.attention.wqkv.weight"], 0, 96, files)   # our rows [0, 96) from the files
+    read_rows(layout["layers.0.attention.wqkv.weight"], 0, 96, stored, reads)  # our rows [0, 96), on reads' device
 
 A directory holds `model.safetensors`, or shards `model-0000k-of-0000n.safetensors` with
 `model.safetensors.index.json`; every *.safetensors file is read (as torch.distributed.checkpoint's
-HuggingFaceStorageReader does), so the index is not needed to find a tensor.
+HuggingFaceStorageReader does), so the index is not needed to find a tensor. The bytes are read through
+storage/safetensors_io.py: on GPUs with kvikio straight into GPU memory.
 
 The built-in Llama stacks q, k, v into one matrix (wqkv) and SwiGLU's gate and up into another
 (w13), interleaved so that any contiguous cut of rows holds whole units of work (what tensor
@@ -25,7 +26,6 @@ same groups, the same turns. Reading by rows lets a rank read only the rows of i
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,8 +34,8 @@ import torch
 
 from core.config import ModelConfig
 from core.errors import ConfigError
+from storage.safetensors_io import StoredTensor, TensorReads, read_header
 
-INDEX_FILE = "model.safetensors.index.json"
 WHERE = "[model] hf_dir"
 
 
@@ -43,32 +43,21 @@ def safetensors_files(hf_dir: str | Path) -> list[Path]:
     return sorted(Path(hf_dir).glob("*.safetensors"))
 
 
-def stored_shapes(hf_dir: str | Path) -> dict[str, tuple[tuple[int, ...], Path]]:
-    """Every tensor the directory's safetensors files hold: its shape and file (headers only)."""
-    from safetensors import safe_open
-
-    found: dict[str, tuple[tuple[int, ...], Path]] = {}
-    for file in safetensors_files(hf_dir):
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():
-                    found[key] = (tuple(f.get_slice(key).get_shape()), file)
-        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a bad header
-            raise ConfigError(f"{file} is not a readable safetensors file ({e})", where=WHERE,
-                              fix="download the file again, or remove it to start from initialised weights") from None
-    return found
+def stored_tensors(hf_dir: str | Path) -> dict[str, StoredTensor]:
+    """Every tensor the directory's safetensors files hold, where its bytes lie (headers only)."""
+    return {name: tensor for file in safetensors_files(hf_dir) for name, tensor in read_header(file).items()}
 
 
 def check_shapes(expected: dict[str, tuple[int, ...]], hf_dir: str | Path) -> None:
     """Every expected tensor is stored with its shape; ConfigError naming the file, the tensor and the fix."""
-    stored = stored_shapes(hf_dir)
+    stored = stored_tensors(hf_dir)
     config = Path(hf_dir) / "config.json"
     for key, shape in expected.items():
         if key not in stored:
             raise ConfigError(f"no tensor {key!r} in {hf_dir}'s safetensors files (a model of {config} has one)",
                               where=WHERE, fix="use the weights saved with this config.json, or remove the "
                                                "*.safetensors files to start from initialised weights")
-        found, file = stored[key]
+        found, file = stored[key].shape, stored[key].path
         if found != tuple(shape):
             raise ConfigError(f"{file}: tensor {key!r} is {list(found)}, the model {config} describes needs "
                               f"{list(shape)}", where=WHERE,
@@ -151,21 +140,19 @@ def expected_shapes(layout: dict[str, list[Piece]], ours: dict[str, torch.Size])
     return {piece.key: (piece.rows, *ours[name][1:]) for name, pieces in layout.items() for piece in pieces}
 
 
-def read_rows(pieces: list[Piece], start: int, stop: int, files: dict[str, Path]) -> torch.Tensor:
-    """Rows [start, stop) of our parameter stacked from `pieces`, read from the safetensors `files`
-    (tensor name -> file): each piece's rows in one slice read of the span they come from."""
-    from safetensors import safe_open
-
+def read_rows(pieces: list[Piece], start: int, stop: int, stored: dict[str, StoredTensor],
+              reads: TensorReads) -> torch.Tensor:
+    """Rows [start, stop) of our parameter stacked from `pieces`, on `reads`' device: each piece's
+    rows in one read of the span of its HF tensor they come from (`stored`: stored_tensors' answer)."""
     which, source = (rows[start:stop] for rows in row_sources(pieces))
     out = None
     for i in np.unique(which):
         piece, here = pieces[i], np.flatnonzero(which == i)
         first, last = int(source[here].min()), int(source[here].max()) + 1
-        with safe_open(str(files[piece.key]), framework="pt") as f:
-            span = f.get_slice(piece.key)[first:last]
+        span = reads.rows(stored[piece.key], first, last)
         if out is None:
             out = span.new_empty((stop - start, *span.shape[1:]))
-        out[torch.from_numpy(here)] = span[torch.from_numpy(source[here] - first)]
+        out[torch.from_numpy(here).to(span.device)] = span[torch.from_numpy(source[here] - first).to(span.device)]
     return out
 
 
@@ -179,12 +166,3 @@ def stack_for_export(pieces: list[Piece], tensor: torch.Tensor) -> dict[str, tor
         hf[torch.from_numpy(source[here])] = tensor[torch.from_numpy(here)]
         out[piece.key] = hf
     return out
-
-
-def tensor_files(hf_dir: str | Path) -> dict[str, Path]:
-    """Tensor name -> the file holding it: from the index when there is one, else every file's header."""
-    index = Path(hf_dir) / INDEX_FILE
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {key: Path(hf_dir) / name for key, name in weight_map.items()}
-    return {key: file for key, (_, file) in stored_shapes(hf_dir).items()}
