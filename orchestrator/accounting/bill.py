@@ -8,7 +8,9 @@ Workers report a step's loss and their throughput over each log window (`tokens_
 driver knows when the rows arrived. From those and the plan (prices and peaks of the devices it
 uses) the meter derives each step's cost. Dollars accrue with the wall clock, not with the steps:
 start-up of the workers, validation, checkpoints and steps redone after a restart are all billed,
-because the devices are held through them. A "start" event row (sent again by every restarted or
+because the devices are held through them. A step's tokens are its own global batch's (an adaptive
+batch, [train] batch_size = "adaptive", changes it between steps; each bill row names the batch and the
+gradient noise scale it was chosen by). A "start" event row (sent again by every restarted or
 resized worker group) sets the world size the rate is scaled by.
 
 `trajectory` folds bill rows after a rewind (a resume or a restart from a checkpoint) into the
@@ -104,7 +106,7 @@ class BillMeter:
         """Bill rows for the step rows among `rows`, which arrived together at `now` seconds after the
         meter started (None: no clock, e.g. rebuilding from metrics.jsonl; each step then takes its
         measured step time). Event rows update the meter and yield no bill row."""
-        step_seconds = {i: self.rates.tokens_per_step / r["tokens_per_s"] if r.get("tokens_per_s") else 0.0
+        step_seconds = {i: self.step_tokens(r) / r["tokens_per_s"] if r.get("tokens_per_s") else 0.0
                         for i, r in enumerate(rows) if "loss" in r}
         later = sum(step_seconds.values())  # step time of the rows after the current one
         bill = []
@@ -127,6 +129,12 @@ class BillMeter:
                 bill.append(self._bill_row(row, step_s, arrived))
         return bill
 
+    def step_tokens(self, row: dict) -> int:
+        """Tokens the row's step trained: its global batch's where the worker names it (an adaptive
+        batch changes it during the run), else the plan's."""
+        batch = row.get("global_batch")
+        return batch * self.rates.seq_len if batch else self.rates.tokens_per_step
+
     def _bill_row(self, row: dict, step_s: float, elapsed_s: float) -> dict:
         seconds = elapsed_s - self.elapsed_s
         self.elapsed_s = elapsed_s
@@ -136,7 +144,7 @@ class BillMeter:
         if "consumed_samples" in row:  # exact, and right again after a rewind
             self.tokens = row["consumed_samples"] * self.rates.seq_len
         else:
-            self.tokens += self.rates.tokens_per_step
+            self.tokens += self.step_tokens(row)
         tokens_per_s = row.get("tokens_per_s", 0.0)
         out = {"step": row["step"], "elapsed_s": elapsed_s, "step_s": step_s, "loss": row["loss"],
                "tokens": self.tokens, "tokens_per_s": tokens_per_s, "world_size": self.world_size,
@@ -145,8 +153,9 @@ class BillMeter:
                "tokens_per_dollar": self.tokens / self.dollars if self.dollars > 0 else None,
                "device_hours": self.device_hours, "bf16_tflops_hours": self.bf16_tflops_hours,
                "predicted_step_s": self.rates.predicted_step_seconds}
-        if "val_loss" in row:
-            out["val_loss"] = row["val_loss"]
+        for key in ("val_loss", "global_batch", "noise_scale"):  # the batch each step trained at, and why
+            if key in row:
+                out[key] = row[key]
         if "consumed_samples" in row:  # the row closing a log window carries the window's extras
             out["window_end"] = True
             for key, share in (("exposed_comm_s", "exposed_comm_share"), ("data_wait_s", "data_wait_share")):

@@ -127,14 +127,15 @@ class RunReport:
         start = next((r for r in rows if r.get("event") == "start"), {})
         last_consumed = next((r["consumed_samples"] for r in reversed(steps) if "consumed_samples" in r), 0)
         start_step = start.get("step", 0)
-        tokens_this_run = (steps[-1]["step"] - start_step) * plan.tokens_per_step if steps else 0
+        committed = {r["step"]: r for r in steps}.values()  # a step redone after a rewind counts once
+        tokens_this_run = sum(r.get("global_batch") or plan.global_batch_size for r in committed) * plan.seq_len
         tokens_per_second = statistics.median(r["tokens_per_s"] for r in steps) if steps else 0.0
         dollars = plan.predicted.dollars_per_hour * fields["wall_seconds"] / 3600
         rates = Rates.from_plan(plan)
         bill_rows = _bill_rows(Path(fields["run_dir"]), rows, rates)
         this_run = bill_rows[-len(steps):] if steps else []
         bill = _BillSummary.of(bill_rows, rates, start)
-        step_seconds = plan.tokens_per_step / tokens_per_second if tokens_per_second else 0.0
+        step_seconds = _median_step_seconds(steps, plan, tokens_per_second)
         predicted = plan.predicted.step_seconds
         bill_config = _bill_config(fields["config"])
         return cls(
@@ -288,6 +289,17 @@ def _replay_alerts(bill_rows: list[dict], config: AlertsConfig, plan: Plan) -> l
     monitor = AlertMonitor(config, gpu=plan.uses_gpus)
     monitor.observe(bill_rows)
     return monitor.fired
+
+
+def _median_step_seconds(steps: list[dict], plan: Plan, tokens_per_second: float) -> float:
+    """The plan's tokens at the median throughput; once an adaptive batch changed the tokens a step
+    trains, the median of each step's own time."""
+    batches = {r.get("global_batch") or plan.global_batch_size for r in steps}
+    if batches in ({plan.global_batch_size}, set()):
+        return plan.tokens_per_step / tokens_per_second if tokens_per_second else 0.0
+    times = [r["global_batch"] * plan.seq_len / r["tokens_per_s"] for r in steps
+             if r.get("global_batch") and r.get("tokens_per_s")]
+    return statistics.median(times) if times else 0.0
 
 
 def _median(rows: list[dict], key: str) -> float | None:

@@ -5,7 +5,8 @@
 
 The plots: loss against dollars and against tokens (targets dashed), the step-time breakdown
 (compute, exposed communication, data wait), measured step time against the planner's prediction,
-and the run's events (world size by step, restarts and resizes marked). The HTML holds the numbers
+the run's events (world size by step, restarts and resizes marked), and the global batch each step
+trained at beside the gradient noise scale measured then (an adaptive batch follows the noise). The HTML holds the numbers
 in tables and the plots inline (base64), so it can be mailed or attached as it is. Matplotlib
 draws with the Agg backend: no display needed.
 """
@@ -26,7 +27,7 @@ from orchestrator.accounting.exporters import read_jsonl
 from orchestrator.accounting.live_bill import BILL_FILE
 from orchestrator.accounting.report import STATUSES, RunReport
 
-PLOTS = ("loss_vs_dollars", "loss_vs_tokens", "step_time", "predicted_vs_measured", "events")
+PLOTS = ("loss_vs_dollars", "loss_vs_tokens", "step_time", "predicted_vs_measured", "events", "batch_and_noise")
 COLOURS = ("#1f77b4", "#d62728")
 
 
@@ -192,13 +193,36 @@ def _events(plt, runs):
     return figure
 
 
+def _batch_and_noise(plt, runs):
+    figure, axes = plt.subplots(len(runs), 1, figsize=(7, 2.8 * len(runs)), squeeze=False)
+    for ax, run in zip(axes[:, 0], runs):
+        batches = [(r["step"], r.get("global_batch") or run.plan.global_batch_size) for r in run.bill]
+        ax.step([s for s, _ in batches], [b for _, b in batches], where="post", color="#4c72b0", label="global batch")
+        ax.set_ylim(0, max([b for _, b in batches] + [1]) * 1.15)
+        noise = [(r["step"], r["noise_scale"]) for r in run.bill if r.get("noise_scale")]
+        if noise:
+            twin = ax.twinx()
+            twin.plot([s for s, _ in noise], [n for _, n in noise], color="#dd8452", label="gradient noise scale")
+            twin.set_ylabel("noise scale (samples)")
+            twin.set_ylim(0, max(n for _, n in noise) * 1.15)
+            twin.legend(fontsize=8, loc="lower right")
+        ax.xaxis.set_major_locator(_ticks(10, integer=True))
+        ax.set_title(f"{run.report.name}: global batch per step" + (", and the noise scale it follows" if noise
+                                                                    else " (no noise scale measured)"), fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel("samples per step")
+        ax.legend(fontsize=8, loc="lower left")
+    figure.tight_layout()
+    return figure
+
+
 def _ticks(count: int, *, integer: bool = False):
     from matplotlib.ticker import MaxNLocator
     return MaxNLocator(count, integer=integer)
 
 
 _DRAW = {"loss_vs_dollars": _loss_vs_dollars, "loss_vs_tokens": _loss_vs_tokens, "step_time": _step_time,
-         "predicted_vs_measured": _predicted_vs_measured, "events": _events}
+         "predicted_vs_measured": _predicted_vs_measured, "events": _events, "batch_and_noise": _batch_and_noise}
 
 
 # ---- HTML -----------------------------------------------------------------------------------------

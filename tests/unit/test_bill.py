@@ -162,3 +162,17 @@ def test_a_replan_onto_other_devices_bills_their_price_from_then_on():
     assert row["device_hours"] == pytest.approx(2 + 1)
     assert row["mfu"] == pytest.approx(FLOPS_PER_TOKEN * 65536 / 312e12, rel=1e-3)  # A100 dense bf16 peak
     assert row["world_size"] == 1
+
+
+def test_steps_at_a_changed_batch_are_billed_for_their_own_tokens():
+    """An adaptive run doubles the plan's 32 samples: at the same 65,536 tokens/s each step of 64 × 1,024
+    tokens took 1.0 s, not the plan's 0.5 s, and the bill row names the batch and its noise scale."""
+    rows = [{"step": 1, "loss": 3.0, "tokens_per_s": 65536.0, "global_batch": 32, "noise_scale": None},
+            {"step": 2, "loss": 3.0, "tokens_per_s": 65536.0, "global_batch": 64, "noise_scale": 91.5},
+            {"step": 3, "loss": 3.0, "tokens_per_s": 65536.0, "global_batch": 64, "noise_scale": 97.0}]
+    billed = BillMeter(Rates.from_plan(plan())).observe([START, *rows])
+    assert [r["step_s"] for r in billed] == [0.5, 1.0, 1.0]
+    assert [r["elapsed_s"] for r in billed] == [0.5, 1.5, 2.5]
+    assert [r["tokens"] for r in billed] == [32 * 1024, 96 * 1024, 160 * 1024]
+    assert billed[-1]["dollars"] == pytest.approx(5.98 * 2.5 / 3600)
+    assert [(r["global_batch"], r["noise_scale"]) for r in billed] == [(32, None), (64, 91.5), (64, 97.0)]

@@ -83,3 +83,31 @@ def test_comparing_runs_with_different_tokenizers_says_their_losses_do_not_compa
     assert "Careful: their losses are not comparable" in (tmp_path / "both" / "report.html").read_text()
     same = dataclasses.replace(bpe, tokenizer="bytes")
     assert RunReport.load(run_dir).losses_compare_with(same) is None
+
+
+def test_an_adaptive_run_is_reported_at_the_batches_it_trained(tmp_path):
+    """Two steps at the plan's 32 samples, then a batch_change to 64 and two steps at it, all at
+    65,536 tokens/s: the run trained (2 × 32 + 2 × 64) × 1,024 tokens, its steps took 0.5 s and 1.0 s
+    (median 0.75 s), and the batch plot draws both batches beside the noise scale that chose them."""
+    rows = [START, *[{"step": s, "loss": 3.0, "tokens_per_s": 65536.0, "global_batch": 32, "noise_scale": 60.0}
+                     for s in (1, 2)],
+            {"event": "batch_change", "step": 2, "from": 32, "to": 64, "noise_scale": 60.0},
+            *[{"step": s, "loss": 2.9, "tokens_per_s": 65536.0, "global_batch": 64, "noise_scale": 80.0}
+              for s in (3, 4)]]
+    rows[-1]["consumed_samples"] = 192
+    run = tmp_path / "adaptive"
+    run.mkdir()
+    the_plan = plan()
+    the_plan.save(run / "plan.json")
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = RunReport.from_rows(rows, plan=the_plan, name="adaptive", status="completed", run_dir=str(run),
+                                 started_at="2026-12-04T12:00:00+00:00", wall_seconds=3.0, checkpoint_path=None,
+                                 checkpoint_step=None, metrics_path=str(run / "metrics.jsonl"),
+                                 config=JobConfig.from_dict({"name": "adaptive"}).to_dict())
+    assert report.tokens_this_run == 192 * 1024 and report.tokens_seen == 192 * 1024
+    assert report.step_seconds == pytest.approx(0.75)
+    assert report.run_dollars == pytest.approx(5.98 * 3.0 / 3600)  # 0.5 + 0.5 + 1.0 + 1.0 s, no clock
+    report.save(run / "report.json")
+    rendered = render_report([run], run)
+    assert (run / "batch_and_noise.png").stat().st_size > 10_000
+    assert "<td>batch_change</td>" in rendered.html.read_text()
