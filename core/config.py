@@ -664,7 +664,7 @@ class AlertsConfig:
     cost_rise_percent: float = 25.0
     """Alert when the dollars per 1,000 steps over the last `cost_window_steps` steps exceed those of
     the window before by more than this percentage (slower steps, a resize to pricier devices,
-    steps redone after a restart)."""
+    steps redone after a restart); an adaptive batch's steps are compared per sample."""
     cost_window_steps: int = 100
     """Steps in each of the two windows the cost alert compares."""
     val_patience_steps: int = 1000

@@ -107,3 +107,17 @@ def test_training_loss_rising_above_its_best_window_fires_once():
 def test_noisy_but_falling_training_loss_raises_nothing():
     noisy = series(loss=lambda step: 3.0 - step / 400 + 0.5 * math.sin(step * 1.7))
     assert [a.kind for a in fired(noisy)] == []
+
+
+def test_a_batch_that_grows_with_its_cost_is_not_a_cost_rise():
+    """An adaptive batch doubled at step 200 doubles the dollars a step costs: the same dollars a sample,
+    so no alert; the same doubling at a fixed batch fires (the test above), and so does a step that
+    costs 3x at 2x the batch (+50 % a sample)."""
+    grown = series(dollars_per_step=lambda step: 0.01 if step <= 200 else 0.02)
+    for row in grown:
+        row["global_batch"] = 32 if row["step"] <= 200 else 64
+    assert fired(grown, cost_window_steps=100, cost_rise_percent=25) == []
+    for row in grown:
+        row["dollars"] = 0.01 * min(row["step"], 200) + 0.03 * max(0, row["step"] - 200)
+    (alert,) = fired(grown, cost_window_steps=100, cost_rise_percent=25)
+    assert alert.kind == "cost_rise" and "per sample: the batch went from" in alert.message
