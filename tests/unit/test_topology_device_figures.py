@@ -47,8 +47,9 @@ def node(driver: str = "580.159.04", *names: str) -> NodeTopology:
 def test_the_benchmark_measures_this_machines_cpus_per_core():
     figures = measure_cpu(seconds=0.02)
     assert figures.name == "cpu" and figures.cores == len(os.sched_getaffinity(0))
-    # Per core: a 2026 server core does 10-300 GFLOP/s of fp32 products, not the machine's total.
-    assert 0.002 < figures.fp32_tflops < 0.5 and 0 < figures.bf16_tflops < 0.5
+    # Per core: a 2026 server core does 10-300 GFLOP/s of fp32 products, not the machine's total; bf16 up
+    # to a few TFLOP/s where the core has AMX tiles (1.48 on a Sapphire Rapids-class Xeon core).
+    assert 0.002 < figures.fp32_tflops < 0.5 and 0 < figures.bf16_tflops < 5.0
     assert 0.1 < figures.memory_gb_per_s < 200
     # Training the reference block reaches less than the big product, never 100x less (on the 2-core EPYC: 55 of ~100).
     assert 0.001 < figures.fp32_block_tflops < 0.5
