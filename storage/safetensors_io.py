@@ -83,7 +83,8 @@ def read_header(path: str | Path) -> dict[str, StoredTensor]:
 
 def _stored(path: str, name: str, entry: Any, data_start: int, size: int) -> StoredTensor:
     try:
-        dtype, shape, (begin, end) = DTYPES[entry["dtype"]], tuple(int(n) for n in entry["shape"]), entry["data_offsets"]
+        dtype, (begin, end) = DTYPES[entry["dtype"]], entry["data_offsets"]
+        shape = tuple(int(n) for n in entry["shape"])
     except (KeyError, TypeError, ValueError):
         raise _damaged(path, f"tensor {name!r} has a header entry archipelago cannot read ({str(entry)[:120]}; "
                              f"dtypes it reads: {', '.join(DTYPES)})") from None

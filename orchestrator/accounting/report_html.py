@@ -5,10 +5,10 @@
 
 The plots: loss against dollars and against tokens (targets dashed), the step-time breakdown
 (compute, exposed communication, data wait), measured step time against the planner's prediction,
-the run's events (world size by step, restarts and resizes marked), and the global batch each step
-trained at beside the gradient noise scale measured then (an adaptive batch follows the noise). The HTML holds the numbers
-in tables and the plots inline (base64), so it can be mailed or attached as it is. Matplotlib
-draws with the Agg backend: no display needed.
+the run's events (world size by step, restarts and resizes marked), and the global batch each
+step trained at beside the gradient noise scale measured then (an adaptive batch follows the
+noise). The HTML holds the numbers in tables and the plots inline (base64), so it can be mailed or
+attached as it is. Matplotlib draws with the Agg backend: no display needed.
 """
 
 from __future__ import annotations

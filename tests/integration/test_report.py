@@ -64,7 +64,7 @@ def test_prometheus_and_tensorboard_got_the_same_numbers(run):
 
 def test_archipelago_report_writes_html_and_plots_with_the_runs_numbers(run, capsys):
     assert main(["report", str(run["dir"])]) == 0
-    assert "report.html and 5 plots" in capsys.readouterr().out
+    assert f"report.html and {len(PLOTS)} plots" in capsys.readouterr().out
     report = run["result"].report
     page = (run["dir"] / "report.html").read_text()
     assert f"{report.final_train_loss:.4f}" in page and f"{report.final_val_loss:.4f}" in page
