@@ -39,8 +39,7 @@ class AlertMonitor:
         self.fired: list[Alert] = []
         self._armed = {"cost_rise": True, "mfu_floor": True, "loss_rise": True}
         self._dollars_at: dict[int, tuple[float, int]] = {}
-        """Step -> (dollars, work done up to it: samples, or steps where the rows name no batch)."""
-        self._work = 0
+        """Step -> (dollars, work of the committed path up to it: samples, or steps where the rows name no batch)."""
         self._first_step: int | None = None
         self._best_val: tuple[float, int] | None = None
         self._plateau_reported_for: tuple[float, int] | None = None
@@ -74,10 +73,12 @@ class AlertMonitor:
         step, window = row["step"], self.config.cost_window_steps
         if self._first_step is None:
             self._first_step = step
-        # A redone step keeps the dollars of its latest run. Work is counted in samples where the rows
-        # name their batch: a step of an adaptive batch grown 2x is worth twice the dollars, not a rise.
-        self._work += row.get("global_batch") or 1
-        self._dollars_at[step] = (row["dollars"], self._work)
+        # A redone step keeps the dollars of its latest run, and the work of the committed path up to it:
+        # samples where the rows name their batch (a step of an adaptive batch grown 2x is worth twice
+        # the dollars, not a rise), else steps.
+        before_it = self._dollars_at.get(step - 1)
+        work = (before_it[1] if before_it else 0) + (row.get("global_batch") or 1)
+        self._dollars_at[step] = (row["dollars"], work)
         if len(self._dollars_at) > 4 * window:  # a million-step run keeps two windows, not every step
             self._dollars_at = {s: d for s, d in self._dollars_at.items() if s >= step - 2 * window}
         if not self.config.cost_rise_percent or step - 2 * window < self._first_step:
@@ -86,7 +87,7 @@ class AlertMonitor:
         if then is None or mid is None:
             return None
         before, now = mid[0] - then[0], row["dollars"] - mid[0]
-        work_before, work_now = mid[1] - then[1], self._work - mid[1]
+        work_before, work_now = mid[1] - then[1], work - mid[1]
         rise = (now / work_now / (before / work_before) - 1) * 100 if before > 0 and work_now > 0 else 0.0
         batch = "" if work_before == work_now else \
             f", per sample: the batch went from {work_before / window:,.4g} to {work_now / window:,.4g} samples"

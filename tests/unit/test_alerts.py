@@ -121,3 +121,20 @@ def test_a_batch_that_grows_with_its_cost_is_not_a_cost_rise():
         row["dollars"] = 0.01 * min(row["step"], 200) + 0.03 * max(0, row["step"] - 200)
     (alert,) = fired(grown, cost_window_steps=100, cost_rise_percent=25)
     assert alert.kind == "cost_rise" and "per sample: the batch went from" in alert.message
+
+
+def test_steps_redone_after_a_restart_are_a_cost_rise_at_any_batch():
+    """A restart at step 250 back to the checkpoint of step 200 redoes 50 steps: steps 201-300 of the
+    committed path cost 150 steps' dollars, against 100 for steps 101-200, whether or not the rows name
+    their batch."""
+    for batch in (None, 32):
+        rows = series(count=300)
+        for row in rows:
+            row.pop("val_loss", None)
+            if batch:
+                row["global_batch"] = batch
+        redone = [dict(r) for r in rows[200:]]
+        for row in redone:
+            row["dollars"] += 0.5  # the 50 lost steps' dollars
+        (alert,) = fired(rows[:250] + redone, cost_window_steps=100, cost_rise_percent=25)
+        assert alert.kind == "cost_rise" and "per sample" not in alert.message
