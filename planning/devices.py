@@ -186,8 +186,10 @@ def _cpu_type(node: NodeTopology, cores: int, memory_bytes: int, dtype: str,
     measured = next((d for d in node.measured if d.name == "cpu"), None)
     per_core = (measured.fp32_tflops if dtype == "fp32" else measured.bf16_tflops) if measured else 0.0
     training = measured.fp32_block_tflops if measured and dtype == "fp32" else 0.0
-    if training and measured.cores:  # the probe had the cores to itself; training shares them with Ray
-        training *= max(0.5, 1 - RAY_PROCESS_CORES / measured.cores)
+    # The probe trained its block on idle cores; a job trains beside Ray. (The product-rate fallback's
+    # CPU_UTILISATION_OF_MEASURED was fitted on demo runs under Ray: it has that share in it already.)
+    if training and measured.cores:
+        training *= 1 - RAY_PROCESS_CORES / measured.cores
     source = Source.MEASURED if per_core else Source.NOMINAL
     per_core = per_core or nominal_gflops_per_core / 1000
     bandwidth = (measured.memory_gb_per_s * 1e9 if measured and measured.memory_gb_per_s

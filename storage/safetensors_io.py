@@ -106,10 +106,11 @@ class TensorReads:
     (or use it as a context manager) to close the files it opened."""
 
     def __init__(self, directory: str | Path, device: torch.device | str, *, reader: ReaderKind = "auto",
-                 threads: int = 8, setting: str = "[checkpoint] reader"):
+                 threads: int = 8):
         self.device = torch.device(device)
         self.reader: RangeReader = choose_reader(reader, Location.parse(directory, error=ConfigError), self.device,
-                                                 threads=threads, setting=setting, error=ConfigError).reader
+                                                 threads=threads, setting="[checkpoint] reader",
+                                                 error=ConfigError).reader
 
     @property
     def kind(self) -> str:
