@@ -128,3 +128,11 @@ def test_a_run_that_cannot_be_calibrated_on_is_one_line(capsys, tmp_path):
     assert main(["calibrate", str(tmp_path / "old")]) == 2
     assert "records no device figures (planned by an older archipelago)" in capsys.readouterr().out
     assert main(["calibrate", str(tmp_path / "old"), "--sweep", str(tmp_path)]) == 2
+
+
+def test_a_slow_devices_efficiency_keeps_four_significant_digits(tmp_path):
+    """A run at 1/23 of its prediction fits 0.04348 (four significant digits), not 0.0435: four decimals
+    would move every later prediction on that device by 0.05 %."""
+    h200 = plan_on("1xH200:1")
+    run = calibrate.load_run(finished(tmp_path / "slow", h200, h200.predicted.step_seconds * 23))
+    assert calibration_fit.fit([run], {}).compute_efficiency["H200-SXM5-141GB"] == pytest.approx(1 / 23, rel=2e-4)
