@@ -99,10 +99,16 @@ def fit(runs: list[FinishedRun], sweeps: dict[LinkClass, LinkCalibration]) -> Ca
                                                         run.plan.bottleneck_alpha_us))
     for link, rows in bandwidths.items():
         links[link] = LinkCalibration(alpha_us=round(statistics.mean(a for _, a in rows), 2),
-                                      bus_gb_per_s=round(_geometric_mean([b for b, _ in rows]), 3),
+                                      bus_gb_per_s=_significant(_geometric_mean([b for b, _ in rows])),
                                       ddp_compute_slowdown=DEFAULT_CALIBRATION[link].ddp_compute_slowdown)
-    # Four significant digits, not four decimals: a slow device's efficiency of 0.0435 kept to 0.0435 ± 0.1 %.
-    return Calibration(links=links, compute_efficiency={m: float(f"{_geometric_mean(r):.4g}") for m, r in ratios.items()})
+    return Calibration(links=links, compute_efficiency={m: _significant(_geometric_mean(r)) for m, r in ratios.items()})
+
+
+def _significant(value: float) -> float:
+    """Four significant digits, not a fixed number of decimals: a slow CPU's efficiency of 0.02535 or a
+    loopback link's 0.01099 GB/s would lose 0.2 % to three or four decimals, and every later prediction
+    with them."""
+    return float(f"{value:.4g}")
 
 
 def predict(run: FinishedRun, calibration: Calibration) -> float:

@@ -136,3 +136,15 @@ def test_a_slow_devices_efficiency_keeps_four_significant_digits(tmp_path):
     h200 = plan_on("1xH200:1")
     run = calibrate.load_run(finished(tmp_path / "slow", h200, h200.predicted.step_seconds * 23))
     assert calibration_fit.fit([run], {}).compute_efficiency["H200-SXM5-141GB"] == pytest.approx(1 / 23, rel=2e-4)
+
+
+def test_a_slow_links_bandwidth_keeps_four_significant_digits(tmp_path):
+    """A run that waited 311x its predicted communication fits the 3.4 GB/s row at 0.01093 GB/s; three
+    decimals (0.011) would predict that run's step 0.6 % short."""
+    plan = plan_on("8xH200:1", gpus=2, calibration=Calibration.load(TOPOLOGIES / "h200x2-sockets.calibration.json"))
+    predicted = plan.predicted
+    waited = 311 * predicted.exposed_communication_seconds
+    run = calibrate.load_run(finished(tmp_path / "slow", plan, predicted.compute_seconds + waited, waited))
+    fitted = calibration_fit.fit([run], {})
+    assert fitted.links[LinkClass.NVSWITCH].bus_gb_per_s == pytest.approx(3.4 / 311, rel=5e-4)
+    assert calibration_fit.predict(run, fitted) == pytest.approx(run.step_seconds, rel=1e-3)
