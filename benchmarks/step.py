@@ -90,6 +90,8 @@ VARIANTS = {  # name: (JobConfig sections to override, SDPA backends in priority
     "no clip": ({"train": {"grad_clip": 0.0}}, None),
     "bf16 weights": ({"train": {"bf16_weights": True}}, None),  # a bf16 compute copy, fp32 masters
     "unfused step": ({}, None),  # with bf16 weights: fp32 gradients, torch's fused AdamW, a separate pull
+    "qat int8": ({"train": {"qat": "int8-weight"}}, None),  # fake-quantized int8 weights (torchao)
+    "qat int4": ({"train": {"qat": "int8-dynamic-act-int4-weight"}}, None),
     "fp8": ({"train": {"precision": "fp8"}}, None),
     "fp8 rowwise": ({"train": {"precision": "fp8", "float8_recipe": "rowwise"}}, None),
 }
