@@ -90,7 +90,8 @@ def first_step(name: str, precision: str, way: str, data: step.TextBatches) -> d
     step.reset_compiler()
     B = data.tokens.shape[1]
     # Tolerances no difference reaches, so both comparisons are always made and recorded; the row
-    # then says which of the default tolerances would have stopped the run.
+    # then says which of the default tolerances the run was over (a gradient over its tolerance is
+    # checked once more in full precision by the engine; this row does not make that pass).
     config = step.engine_config(name, B, {**PRECISIONS[precision], "compile": RECORD_ONLY}, steps=100)
     spec = uniform_spec(config, world_size=1, micro_batch_size=B, grad_accum_steps=1, use_gpu=step.DEVICE == "cuda")
     engine = Engine(spec, 0, torch.device(step.DEVICE, 0))

@@ -362,7 +362,10 @@ class CompileConfig:
     between any parameter's first-micro-batch gradient from the compiled step and from the same
     model run eagerly. bf16 rounds to 0.4 %, and reordered sums leave correct compiled gradients on an
     H200 up to 1.4 % away (GPT 124M's pos_emb 1.04 %, Llama-1B from transformers 0.84 %, with bf16
-    weights 1.40 %); a 1 % tolerance stopped those runs. Compared by a worker alone only: DDP and FSDP reduce gradients inside
+    weights 1.40 %); a 1 % tolerance stopped those runs. A gradient further than this from eager's
+    under autocast is checked once more against the micro-batch run in full precision, and passes if
+    it is no further from that than twice eager bf16's own distance (workers/compile_check.py).
+    Compared by a worker alone only: DDP and FSDP reduce gradients inside
     backward. The eager pass recomputes its activations, so it needs less memory than the step, and
     keeps its gradients on the host until compared."""
     ddp_mode: Literal["auto", "ddp_optimizer", "compiled_autograd"] = "auto"

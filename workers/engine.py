@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -134,7 +135,8 @@ class Engine:
         for i, (weight, (tokens, masks)) in enumerate(zip(weights, arguments)):
             forward = functools.partial(self._forward, tokens, masks)
             backward = functools.partial(self._backward, weight=weight)
-            eager_loss = check.run_eagerly(forward, backward) if check is not None and i == 0 else None
+            eager_loss = (check.run_eagerly(forward, backward, self._full_precision_forward(tokens, masks))
+                          if check is not None and i == 0 else None)
             with self.wrapped.sync_gradients(i == len(micro_batches) - 1):
                 loss = forward()
                 if eager_loss is not None:
@@ -174,9 +176,10 @@ class Engine:
         samples = self.worker.micro_batch_size * self.worker.grad_accum_steps
         self.local_gradient = (sq / bucket_weight ** 2, samples)
 
-    def _forward(self, tokens: tuple[torch.Tensor, torch.Tensor], masks: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _forward(self, tokens: tuple[torch.Tensor, torch.Tensor], masks: dict[str, torch.Tensor], *,
+                 autocast: bool = True) -> torch.Tensor:
         """One micro-batch's mean loss (collective under DDP and FSDP: every rank makes it)."""
-        with self._training_autocast(), self.wrapped.loss_context():
+        with self._training_autocast() if autocast else contextlib.nullcontext(), self.wrapped.loss_context():
             return self.workload.loss(self.wrapped.forward, *tokens, loss_kernel=self.spec.train.loss_kernel, **masks)
 
     def _backward(self, loss: torch.Tensor, *, weight: float | torch.Tensor) -> None:
@@ -210,6 +213,14 @@ class Engine:
         if not self.spec.train.bf16_weights:
             return None
         return Bf16ComputeCopy(self.model, self.workload.build().to(self.device, torch.bfloat16))
+
+    def _full_precision_forward(self, tokens: tuple[torch.Tensor, torch.Tensor],
+                                masks: dict[str, torch.Tensor]) -> Callable[[], torch.Tensor] | None:
+        """The compile check's second opinion: the loss without autocast, where the step trains under it
+        (a bf16 compute copy's weights are bf16 themselves, so it has none)."""
+        if self.precision.autocast_dtype is None or self.compute_copy is not None:
+            return None
+        return functools.partial(self._forward, tokens, masks, autocast=False)
 
     def _training_autocast(self):
         """Autocast for the training forward; none on a bf16 compute copy: its weights are bf16

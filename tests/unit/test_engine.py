@@ -387,6 +387,45 @@ def test_a_compiled_step_with_the_right_loss_and_wrong_gradients_stops_before_an
     assert {block.activation_checkpointing for block in engine.model.blocks} == {"selective"}
 
 
+def _bf16_compiled_engine(check: bool) -> Engine:
+    config = JobConfig.from_dict({**job().to_dict(), "cluster": {"num_workers": 1},
+                                  "compile": {"enable": True, "check_tolerance": 1e-3 if check else 0.0},
+                                  "train": {**job().to_dict()["train"], "precision": "bf16"}})
+    torch._dynamo.reset()  # the tests patch GPT.head; code compiled for another patch must not be reused
+    torch.manual_seed(0)
+    return Engine(engine_spec(config, 1, MICRO, 2), 0, torch.device("cpu"))
+
+
+def test_a_gradient_far_from_eager_bf16_but_not_from_full_precision_trains(monkeypatch):
+    """Eager bf16 rounds every intermediate where compiled kernels keep fp32, so a sound compile can be
+    further from it than the tolerance: here eager's bf16 pass alone (the stand-in for that rounding) sends
+    5 % too much gradient out of the final norm. The micro-batch then runs once in full precision; the
+    compiled gradients are close to it, so the step trains, on the compiled gradients."""
+    plain_head = GPT.head
+    monkeypatch.setattr(GPT, "head", lambda self, x, *args: plain_head(self, ScaleGradient.apply(
+        x, 1.05 if torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling() else 1.0), *args))
+    checked, unchecked = _bf16_compiled_engine(check=True), _bf16_compiled_engine(check=False)
+    _, checked_norm = checked(batches_for(0, 0, 1, 2), lr=3e-3)
+    _, unchecked_norm = unchecked(batches_for(0, 0, 1, 2), lr=3e-3)
+    result = checked.compile_check
+    assert result["gradient_difference"] > 0.03 and not result["gradient_wrong"]
+    assert result["full_precision_compiled"] < 0.03 < result["full_precision_eager"]
+    # The step took the compiled gradients back (the full-precision ones have another norm).
+    assert float(checked_norm) == pytest.approx(float(unchecked_norm), rel=1e-6)
+
+
+def test_a_compiled_gradient_far_from_full_precision_too_stops_the_run(monkeypatch):
+    """The same fault in the compiled step instead: far from eager bf16 and from full precision alike."""
+    plain_head = GPT.head
+    monkeypatch.setattr(GPT, "head", lambda self, x, *args: plain_head(
+        self, ScaleGradient.apply(x, 1.05 if torch.compiler.is_compiling() else 1.0), *args))
+    engine = _bf16_compiled_engine(check=True)
+    with pytest.raises(CompileError, match=r"more than the 0.03 allowed; run in full precision, the compiled "
+                                           r"gradient is 5\.\d+% from it and the eager one 0\.\d+%\)"):
+        train(engine, 0, 1, 2, steps=1)
+    assert engine.compile_check["gradient_wrong"]
+
+
 def test_relative_difference_of_gradients_is_over_the_whole_tensor():
     eager = torch.tensor([3.0, 4.0])
     assert relative_difference(eager + torch.tensor([0.0, 0.05]), eager).item() == pytest.approx(0.01, rel=1e-5)
