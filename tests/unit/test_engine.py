@@ -14,7 +14,7 @@ from core.plan import BatchLayout
 from storage.sampler import DeterministicSampler
 from storage.shards import TokenDataset
 from tests.engine_support import engine_spec, run_ranks
-from workers.compile_check import check_compiled_loss, relative_difference
+from workers.compile_check import CompileCheck, check_compiled_loss, relative_difference
 from workers.engine import Engine, _ddp_timing
 from workers.models.chunked_loss import chunked_cross_entropy
 from workers.models.gpt import GPT
@@ -424,6 +424,26 @@ def test_a_compiled_gradient_far_from_full_precision_too_stops_the_run(monkeypat
                                            r"gradient is 5\.\d+% from it and the eager one 0\.\d+%\)"):
         train(engine, 0, 1, 2, steps=1)
     assert engine.compile_check["gradient_wrong"]
+
+
+def test_without_memory_for_the_full_precision_pass_the_first_verdict_stands():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    x = torch.randn(16, 8)
+
+    def out_of_memory():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    check = CompileCheck(model, [], loss_tolerance=1e-3, gradient_tolerance=3e-2, compare_gradients=True)
+    eager = check.run_eagerly(lambda: model(x).square().mean(), lambda loss: loss.backward(), out_of_memory)
+    model(x).square().mean().backward()
+    model[0].weight.grad *= 1.05
+    compiled = [p.grad.clone() for p in model.parameters()]
+    check.check_loss(eager, eager)
+    with pytest.raises(CompileError, match=r"gradient of 0.weight .* 5.000% away .* more than the 0.03 allowed\)"):
+        check.check_gradients()
+    assert check.result["full_precision"] == "out of memory"
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), compiled))
 
 
 def test_relative_difference_of_gradients_is_over_the_whole_tensor():
