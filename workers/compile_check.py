@@ -101,7 +101,8 @@ class CompileCheck:
 
     def check_gradients(self) -> None:
         """After the compiled backward of the same micro-batch: compares each parameter's gradient
-        with its eager one; raises CompileError when any is further apart than the tolerance."""
+        with its eager one; raises CompileError when any is further apart than the tolerance and,
+        where a full-precision pass can be made, further from that pass's too (_is_wrong)."""
         too_far = {}
         for name, p in self.model.named_parameters():
             eager = self._eager_gradients.pop(name, None)
