@@ -5,8 +5,8 @@
 
 The benchmark (topology/device_bench.py) runs in a child process, a few seconds on a fresh node.
 Its figures are kept in <cache dir>/device-figures.json under the host's name, with the driver it
-ran under; they are measured again when the driver, the host's GPU models or its core count change
-(a note says the old figures were dropped). Several probes on one host (Ray nodes sharing a
+ran under and when; they are measured again when the driver, the host's GPU models or its core count
+change (a note says the old figures were dropped), and when they are older than MAX_AGE_S. Several probes on one host (Ray nodes sharing a
 machine) take a lock, so one measures and the others read what it wrote.
 
 Environment: ARCHIPELAGO_CACHE_DIR (default ~/.cache/archipelago), ARCHIPELAGO_DEVICE_BENCH_S
@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,8 +33,13 @@ from topology.cluster import MeasuredDevice, NodeTopology
 
 CACHE_FILE = "device-figures.json"
 FORMAT = "archipelago.device-figures"
-VERSION = 2
-"""2: CPUs carry fp32_block_tflops; a cache written before it is measured again."""
+VERSION = 3
+"""2: CPUs carry fp32_block_tflops; 3: each host's figures carry when they were measured. A cache
+written before is measured again."""
+MAX_AGE_S = 3600.0
+"""Figures older than this are measured again: a shared host's speed drifts. The 2-core CPU VM's demo
+was planned at 207.6 ms a step from figures two hours old and measured 155.4 ms (-25 %); measured
+afresh, 152.6 against 154.8 ms (benchmarks/RESULTS.md, 2026-12-04). Re-measuring costs a few seconds."""
 SECONDS_PER_FIGURE = 0.3
 """Default time spent on each figure: about 2 s of measuring for the CPUs and 3 s for a GPU model."""
 TIMEOUT_S = 300.0
@@ -58,6 +64,15 @@ def run_benchmark_process(seconds: float, timeout_s: float) -> dict:
 
 
 @dataclass(slots=True)
+class CachedFigures:
+    """One host's entry in the cache."""
+
+    measured_at: float
+    """When, in seconds since the epoch."""
+    devices: list[MeasuredDevice]
+
+
+@dataclass(slots=True)
 class DeviceBench:
     seconds_per_figure: float = SECONDS_PER_FIGURE
     """0: measure nothing (the planner uses the catalog's figures)."""
@@ -65,6 +80,9 @@ class DeviceBench:
     timeout_s: float = TIMEOUT_S
     run_child: RunChild = run_benchmark_process
     """Tests put a fake here; the probe runs the real child process."""
+    clock: Callable[[], float] = time.time
+    """Now, in seconds since the epoch (tests move it)."""
+    max_age_s: float = MAX_AGE_S
 
     @classmethod
     def from_environment(cls) -> DeviceBench:
@@ -91,8 +109,8 @@ class DeviceBench:
         try:
             with self._locked():
                 cached = self._read().get(node.hostname)
-                if cached is not None and _fits(cached, node, notes):
-                    return cached, notes
+                if cached is not None and self._recent(cached, notes) and _fits(cached.devices, node, notes):
+                    return cached.devices, notes
                 measured = self._measure(node, notes)
                 self._write(node.hostname, measured)
         except TopologyError as e:
@@ -117,22 +135,30 @@ class DeviceBench:
             fcntl.flock(lock, fcntl.LOCK_EX)
             yield
 
-    def _read(self) -> dict[str, list[MeasuredDevice]]:
+    def _recent(self, cached: CachedFigures, notes: list[str]) -> bool:
+        age_s = self.clock() - cached.measured_at
+        if 0 <= age_s <= self.max_age_s:
+            return True
+        notes.append(f"dropped device figures measured {age_s / 60:.0f} min ago (more than "
+                     f"{self.max_age_s / 60:.0f} min: a host's speed drifts); measured again")
+        return False
+
+    def _read(self) -> dict[str, CachedFigures]:
         """Figures by host name; an unreadable cache counts as empty (it is measured again)."""
         path = self.cache_dir / CACHE_FILE
         try:
             data = json.loads(path.read_text())
             fields = codec.check_header(data, format=FORMAT, version=VERSION, noun="device figure cache",
                                         command="the topology probe", error=TopologyError, where=str(path))
-            return codec.decode(dict[str, list[MeasuredDevice]], fields.get("hosts"), f"{path}: hosts")
+            return codec.decode(dict[str, CachedFigures], fields.get("hosts"), f"{path}: hosts")
         except (OSError, ValueError, TopologyError):
             return {}
 
     def _write(self, hostname: str, devices: list[MeasuredDevice]) -> None:
         hosts = self._read()
-        hosts[hostname] = devices
+        hosts[hostname] = CachedFigures(measured_at=self.clock(), devices=devices)
         document = {"format": FORMAT, "version": VERSION,
-                    "hosts": {host: [asdict(d) for d in figures] for host, figures in hosts.items()}}
+                    "hosts": {host: asdict(figures) for host, figures in hosts.items()}}
         write_text_atomically(self.cache_dir / CACHE_FILE, json.dumps(document, indent=1) + "\n")
 
 

@@ -94,6 +94,23 @@ def test_figures_from_another_driver_are_dropped_with_a_note_and_measured_again(
     assert child.runs == 3
 
 
+def test_figures_older_than_an_hour_are_measured_again_with_a_note(tmp_path):
+    """A shared host's speed drifts: the CPU demo planned from two-hour-old figures was 25 % off."""
+    child, now = FakeChild(CPU, H200), [1_000_000.0]
+    bench = DeviceBench(cache_dir=tmp_path, run_child=child, clock=lambda: now[0])
+    bench.figures(node())
+    now[0] += 3599
+    _, notes = bench.figures(node())
+    assert child.runs == 1 and notes == []
+    now[0] += 2
+    _, notes = bench.figures(node())
+    assert child.runs == 2 and notes == ["dropped device figures measured 60 min ago (more than 60 min: a host's "
+                                         "speed drifts); measured again"]
+    now[0] -= 600  # a clock set back: figures "from the future" are not trusted either
+    bench.figures(node())
+    assert child.runs == 3
+
+
 def test_a_failed_or_switched_off_benchmark_is_a_note_and_no_figures(tmp_path, monkeypatch):
     figures, notes = DeviceBench(cache_dir=tmp_path, run_child=FakeChild(fail=True)).figures(node())
     assert figures == [] and notes[0].startswith("device figures not measured: the device micro-benchmark failed")
