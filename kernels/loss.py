@@ -169,9 +169,10 @@ def _backward(ctx, grad_loss: torch.Tensor, *_grads_of_the_other_outputs: torch.
     low_hidden, weight, grad_logits, rows_per_counted, *norm_saved = ctx.saved_tensors
     grad_loss = grad_loss * rows_per_counted
     # The matmuls in the logits' dtype; scaled in fp32 after them: grad_loss (a loss weight, a
-    # loss scale) need not be exact in bf16.
-    grad_normed = ((grad_logits @ weight.to(grad_logits.dtype)).float() * grad_loss).to(ctx.hidden_dtype)
-    grad_weight = ((grad_logits.t() @ low_hidden).float() * grad_loss).to(weight.dtype)
+    # loss scale) need not be exact in bf16. Scaled in place: with a 128 K vocabulary another fp32
+    # copy of the weight's gradient (1 GB at Llama-3's 2048 wide) made the step's peak.
+    grad_normed = (grad_logits @ weight.to(grad_logits.dtype)).float().mul_(grad_loss).to(ctx.hidden_dtype)
+    grad_weight = (grad_logits.t() @ low_hidden).float().mul_(grad_loss).to(weight.dtype)
     if not ctx.normed:
         return grad_normed, grad_weight, None, None, None, None, None, None
     hidden, mean, rstd, norm_weight, norm_bias = norm_saved
