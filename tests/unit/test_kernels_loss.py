@@ -50,6 +50,23 @@ def test_fused_loss_under_autocast_matches_the_plain_loss_to_1e3():
         assert (g - w).abs().max() <= 1e-3 * w.abs().max()
 
 
+def test_the_backward_makes_one_fp32_copy_of_the_weight_gradient():
+    """With a large vocabulary the backward's temporaries are the step's peak (Llama-3: a 128 K x 2048
+    head, 8,192 rows): it makes the head's gradient in bf16 and scales it into one fp32 tensor, 6 bytes
+    an element, no second fp32 copy."""
+    from planning.memory import _StorageTimeline
+    rows, width, vocab = 64, 64, 8192
+    hidden, weight, targets = case(rows=rows, width=width, vocab=vocab, seed=4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = linear_cross_entropy(hidden, weight, targets)
+    with _StorageTimeline(round_to=1) as timeline:
+        loss.backward()
+    # Beside them: the saved bf16 gradient logits and normed hidden (counted as backward unpacks them),
+    # and the zero gradient autograd makes for the gradient-logits output (rows x vocab, bf16).
+    beside = 2 * rows * vocab + 2 * rows * width + 2 * rows * vocab
+    assert 6 * weight.numel() <= timeline.peak - beside < 7 * weight.numel()
+
+
 def test_fp16_takes_the_plain_loss():
     # A GradScaler's scale is applied after the forward, so an fp16 gradient made in the forward
     # would underflow: fp16 gets exactly the plain loss and its gradients.
