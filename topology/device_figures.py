@@ -6,8 +6,9 @@
 The benchmark (topology/device_bench.py) runs in a child process, a few seconds on a fresh node.
 Its figures are kept in <cache dir>/device-figures.json under the host's name, with the driver it
 ran under and when; they are measured again when the driver, the host's GPU models or its core count
-change (a note says the old figures were dropped), and when they are older than MAX_AGE_S. Several probes on one host (Ray nodes sharing a
-machine) take a lock, so one measures and the others read what it wrote.
+change (a note says the old figures were dropped), and when they are older than MAX_AGE_S. Several
+probes on one host (Ray nodes sharing a machine) take a lock, so one measures and the others read
+what it wrote.
 
 Environment: ARCHIPELAGO_CACHE_DIR (default ~/.cache/archipelago), ARCHIPELAGO_DEVICE_BENCH_S
 (seconds per figure, default 0.3; 0 turns the benchmark off).
@@ -139,8 +140,9 @@ class DeviceBench:
         age_s = self.clock() - cached.measured_at
         if 0 <= age_s <= self.max_age_s:
             return True
-        notes.append(f"dropped device figures measured {age_s / 60:.0f} min ago (more than "
-                     f"{self.max_age_s / 60:.0f} min: a host's speed drifts); measured again")
+        when = (f"measured {age_s / 60:.0f} min ago (more than {self.max_age_s / 60:.0f} min: a host's speed "
+                "drifts)" if age_s > 0 else "dated after now (the clock was set back)")
+        notes.append(f"dropped device figures {when}; measured again")
         return False
 
     def _read(self) -> dict[str, CachedFigures]:

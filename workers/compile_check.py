@@ -135,13 +135,11 @@ class CompileCheck:
             self._take_gradients()
             self.result["full_precision"] = "out of memory"
         for name, p in self.model.named_parameters():
-            reference = p.grad if p.grad is not None else torch.zeros_like(p)
             if name in too_far and "full_precision" not in self.result:
-                self.full_precision_differences[name] = (
-                    float(relative_difference(compiled[name].to(p.device) if name in compiled
-                                              else torch.zeros_like(p), reference)),
-                    float(relative_difference(too_far[name].to(p.device), reference)))
-            p.grad = None
+                reference = p.grad if p.grad is not None else torch.zeros_like(p)
+                mine = compiled[name].to(p.device) if name in compiled else torch.zeros_like(p)
+                self.full_precision_differences[name] = (float(relative_difference(mine, reference)), float(
+                    relative_difference(too_far[name].to(p.device), reference)))
             p.grad = compiled[name].to(p.device) if name in compiled else None
 
     def _is_wrong(self, name: str) -> bool:

@@ -107,8 +107,9 @@ def test_figures_older_than_an_hour_are_measured_again_with_a_note(tmp_path):
     assert child.runs == 2 and notes == ["dropped device figures measured 60 min ago (more than 60 min: a host's "
                                          "speed drifts); measured again"]
     now[0] -= 600  # a clock set back: figures "from the future" are not trusted either
-    bench.figures(node())
-    assert child.runs == 3
+    _, notes = bench.figures(node())
+    assert child.runs == 3 and notes == ["dropped device figures dated after now (the clock was set back); "
+                                         "measured again"]
 
 
 def test_a_failed_or_switched_off_benchmark_is_a_note_and_no_figures(tmp_path, monkeypatch):
