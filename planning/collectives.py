@@ -4,7 +4,7 @@
     hop = collectives.hop(LinkClass.INFINIBAND, nominal_gb_per_s=50)
     seconds, latency = collectives.ring_allreduce(2**30, ranks=16, hop=hop)
     collectives.gradient_reduction(2**30, ranks=16, world_hop=hop).seconds()     # the fastest algorithm
-    ComputeModel().gpu_samples_per_second(peak_tflops=989.4, flops_per_sample=6e12, n_embd=768)
+    ComputeModel.compiled().gpu_seconds_per_sample(989.4, 4.8e12, job.step_shape)   # job: costing.PlanningJob
     PriceTable().dollars_per_hour("H100-SXM5-80GB", spot=False)
     PriceTable.for_job(config)                 # defaults, then [bill] prices_file, then [placement] prices
     PriceTable().dollars_per_bf16_tflops_hour("MI300X", spot=True)   # the unit that compares vendors

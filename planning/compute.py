@@ -8,14 +8,64 @@ from dataclasses import dataclass, replace
 
 MFU_ANCHORS = ((768, 0.34), (2048, 0.53))
 """(n_embd, model FLOPs utilisation) measured in eager bf16 on one H200 (shared/bench, DESIGN.md):
-GPT-2 124M at B=32, T=1024 and GPT 1.3B at B=8, T=2048. Wider models keep tensor cores busier."""
-COMPILED_MFU_ANCHORS = ((768, 0.483), (2048, 0.584))
-"""The same for the compiled engine (fused loss, clipping): benchmarks/step.py on one H200,
-benchmarks/RESULTS.md, 2026-11-30 (plain torch.compile: 0.478 / 0.596)."""
-BF16_WEIGHTS_MFU_ANCHORS = ((768, 0.511), (2048, 0.609))
-"""The compiled engine with [train] bf16_weights (a bf16 copy, fp32 masters), same benchmark and day
-(0.499 / 0.594), times what the one-pass AdamW (kernels.adamw) gained over that path in one later run
-(1.024× / 1.025×; that call measured 0.522 / 0.621 with the GPU running faster, plain compile 0.486 / 0.609)."""
+GPT-2 124M at B=32, T=1024 and GPT 1.3B at B=8, T=2048. Wider models keep tensor cores busier. Eager
+steps were measured whole, so this share covers everything in them (ComputeModel.traffic is zero)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryTraffic:
+    """What a compiled step moves through device memory besides its matrix products and attention:
+    effective bytes at the GPU's nominal memory bandwidth, so a GPU with less bandwidth per FLOP (an
+    L4, an RTX card) pays more for them than an H200 does. Fitted to torch.profiler kernel groups of
+    the engine's steps on one H200, two models each (bytes = the group's seconds × its 4.8 TB/s
+    nominal). Where the Llama-3.2-1B shape differs from GPT 1.3B at the same width is here, not in the
+    FLOPs: a 128 K vocabulary (loss and embedding) and half the tokens per parameter (the optimizer)."""
+
+    per_token_layer_width: float = 0.0
+    """Norms, activations, residual adds, casts and the step's idle gaps: each token, block and unit of
+    the residual stream's width (Inductor's fused elementwise kernels)."""
+    per_logit: float = 0.0
+    """The loss over each token's vocabulary row (the fused loss's log-softmax, forward and backward)."""
+    per_embedding_element: float = 0.0
+    """Per micro-step, each element of the vocabulary × width embedding: its dense gradient (zeroed,
+    scattered into, summed with a tied head's), eager kernels outside the compiled blocks."""
+    per_parameter_step: float = 0.0
+    """Per step, each parameter a worker updates: AdamW's read and write of weights, gradients and both
+    moments, and clipping's norm."""
+
+
+COMPILED_MFU_ANCHORS = ((768, 0.694), (2048, 0.721))
+"""(n_embd, share of the dense bf16 peak) the compiled engine's matrix products and attention reach
+(benchmarks/step.py --profile on one H200, bf16 autocast: GPT-2 124M at B=32, T=1024, 40.8 ms of
+matmul and attention a step; GPT 1.3B at B=8, T=2048, 208.3 ms; benchmarks/RESULTS.md, 2026-11-29).
+The rest of the step is COMPILED_TRAFFIC; the whole step then reaches 0.47 and 0.57 of peak."""
+COMPILED_TRAFFIC = MemoryTraffic(per_token_layer_width=210.0, per_logit=10.1, per_embedding_element=199.0,
+                                 per_parameter_step=52.9)
+"""The same profiles' other groups (124M / 1.3B): elementwise with idle 12.0 / 34.2 ms and the loss 4.7 / 2.8,
+both terms scale with tokens, so solved together to give each model's 16.7 / 37.0 ms exactly; eager
+elementwise and copies (the embedding's gradient) 1.7 / 4.0, fused AdamW with clipping 1.4 / 14.2, the
+mean of the two per unit."""
+BF16_WEIGHTS_MFU_ANCHORS = ((768, 0.689), (2048, 0.724))
+"""The compiled engine with [train] bf16_weights (a bf16 compute copy stepped by kernels.adamw's one
+pass): GPT-2 124M as above, 41.1 ms (2026-11-30), and the Llama-3.2-1B shape at B=4, T=2048, 94.0 ms
+(2026-12-03), matmul and attention a step."""
+BF16_WEIGHTS_TRAFFIC = MemoryTraffic(per_token_layer_width=180.0, per_logit=7.0, per_embedding_element=145.0,
+                                     per_parameter_step=45.5)
+"""The same profiles (124M / Llama-1B), the mean of the two per unit: elementwise with idle 9.2 / 12.0 ms,
+loss 2.3 / 1.6, eager elementwise 1.5 / the 5.6 ms outside the listed groups, the one-pass AdamW 1.2 / 11.5.
+(Solving the first two together, as for autocast, gives the loss a negative cost: SwiGLU and RoPE make
+more elementwise work per block and width than GPT's GELU.)"""
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What a GPU step's cost depends on, from the model's counted facts and the job."""
+
+    flops_per_sample: float
+    seq_len: int
+    n_layer: int
+    width: int
+    vocab_size: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,15 +123,19 @@ probe trained its reference block, CPU workers are planned at that rate instead 
 
 @dataclass(frozen=True, slots=True)
 class ComputeModel:
-    """Per-device step time: FLOPs / (peak × utilisation) + a fixed cost per micro-step.
+    """Per-device step time: FLOPs / (peak × utilisation) + memory traffic / bandwidth + a fixed cost
+    per micro-step, and per step the optimizer's traffic.
 
     Utilisation is interpolated in log(n_embd) between measured anchors and held flat outside
     them; the same share of peak is assumed for every GPU (its own peak, or the peak its measured
-    product rate implies: MIG slices and slower models are slower in proportion). CPU workers train at
+    product rate implies: MIG slices and slower models are slower in proportion), and the traffic
+    runs at its memory bandwidth (its measured copy's nominal equivalent, else the catalog's). CPU workers train at
     the rate the probe measured training a transformer block on their node's cores (fp32), else at a
     share of its measured product rate, else of a nominal peak per core."""
 
     mfu_anchors: tuple[tuple[int, float], ...] = MFU_ANCHORS
+    traffic: MemoryTraffic = MemoryTraffic()
+    """Beside the anchors' FLOPs: zero where the anchors cover the whole step (eager)."""
     micro_step_overhead_s_per_layer: float = 1e-4
     """Launch and Python overhead per transformer block per micro-step (eager: ~20 kernels × 5 µs)."""
     cpu_gflops_per_core: float = 100.0
@@ -102,8 +156,10 @@ class ComputeModel:
 
     @classmethod
     def compiled(cls, *, bf16_weights: bool = False) -> ComputeModel:
-        anchors = BF16_WEIGHTS_MFU_ANCHORS if bf16_weights else COMPILED_MFU_ANCHORS
-        return cls(mfu_anchors=anchors, micro_step_overhead_s_per_layer=2e-5)
+        if bf16_weights:
+            return cls(mfu_anchors=BF16_WEIGHTS_MFU_ANCHORS, traffic=BF16_WEIGHTS_TRAFFIC,
+                       micro_step_overhead_s_per_layer=2e-5)
+        return cls(mfu_anchors=COMPILED_MFU_ANCHORS, traffic=COMPILED_TRAFFIC, micro_step_overhead_s_per_layer=2e-5)
 
     def with_efficiency(self, efficiency: dict[str, float]) -> ComputeModel:
         return replace(self, efficiency=tuple(sorted(efficiency.items())))
@@ -114,8 +170,19 @@ class ComputeModel:
     def utilisation(self, n_embd: int) -> float:
         return _interpolate_log(self.mfu_anchors, n_embd)
 
-    def gpu_samples_per_second(self, peak_tflops: float, flops_per_sample: float, n_embd: int) -> float:
-        return peak_tflops * 1e12 * self.utilisation(n_embd) / flops_per_sample
+    def gpu_seconds_per_sample(self, peak_tflops: float, memory_bytes_per_s: float, step: StepShape) -> float:
+        traffic = self.traffic
+        bytes_per_token = step.n_layer * step.width * traffic.per_token_layer_width + step.vocab_size * traffic.per_logit
+        return (step.flops_per_sample / (peak_tflops * 1e12 * self.utilisation(step.width))
+                + step.seq_len * bytes_per_token / memory_bytes_per_s)
+
+    def gpu_micro_step_seconds(self, memory_bytes_per_s: float, step: StepShape) -> float:
+        """A GPU micro-step's traffic whatever its micro-batch: the embedding's gradient."""
+        return step.vocab_size * step.width * self.traffic.per_embedding_element / memory_bytes_per_s
+
+    def gpu_optimizer_seconds(self, memory_bytes_per_s: float, parameters: float) -> float:
+        """Once a step, over the `parameters` a worker updates (its shard under FSDP)."""
+        return parameters * self.traffic.per_parameter_step / memory_bytes_per_s
 
     def cpu_samples_per_second(self, tflops: float, flops_per_sample: float, dtype: str = "fp32", *,
                                measured: bool = False, training_tflops: float = 0.0) -> float:

@@ -20,7 +20,7 @@ from core import rules
 from core.config import JobConfig
 from core.plan import AllReduce, DataParallel, DeviceKind, Objective
 from planning.collectives import Bucketing, CollectiveCostModel, Hop, LinkClass, Reduction, bucketing
-from planning.compute import ComputeModel
+from planning.compute import ComputeModel, StepShape
 from planning.devices import DevicePool, DeviceType, Domain
 from planning.figures import Source
 from planning.goodput import GOODPUT_OBJECTIVES, Statistics, Throughput, batch_ladder, goodput_score
@@ -81,6 +81,8 @@ class PlanningJob:
     """The model's repeated blocks (workload.blocks)."""
     n_embd: int
     """The residual stream's width (model_size.ModelFacts.width)."""
+    vocab_size: int
+    """[model] vocab_size: the loss's and the embedding's rows (compute.MemoryTraffic)."""
     compute_dtype: str
     """Key of the devices' peak_tflops: bf16 or fp32."""
     parameter_bytes_compute: int
@@ -130,6 +132,7 @@ class PlanningJob:
                    steps=config.train.steps, micro_batch_limit=config.train.micro_batch_size,
                    flops_per_sample=float(facts.flops_per_token * config.model.seq_len),
                    parameters=parameters, n_layer=facts.blocks, n_embd=facts.width,
+                   vocab_size=config.model.vocab_size,
                    compute_dtype=dtype, parameter_bytes_compute=parameters * (4 if dtype == "fp32" else 2),
                    objective=objective, deadline_hours=placement.deadline_hours,
                    min_devices=placement.min_gpus if config.cluster.use_gpu else workers,
@@ -149,6 +152,11 @@ class PlanningJob:
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch_size * self.seq_len
+
+    @property
+    def step_shape(self) -> StepShape:
+        return StepShape(flops_per_sample=self.flops_per_sample, seq_len=self.seq_len, n_layer=self.n_layer,
+                         width=self.n_embd, vocab_size=self.vocab_size)
 
 
 def strategies_for(strategy: str) -> tuple[DataParallel, ...]:
@@ -284,15 +292,16 @@ class Costing:
 
     def _replica_group(self, device: DeviceType, count: int, cap: int, tp_hop: Hop | None) -> ReplicaGroup:
         job, t = self.job, self.job.tensor_parallel_size
+        overhead = self.compute.overhead_s(job.n_layer, cpu=device.kind == DeviceKind.CPU)
         if device.kind == DeviceKind.CPU:
             per_sample = 1 / self.compute.cpu_samples_per_second(device.peak_tflops, job.flops_per_sample,
                                                                  job.compute_dtype,
                                                                  measured=device.source == Source.MEASURED,
                                                                  training_tflops=device.training_tflops)
-        else:
-            per_sample = 1 / self.compute.gpu_samples_per_second(device.peak_tflops * t, job.flops_per_sample,
-                                                                 job.n_embd)
-        overhead = self.compute.overhead_s(job.n_layer, cpu=device.kind == DeviceKind.CPU)
+        else:  # a tensor-parallel group's t GPUs share the FLOPs and the traffic
+            per_sample = self.compute.gpu_seconds_per_sample(device.peak_tflops * t, device.memory_bytes_per_s * t,
+                                                             job.step_shape)
+            overhead += self.compute.gpu_micro_step_seconds(device.memory_bytes_per_s * t, job.step_shape)
         efficiency = self.compute.efficiency_of(device.model)  # a calibration's: the whole micro-step scales
         per_sample, overhead = per_sample / efficiency, overhead / efficiency
         if t > 1 and tp_hop is not None:
@@ -444,7 +453,7 @@ class Costing:
         hops, world = footprint.hops, footprint.world
         ranks = world // t
         overhead = max(self.compute.overhead_s(job.n_layer, cpu=d.kind == DeviceKind.CPU) for d in types)
-        compute, hook_seconds = split.compute_seconds, 0.0
+        compute, hook_seconds = split.compute_seconds + self._optimizer_seconds(footprint, strategy, types), 0.0
         buckets, algorithm = None, AllReduce.NONE
         backward = 2 / 3 * max(split.micro_step_seconds - overhead, 0.0)
         if ranks > 1 and strategy == DataParallel.DDP:
@@ -481,6 +490,15 @@ class Costing:
                           devices=world, hook_compute_seconds=hook_seconds)
         outcome.score = self.score(outcome)
         return outcome
+
+    def _optimizer_seconds(self, footprint: Footprint, strategy: DataParallel, types: list[DeviceType]) -> float:
+        """The optimizer's step on the slowest GPU, over the parameters each worker holds: all of its
+        tensor-parallel share under ddp, its island's shard under hsdp, its world's under fsdp (CPU
+        workers' is in their per-block overhead)."""
+        t = self.job.tensor_parallel_size
+        shards = {DataParallel.DDP: t, DataParallel.HSDP: footprint.island_size * t}.get(strategy, footprint.world)
+        return max((self.compute.gpu_optimizer_seconds(d.memory_bytes_per_s, self.job.parameters / max(shards, 1))
+                    / self.compute.efficiency_of(d.model) for d in types if d.kind != DeviceKind.CPU), default=0.0)
 
     def _hsdp_seconds(self, footprint: Footprint, accumulation: int) -> float:
         """One step's hsdp collectives: each micro-step all-gathers the parameters twice (forward and

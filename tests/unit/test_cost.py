@@ -17,7 +17,7 @@ from planning.collectives import (
     Reduction,
     bucketing,
 )
-from planning.compute import ComputeModel
+from planning.compute import COMPILED_TRAFFIC, ComputeModel, StepShape
 from planning.prices import PriceTable
 
 GIB = 2**30
@@ -117,11 +117,27 @@ def test_utilisation_follows_the_measured_anchors():
     assert compute.utilisation(2048) == pytest.approx(0.53)
     assert 0.34 < compute.utilisation(1280) < 0.53
     assert compute.utilisation(64) == 0.34 and compute.utilisation(8192) == 0.53
-    assert ComputeModel.compiled().utilisation(768) == pytest.approx(0.483)
-    assert ComputeModel.compiled(bf16_weights=True).utilisation(2048) == pytest.approx(0.609)
-    # A GPU of twice the peak trains twice the samples.
-    assert compute.gpu_samples_per_second(2.0, 1e12, 768) == pytest.approx(2 * compute.gpu_samples_per_second(
-        1.0, 1e12, 768))
+    assert ComputeModel.compiled().utilisation(768) == pytest.approx(0.694)
+    assert ComputeModel.compiled(bf16_weights=True).utilisation(2048) == pytest.approx(0.724)
+    # A GPU of twice the peak trains twice the samples: eager steps are priced by their FLOPs alone.
+    step = StepShape(flops_per_sample=1e12, seq_len=1024, n_layer=12, width=768, vocab_size=50304)
+    assert compute.gpu_seconds_per_sample(2.0, 1e12, step) == pytest.approx(compute.gpu_seconds_per_sample(1.0, 1e12, step) / 2)
+    assert compute.gpu_seconds_per_sample(1.0, 1e12, step) == compute.gpu_seconds_per_sample(1.0, 5e11, step)
+
+
+def test_a_compiled_step_pays_its_memory_traffic_at_the_gpus_bandwidth():
+    compiled, traffic = ComputeModel.compiled(), COMPILED_TRAFFIC
+    step = StepShape(flops_per_sample=1e12, seq_len=1024, n_layer=12, width=768, vocab_size=50304)
+    flops = 1e12 / (989.4e12 * compiled.utilisation(768))
+    per_token = 12 * 768 * traffic.per_token_layer_width + 50304 * traffic.per_logit
+    for bandwidth in (4.8e12, 0.3e12):  # an H200's, an L4's
+        assert compiled.gpu_seconds_per_sample(989.4, bandwidth, step) == pytest.approx(flops + 1024 * per_token / bandwidth)
+        assert compiled.gpu_micro_step_seconds(bandwidth, step) == pytest.approx(
+            50304 * 768 * traffic.per_embedding_element / bandwidth)
+        assert compiled.gpu_optimizer_seconds(bandwidth, 124e6) == pytest.approx(124e6 * traffic.per_parameter_step / bandwidth)
+    # On an L4's bandwidth the traffic outweighs the matrix products; on an H200's it is a quarter of the step.
+    h200, l4 = (compiled.gpu_seconds_per_sample(989.4, bw, step) - flops for bw in (4.8e12, 0.3e12))
+    assert l4 > flops > 2 * h200
 
 
 def test_prices_spot_on_demand_and_overrides():
