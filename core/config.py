@@ -591,8 +591,9 @@ class DeviceSpec:
         bf16_tflops = 71.0                       # dense, per GPU (fp16 if it has no bf16; fp32 if neither)
         memory_gib = 24.0
         price = 0.35                             # dollars per GPU-hour, in the [placement] pricing column
+        memory_gb_per_s = 936.0                  # optional: memory bandwidth, GB/s
 
-    The planner uses these over measured and catalog figures; every field is needed."""
+    The planner uses these over measured and catalog figures; every field but the bandwidth is needed."""
 
     bf16_tflops: float | None = None
     """Dense bf16 tensor TFLOP/s of one GPU (the rate the planner's utilisation is a share of)."""
@@ -600,6 +601,9 @@ class DeviceSpec:
     """Memory of one GPU, GiB; replaces what the map says (nvidia-smi texts carry no memory)."""
     price: float | None = None
     """Dollars per GPU-hour in the [placement] pricing column; [placement] prices still override it."""
+    memory_gb_per_s: float | None = None
+    """Memory bandwidth of one GPU, GB/s, from its data sheet: what a compiled step's memory traffic
+    runs at (planning/compute.py). Without it, an A100's 2,000 GB/s."""
 
 
 DEVICE_FIELDS = ("bf16_tflops", "memory_gib", "price")
@@ -815,7 +819,7 @@ class JobConfig:
 
     def _check_devices(self) -> None:
         """Every [devices."NAME"] table gives every figure, each a finite number ≥ 0 (a figure above 0
-        for the TFLOP/s and memory)."""
+        for the TFLOP/s and memory, and for the bandwidth where it gives one)."""
         for name, spec in self.devices.items():
             _check(bool(name.strip()), "[devices]", "a device table has an empty name",
                    'name it as `nvidia-smi -L` prints the GPU, e.g. [devices."NVIDIA GeForce RTX 3090"]')
@@ -827,6 +831,10 @@ class JobConfig:
                 _check(math.isfinite(value) and value >= 0 and (value > 0 or key == "price"), where,
                        f"must be a {'number ≥ 0' if key == 'price' else 'positive number'}, got {value}",
                        f"give the GPU's figure from its data sheet, e.g. {_DEVICE_EXAMPLE[key]}")
+            bandwidth = spec.memory_gb_per_s
+            _check(bandwidth is None or (math.isfinite(bandwidth) and bandwidth > 0), f'[devices."{name}"] memory_gb_per_s',
+                   f"must be a positive number, got {bandwidth}",
+                   "give the GPU's memory bandwidth from its data sheet, e.g. memory_gb_per_s = 936.0, or leave it out")
 
     @property
     def gradient_backend(self) -> str:

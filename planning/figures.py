@@ -93,7 +93,8 @@ class FigureBook:
             return None
         self.prices[gpu.model or gpu.name] = spec.price
         return Figure(source=Source.DECLARED, peak_tflops=spec.bf16_tflops, stated_tflops=spec.bf16_tflops,
-                      memory_bytes=int(spec.memory_gib * 2**30), memory_bytes_per_s=None)
+                      memory_bytes=int(spec.memory_gib * 2**30),
+                      memory_bytes_per_s=spec.memory_gb_per_s * 1e9 if spec.memory_gb_per_s else None)
 
     def _measured_figure(self, node: NodeTopology, gpu: Gpu, dtype: str) -> Figure | None:
         """The node's own measurement of the model, else another node's taken under the same driver

@@ -66,11 +66,24 @@ def test_a_devices_table_plans_them_at_its_figures_and_price():
     assert plan(ClusterTopology(nodes=[text_node()]), job(devices={RTX_3090.upper(): DECLARED[RTX_3090]})).world_size == 2
 
 
+def test_a_declared_bandwidth_prices_a_compiled_steps_memory_traffic():
+    """Without one, a declared GPU's traffic runs at an A100's 2 TB/s; the RTX 3090's data sheet says 936 GB/s."""
+    def compute_seconds(devices: dict) -> float:
+        return plan(ClusterTopology(nodes=[text_node()]), job(devices=devices, compile={"enable": True})).predicted.compute_seconds
+
+    default = compute_seconds(DECLARED)
+    slower = compute_seconds({RTX_3090: {**DECLARED[RTX_3090], "memory_gb_per_s": 936.0}})
+    faster = compute_seconds({RTX_3090: {**DECLARED[RTX_3090], "memory_gb_per_s": 4000.0}})
+    assert faster < default < slower
+
+
 @pytest.mark.parametrize("figures, problem", [({"bf16_tflops": -71.0, "memory_gib": 24.0, "price": 0.35},
                                                "bf16_tflops: must be a positive number, got -71.0"),
                                               ({"bf16_tflops": 71.0, "price": 0.35}, "memory_gib: is missing"),
                                               ({"bf16_tflops": 71.0, "memory_gib": 24.0, "price": float("nan")},
-                                               "price: must be a number ≥ 0, got nan")])
+                                               "price: must be a number ≥ 0, got nan"),
+                                              ({**DECLARED[RTX_3090], "memory_gb_per_s": float("nan")},
+                                               "memory_gb_per_s: must be a positive number, got nan")])
 def test_a_devices_table_with_a_bad_or_missing_figure_is_refused_by_name(figures, problem):
     with pytest.raises(ConfigError) as refused:
         job(devices={RTX_3090: figures})
