@@ -4,6 +4,8 @@
     python3 benchmarks/device_probe.py --json probe.json
     python3 benchmarks/device_probe.py --skip-plan-check   # the figures only (a minute)
     python3 benchmarks/device_probe.py --cpu-only          # the CPU row only (this project's CPU machines)
+    python3 benchmarks/device_probe.py --replan benchmarks/measured/device_probe-h200-2026-12-04.json
+                                                           # no GPU: a stored plan check, planned by today's cost model
 
 GPU rows (the probe's micro-benchmark, topology/device_bench.py, run in this process):
   bf16 matmul   the probe's 8192³ bf16 product rate, beside the matmul rate benchmarks/step.py's torch
@@ -52,6 +54,7 @@ from planning.compute import CPU_UTILISATION_OF_MEASURED, ComputeModel  # noqa: 
 from planning.model_size import model_facts  # noqa: E402
 from planning.resolve import uniform_spec  # noqa: E402
 from topology import ClusterTopology  # noqa: E402
+from topology.cluster import MeasuredDevice  # noqa: E402
 from topology.device_bench import gpus_to_measure, measure_cpu, measure_gpu  # noqa: E402
 from topology.device_figures import DeviceBench  # noqa: E402
 from topology.probe import probe_local_node  # noqa: E402
@@ -167,33 +170,59 @@ def engine_step_seconds(config: JobConfig, micro: int, warmup: int, steps: int) 
     return statistics.median(a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])), engine.compile_check
 
 
+def plan_config(name: str) -> JobConfig:
+    model, micro = PLAN_MODELS[name]
+    # Uniformly random tokens over the whole vocabulary, at the initial weights: the compile check
+    # still runs and is reported, but only times here (on 2026-12-04 it put Llama-1B's gradients
+    # 3.5-3.7 % from eager with the losses 2.5e-5 apart, over the default 3 %).
+    return JobConfig.from_dict({"name": name, "model": model, "cluster": {"use_gpu": True},
+                                "compile": {"enable": True, "gradient_tolerance": 1.0},
+                                "placement": {"min_gpus": 1, "max_gpus": 1},
+                                "train": {"global_batch_size": micro, "micro_batch_size": micro,
+                                          "precision": "bf16", "warmup_steps": 0}})
+
+
 def plan_check(warmup: int, steps: int) -> list[dict]:
     """Each model's measured step beside its plan's prediction and a calibration fitted on the others."""
     with tempfile.TemporaryDirectory() as cache:
         topology = ClusterTopology(nodes=[probe_local_node(bench=DeviceBench(cache_dir=Path(cache)))])
     runs, checks = [], []
-    for name, (model, micro) in PLAN_MODELS.items():
-        # Uniformly random tokens over the whole vocabulary, at the initial weights: the compile check
-        # still runs and is reported, but only times here (on 2026-12-04 it put Llama-1B's gradients
-        # 3.5-3.7 % from eager with the losses 2.5e-5 apart, over the default 3 %).
-        config = JobConfig.from_dict({"name": name, "model": model, "cluster": {"use_gpu": True},
-                                      "compile": {"enable": True, "gradient_tolerance": 1.0},
-                                      "placement": {"min_gpus": 1, "max_gpus": 1},
-                                      "train": {"global_batch_size": micro, "micro_batch_size": micro,
-                                                "precision": "bf16", "warmup_steps": 0}})
+    for name, (_, micro) in PLAN_MODELS.items():
+        config = plan_config(name)
         plan = make_plan(topology, config)
         step_seconds, compile_check = engine_step_seconds(config, micro, warmup, steps)
         runs.append(calibration_fit.FinishedRun(name=name, plan=plan, step_seconds=step_seconds, exposed_seconds=0.0))
-        checks.append(compile_check)
+        checks.append({"compile_check": compile_check})
         torch.cuda.empty_cache()
+    return checked(runs, checks)
+
+
+def replan(stored: dict, topology_path: Path) -> list[dict]:
+    """The plan check of a stored --json file planned again by today's planner, on the figures the probe
+    measured then and the map of the machine it ran on: what a change to the cost model would have
+    predicted for the steps measured then. Needs no GPU."""
+    gpu = next(row for row in stored["rows"] if "probe_bf16_tflops" in row)
+    topology = ClusterTopology.load(topology_path)
+    for node in topology.nodes:
+        node.measured = [MeasuredDevice(name=gpu["device"], driver_version=node.driver_version,
+                                        bf16_tflops=gpu["probe_bf16_tflops"], fp8_tflops=gpu["probe_fp8_tflops"],
+                                        memory_gb_per_s=gpu["probe_memory_gb_per_s"])]
+    measured = [row for row in stored["rows"] if "plan_check" in row]
+    runs = [calibration_fit.FinishedRun(name=row["plan_check"], plan=make_plan(topology, plan_config(row["plan_check"])),
+                                        step_seconds=row["measured_ms"] / 1e3, exposed_seconds=0.0) for row in measured]
+    return checked(runs, [{"planned_then_ms": row["planned_ms"]} for row in measured])
+
+
+def checked(runs: list[calibration_fit.FinishedRun], extras: list[dict]) -> list[dict]:
     rows = []
-    for run, compile_check, check in zip(runs, checks, calibration_fit.leave_one_out(runs, {})):
+    for run, extra, check in zip(runs, extras, calibration_fit.leave_one_out(runs, {})):
         rows.append({"plan_check": run.name, "device": run.plan.workers[0].device_model,
-                     "figures": run.plan.device_bases[0].source, "measured_ms": round(check.measured_s * 1e3, 2),
+                     "figures": run.plan.device_bases[0].source, "planned_tflops": run.plan.device_bases[0].tflops,
+                     "measured_ms": round(check.measured_s * 1e3, 2),
                      "planned_ms": round(check.before_s * 1e3, 2), "error_planned": round(check.error_before, 4),
                      "calibrated_on_the_other_ms": round(check.after_s * 1e3, 2),
                      "error_calibrated": round(check.error_after, 4),
-                     "within_5_percent": abs(check.error_after) <= PLAN_TOLERANCE, "compile_check": compile_check})
+                     "within_5_percent": abs(check.error_after) <= PLAN_TOLERANCE, **extra})
     return rows
 
 
@@ -212,7 +241,13 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=0.3, help="time per probe figure (the probe's default)")
     parser.add_argument("--skip-plan-check", action="store_true", help="GPU: no planned-against-measured steps")
     parser.add_argument("--plan-steps", type=int, default=20, help="GPU: timed engine steps per model (after 5)")
+    parser.add_argument("--replan", type=Path, help="no measuring: plan a stored --json file's plan check again")
+    parser.add_argument("--topology", type=Path, default=ROOT / "examples/topologies/h200-single.json",
+                        help="with --replan: the map of the machine it ran on")
     args = parser.parse_args()
+    if args.replan:
+        printed(replan(json.loads(args.replan.read_text()), args.topology))
+        return
     gpu = torch.cuda.is_available() and not args.cpu_only
     rows = printed(gpu_rows(args.seconds)) if gpu else []  # printed as they come: a later part may fail
     if gpu and not args.skip_plan_check:
