@@ -129,8 +129,8 @@ class WorkerPlacement:
     numa_node: int | None = None
     ray_node_id: str = ""
     predicted_compute_seconds: float = 0.0
-    """This worker's compute per optimizer step, all micro-steps together: its model's kernels alone.
-    The plan's predicted compute adds what is step-wide (the comm hook's own work, and kernels
+    """This worker's compute per optimizer step: all its micro-steps and the optimizer's step, its own
+    kernels alone. The plan's predicted compute adds what is step-wide (the comm hook's own work, and kernels
     running slower beside DDP's collectives over NVLink), so it can exceed every worker's figure."""
     predicted_peak_memory_bytes: int = 0
     memory_capacity_bytes: int = 0

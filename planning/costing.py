@@ -453,7 +453,8 @@ class Costing:
         hops, world = footprint.hops, footprint.world
         ranks = world // t
         overhead = max(self.compute.overhead_s(job.n_layer, cpu=d.kind == DeviceKind.CPU) for d in types)
-        compute, hook_seconds = split.compute_seconds + self._optimizer_seconds(footprint, strategy, types), 0.0
+        optimizer = max(self.optimizer_seconds(d, footprint, strategy) for d in types)
+        compute, hook_seconds = split.compute_seconds + optimizer, 0.0
         buckets, algorithm = None, AllReduce.NONE
         backward = 2 / 3 * max(split.micro_step_seconds - overhead, 0.0)
         if ranks > 1 and strategy == DataParallel.DDP:
@@ -491,14 +492,16 @@ class Costing:
         outcome.score = self.score(outcome)
         return outcome
 
-    def _optimizer_seconds(self, footprint: Footprint, strategy: DataParallel, types: list[DeviceType]) -> float:
-        """The optimizer's step on the slowest GPU, over the parameters each worker holds: all of its
-        tensor-parallel share under ddp, its island's shard under hsdp, its world's under fsdp (CPU
-        workers' is in their per-block overhead)."""
+    def optimizer_seconds(self, device: DeviceType, footprint: Footprint, strategy: DataParallel) -> float:
+        """The optimizer's step on one GPU, over the parameters its worker holds: all of its
+        tensor-parallel share under ddp, its island's shard under hsdp, its world's under fsdp (a CPU
+        worker's is in its per-block overhead)."""
+        if device.kind == DeviceKind.CPU:
+            return 0.0
         t = self.job.tensor_parallel_size
         shards = {DataParallel.DDP: t, DataParallel.HSDP: footprint.island_size * t}.get(strategy, footprint.world)
-        return max((self.compute.gpu_optimizer_seconds(d.memory_bytes_per_s, self.job.parameters / max(shards, 1))
-                    / self.compute.efficiency_of(d.model) for d in types if d.kind != DeviceKind.CPU), default=0.0)
+        return (self.compute.gpu_optimizer_seconds(device.memory_bytes_per_s, self.job.parameters / max(shards, 1))
+                / self.compute.efficiency_of(device.model))
 
     def _hsdp_seconds(self, footprint: Footprint, accumulation: int) -> float:
         """One step's hsdp collectives: each micro-step all-gathers the parameters twice (forward and

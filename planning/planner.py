@@ -667,7 +667,8 @@ class Planner:
             cpus=self.job.cpus_per_worker, cpu_affinity=affinity[rank], numa_node=device.numa_node,
             ray_node_id=device.node.ray_node_id,
             predicted_compute_seconds=accum * costing.replica_group(
-                device.type, 1, 1, domain.intra_hop).micro_step_seconds(micro_batches[rank]),
+                device.type, 1, 1, domain.intra_hop).micro_step_seconds(micro_batches[rank])
+            + costing.optimizer_seconds(device.type, outcome.footprint, outcome.data_parallel),
             predicted_peak_memory_bytes=peaks[rank], memory_capacity_bytes=device.type.memory_bytes,
             gpu_index=_gpu_index(device), island_resource=_island_resource(device, domain),
             environment=nccl_environment(device.node, device.uuid) if self._nccl_nics(device) else {})

@@ -135,6 +135,8 @@ def test_a_llama_shape_is_planned_slower_per_flop_than_a_gpt_of_its_width():
                                       "compile": {"enable": True}, "placement": {"max_gpus": 1},
                                       "train": {"global_batch_size": micro_batch, "micro_batch_size": micro_batch}})
         plan = planner("1xH200:1", config).plan()
+        # One worker: its own figure is the whole step's compute, optimizer included.
+        assert plan.workers[0].predicted_compute_seconds == pytest.approx(plan.predicted.compute_seconds)
         flops_per_token = model_facts(make_workload(config.model), config.model.seq_len).flops_per_token
         return plan.predicted.compute_seconds / (flops_per_token * plan.tokens_per_step)
 
