@@ -47,6 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
+from benchmarks import step  # noqa: E402
 from core.config import JobConfig  # noqa: E402
 from planning import calibration_fit  # noqa: E402
 from planning import make_plan  # noqa: E402
@@ -65,11 +66,8 @@ TOLERANCE = 0.10
 """The probe's figures are held to within this share of the benchmarks'."""
 PLAN_TOLERANCE = 0.05
 """A calibrated prediction is held to within this share of the measured step."""
-PLAN_MODELS = {  # name: (model section, micro-batch): benchmarks/step.py's rows and DESIGN.md's anchors
-    "gpt2-124m": ({"n_layer": 12, "n_head": 12, "n_embd": 768, "seq_len": 1024, "vocab_size": 50304}, 32),
-    "gpt-1.3b": ({"n_layer": 24, "n_head": 16, "n_embd": 2048, "seq_len": 2048, "vocab_size": 50304}, 8),
-    "llama3-1b": ({"preset": "llama3-1b", "seq_len": 2048}, 4),
-}
+PLAN_MODELS = {name: step.MODELS[name] for name in ("gpt2-124m", "gpt-1.3b", "llama3-1b")}
+"""name: ([model] table, micro-batch): benchmarks/step.py's rows, DESIGN.md's anchors."""
 
 
 def cpu_row(rounds: int, steps: int, seconds: float) -> dict:
@@ -160,11 +158,11 @@ def engine_step_seconds(config: JobConfig, micro: int, warmup: int, steps: int) 
     generator = torch.Generator().manual_seed(0)
     batch = torch.randint(0, config.model.vocab_size, (micro, config.model.seq_len + 1), generator=generator).cuda()
     marks = []
-    for step in range(warmup + steps + 1):
-        if step >= warmup:
+    for index in range(warmup + steps + 1):
+        if index >= warmup:
             marks.append(torch.cuda.Event(enable_timing=True))
             marks[-1].record()
-        if step < warmup + steps:
+        if index < warmup + steps:
             engine([batch], 3e-4)
     torch.cuda.synchronize()
     return statistics.median(a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])), engine.compile_check

@@ -27,17 +27,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
+from benchmarks import step  # noqa: E402
 from core.config import JobConfig  # noqa: E402
 from planning import memory  # noqa: E402
 from planning.resolve import uniform_spec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-MODELS = {  # name: ([model] table, micro-batch): tests/gpu/test_memory_gpu.py's cases
-    "gpt2-124m": ({"n_layer": 12, "n_head": 12, "n_embd": 768, "seq_len": 1024, "vocab_size": 50304}, 32),
-    "gpt-1.3b": ({"n_layer": 24, "n_head": 16, "n_embd": 2048, "seq_len": 2048, "vocab_size": 50304}, 8),
-    "llama3-1b": ({"preset": "llama3-1b", "seq_len": 2048}, 4),
-    "llama3-3b": ({"preset": "llama3-3b", "seq_len": 2048}, 2),
-}
+MODELS = step.MODELS
+"""name: ([model] table, micro-batch): benchmarks/step.py's rows, tests/gpu/test_memory_gpu.py's cases."""
 INDUCTOR_CODE = "torchinductor"
 """A path part of Inductor's generated code: the compiled blocks and head."""
 
