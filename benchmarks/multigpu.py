@@ -20,8 +20,10 @@ Sections (--only picks some):
           against the measured engine DDP step (topology.json is the probe's map)
   mesh    per model (Llama-3.2 1B and 3B shapes, GPT 1.3B): TP=2 × FSDP2, FSDP2, HSDP (two halves of
           the machine as islands) and DDP on all ranks against plain FSDP2 + compile, and the engine on
-          one GPU: tokens/s per GPU, scaling efficiency, peak memory, and the planner's predicted step
-          for each layout against the measured one (a layout the ranks cannot form is skipped, saying why)
+          one GPU: tokens/s per GPU, scaling efficiency, peak memory, communication and the part of it
+          no kernel hides (from a profile of 2 more steps), and the planner's predicted step for each
+          layout against the measured one (a layout the ranks cannot form is skipped, saying why; on one
+          GPU only the engine and plain FSDP2 + compile run)
   hooks   GPT-2 124M (or the first of --models) on real text (the standard library's .py bytes) for
           --hook-steps steps per hook:
           step time, final loss and bytes per step; the hook's own compute cost from a one-rank run
@@ -273,7 +275,7 @@ def _row(what: str, name: str, result: dict, world: int, tokens_per_step_per_ran
            "tokens_per_s_per_gpu": round(per_gpu), "warmup_s": round(result["warmup_s"], 1)}
     if peak:
         row["mfu"] = round(per_gpu * result["flops_per_token"] / peak, 4)
-    for key in ("exposed_comm_s", "overlap_ratio", "peak_mem_GiB"):
+    for key in ("exposed_comm_s", "comm_s", "overlap_ratio", "peak_mem_GiB"):
         if result.get(key) is not None:
             row[key] = round(result[key], 4)
     return row
@@ -316,7 +318,8 @@ def train_section(args, world: int, peak: float | None) -> list[dict]:
 def mesh_layout_refusal(world: int, tp: int, islands: int) -> str | None:
     """Why `world` ranks cannot form a layout, or None."""
     if world % (tp * islands) or world < 2:
-        return f"needs a multiple of {tp * islands} ranks, at least two; this machine has {world}"
+        groups = f" in groups of {tp * islands}" if tp * islands > 1 else ""
+        return f"needs two or more ranks{groups}; {world} given"
     if islands > 1 and world // islands // tp < 2:
         return f"hsdp needs two or more ranks per island: {world} ranks in {islands} islands"
     return None
@@ -340,10 +343,12 @@ def mesh_run(rank: int, world: int, cpu: bool, model: dict, micro: int, layout: 
     if not cpu:
         torch.cuda.reset_peak_memory_stats()
     seconds, warm = _median_step(lambda: engine(batch, 3e-4), warmup, steps, cpu)
+    peak_mem = None if cpu else torch.cuda.max_memory_allocated() / 2**30
+    communication = {} if cpu else profiled_communication(lambda: engine(batch, 3e-4))
     if rank == 0:
         Path(out_path).write_text(json.dumps({
             "step_s": seconds, "warmup_s": warm, "flops_per_token": spec.flops_per_token,
-            "peak_mem_GiB": None if cpu else torch.cuda.max_memory_allocated() / 2**30}))
+            "peak_mem_GiB": peak_mem, **communication}))
 
 
 def plain_fsdp_run(rank: int, world: int, cpu: bool, model: dict, micro: int, warmup: int, steps: int,
@@ -373,10 +378,51 @@ def plain_fsdp_run(rank: int, world: int, cpu: bool, model: dict, micro: int, wa
     if not cpu:
         torch.cuda.reset_peak_memory_stats()
     seconds, warm = _median_step(step, warmup, steps, cpu)
+    peak_mem = None if cpu else torch.cuda.max_memory_allocated() / 2**30
+    communication = {} if cpu else profiled_communication(step)
     if rank == 0:
         Path(out_path).write_text(json.dumps({
-            "step_s": seconds, "warmup_s": warm, "peak_mem_GiB": None if cpu else torch.cuda.max_memory_allocated() / 2**30,
-            "flops_per_token": model_facts(workload, config.model.seq_len).flops_per_token}))
+            "step_s": seconds, "warmup_s": warm, "peak_mem_GiB": peak_mem,
+            "flops_per_token": model_facts(workload, config.model.seq_len).flops_per_token, **communication}))
+
+
+def exposed_communication_us(kernels: list[tuple[float, float, bool]]) -> tuple[float, float]:
+    """(time some collective kernel runs, time one runs while no other kernel does), in the kernels'
+    unit, from (start, end, is_collective) intervals of every stream: what the step waits on is
+    communication no computation hides (FSDP2's gathers and reductions, tensor parallelism's
+    collectives, which no DDP timer sees)."""
+    edges = sorted((t, change, collective) for start, end, collective in kernels
+                   for t, change in ((start, 1), (end, -1)))
+    running = {True: 0, False: 0}
+    communicating = exposed = 0.0
+    last = edges[0][0] if edges else 0.0
+    for t, change, collective in edges:
+        if running[True]:
+            communicating += t - last
+            if not running[False]:
+                exposed += t - last
+        running[collective] += change
+        last = t
+    return communicating, exposed
+
+
+def profiled_communication(step, steps: int = 2) -> dict:
+    """comm_s and exposed_comm_s per step, and the share of communication hidden, from a torch.profiler
+    trace of `steps` more steps on this rank's GPU (every rank runs them: the collectives need all)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    trace = Path(os.environ.get("TMPDIR", "/tmp")) / f"multigpu-trace-{os.getpid()}.json"
+    prof.export_chrome_trace(str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
+    trace.unlink()
+    kernels = [(e["ts"], e["ts"] + e["dur"], "nccl" in e["name"].lower()) for e in events
+               if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    communicating, exposed = exposed_communication_us(kernels)
+    return {"comm_s": communicating / 1e6 / steps, "exposed_comm_s": exposed / 1e6 / steps,
+            "overlap_ratio": 1 - exposed / communicating if communicating else None}
 
 
 def _predicted_ms(topology: ClusterTopology, model: dict, micro: int, world: int, cpu: bool, layout: str) -> dict:
@@ -409,18 +455,18 @@ def mesh_section(args, world: int, peak: float | None, topology: ClusterTopology
             result = launch(world, mesh_run, model, micro, layout, args.warmup, args.steps)
             group[layout] = {**_row(label, name, result, world, tokens, peak),
                              **_predicted_ms(topology, model, micro, world, args.cpu, layout)}
-        if world > 1:
-            plain = launch(world, plain_fsdp_run, model, micro, args.warmup, args.steps)
-            group["plain"] = _row("plain FSDP2 + compile", name, plain, world, tokens, peak)
-        single = group["single"]
+        plain = launch(world, plain_fsdp_run, model, micro, args.warmup, args.steps)
+        group["plain"] = _row("plain FSDP2 + compile", name, plain, world, tokens, peak)
+        single, plain = group["single"], group["plain"]
         for key, row in group.items():
-            if key == "single" or "step_ms" not in row or "step_ms" not in single:
+            if "step_ms" not in row:
                 continue
-            row["scaling_efficiency"] = round(row["tokens_per_s_per_gpu"] / single["tokens_per_s_per_gpu"], 3)
+            if row["world"] > 1 and "step_ms" in single:
+                row["scaling_efficiency"] = round(row["tokens_per_s_per_gpu"] / single["tokens_per_s_per_gpu"], 3)
             if "predicted_step_ms" in row:
                 row["prediction_error"] = round(row["predicted_step_ms"] / row["step_ms"] - 1, 4)
-            if key != "plain" and "step_ms" in group.get("plain", {}):
-                row["vs_plain_fsdp_compile"] = round(row["tokens_per_s_per_gpu"] / group["plain"]["tokens_per_s_per_gpu"], 3)
+            if key != "plain" and "step_ms" in plain and plain["world"] == row["world"]:
+                row["vs_plain_fsdp_compile"] = round(row["tokens_per_s_per_gpu"] / plain["tokens_per_s_per_gpu"], 3)
         measured = {k: r for k, r in group.items() if k in MESH_LAYOUTS and "step_ms" in r}
         if measured:
             fastest = max(measured, key=lambda k: measured[k]["tokens_per_s_per_gpu"])
@@ -686,7 +732,10 @@ def main() -> None:
     results: dict = {"world": world, "device": "cpu" if args.cpu else torch.cuda.get_device_name(),
                      "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     calibration = None
-    if "sweep" in args.only and world > 1:
+    if "sweep" in args.only and world == 1:
+        results["sweep"] = {"not run": "an all-reduce needs two or more ranks; 1 given"}
+        print(json.dumps({"sweep": results["sweep"]}), flush=True)
+    elif "sweep" in args.only:
         results["sweep"] = run_ranks(world, args.cpu, sweep)
         if "error" not in results["sweep"]:
             link = "loopback" if args.cpu else _link_class(topology)

@@ -1,0 +1,32 @@
+"""benchmarks/multigpu.py's mesh section: the exposed-communication reading of a kernel trace, and what
+a machine with too few GPUs is told instead of a row."""
+
+import pytest
+
+from benchmarks.multigpu import exposed_communication_us, mesh_layout_refusal
+
+
+def test_communication_under_a_kernel_is_hidden_and_the_rest_exposed():
+    kernels = [(0, 10, False),   # a matmul
+               (5, 15, True),    # a gather: 5 hidden under the matmul, 5 exposed
+               (20, 30, True),   # a reduce-scatter alone: exposed
+               (22, 24, False),  # a norm on another stream hides 2 of it
+               (40, 50, False)]
+    assert exposed_communication_us(kernels) == (20.0, 13.0)
+
+
+def test_collectives_overlapping_each_other_count_once():
+    assert exposed_communication_us([(0, 10, True), (5, 12, True)]) == (12.0, 12.0)
+    assert exposed_communication_us([]) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("world, tp, islands, why", [
+    (1, 1, 1, "needs two or more ranks; 1 given"),
+    (1, 2, 1, "needs two or more ranks in groups of 2; 1 given"),
+    (3, 2, 1, "needs two or more ranks in groups of 2; 3 given"),
+    (2, 1, 2, "hsdp needs two or more ranks per island: 2 ranks in 2 islands"),
+    (4, 2, 1, None),
+    (4, 1, 2, None),
+])
+def test_a_layout_the_ranks_cannot_form_says_why(world, tp, islands, why):
+    assert mesh_layout_refusal(world, tp, islands) == why
