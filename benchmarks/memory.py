@@ -2,6 +2,7 @@
 
     python3 benchmarks/memory.py                                   # GPT-2 124M and the Llama-3.2-1B shape
     python3 benchmarks/memory.py --models llama3-1b --bf16-weights --json memory.json
+    python3 benchmarks/memory.py --cpu                              # no GPU: eager and compiled CPU steps
 
 For each model, as tests/gpu/test_memory_gpu.py measures it: the worker engine's second step on GPU 0
 (torch.cuda.max_memory_allocated), beside the estimate of planning/memory.py (fake tensors, computed on
@@ -13,6 +14,14 @@ project's code or in Inductor's generated code, largest first. What was allocate
 the measured peak by what the step frees of it before its peak. The largest rows against the estimate's parts say which part
 the estimate gets wrong (benchmarks/RESULTS.md, the Llama-3 shapes' memory estimate).
 Needs a CUDA GPU and no Ray.
+
+With --cpu, small models on this CPU instead: the engine's step eager and compiled by Inductor, its
+peak read from the CPU allocator's events under the profiler (as tests/unit/test_memory.py reads it),
+beside the estimate's activations and temporaries (what the step adds to the weights and optimizer
+state). Two sets: logits-heavy (a 50,304-token vocabulary over 2 narrow blocks), where the fused loss
+decides the peak, and blocks-heavy (a 512-token vocabulary, 2 and 4 blocks), whose difference is what
+one block keeps for backward. It says whether the compiled step holds what the eager fake step counts,
+apart from the GPU's own kernels.
 """
 
 from __future__ import annotations
@@ -124,13 +133,70 @@ def row(name: str, bf16_weights: bool, rows: int) -> dict:
             "alive_at_the_peak": by_place(alive, rows)}
 
 
+CPU_MODELS = {  # name: ([model] table, micro-batch), bf16 autocast on the CPU
+    "gpt logits-heavy": ({"n_layer": 2, "n_head": 4, "n_embd": 128, "seq_len": 256, "vocab_size": 50304}, 8),
+    "llama logits-heavy": ({"kind": "llama", "n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 128,
+                            "ffn_dim": 256, "seq_len": 256, "vocab_size": 50304}, 8),
+    **{f"gpt {layers} blocks": ({"n_layer": layers, "n_head": 12, "n_embd": 768, "seq_len": 1024,
+                                 "vocab_size": 512}, 1) for layers in (2, 4)},
+    **{f"llama {layers} blocks": ({"kind": "llama", "n_layer": layers, "n_head": 8, "n_kv_head": 2, "n_embd": 512,
+                                   "ffn_dim": 256, "seq_len": 1024, "vocab_size": 512}, 1) for layers in (2, 4)},
+}
+
+
+def cpu_row(name: str, compiled: bool) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    from workers.engine import Engine
+
+    model, micro = CPU_MODELS[name]
+    config = JobConfig.from_dict({"name": "memory", "model": model, "cluster": {"use_gpu": False, "num_workers": 1},
+                                  "train": {"global_batch_size": micro, "micro_batch_size": micro, "precision": "bf16"},
+                                  "compile": {"enable": compiled, "check_tolerance": 0}})
+    estimate = memory.measure_step(memory.StepSpec.for_job(config, device_type="cpu"), micro)
+    engine = Engine(uniform_spec(config, world_size=1, micro_batch_size=micro, grad_accum_steps=1), 0,
+                    torch.device("cpu"))
+    batch = torch.randint(0, config.model.vocab_size, (micro, config.model.seq_len + 1))
+    for _ in range(2):  # compiles, makes the optimizer's state
+        engine([batch], 1e-4)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        engine([batch], 1e-4)
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    running = peak = 0
+    for event in events:
+        running += event.nbytes()
+        peak = max(peak, running)
+    mib = lambda n: round(n / 2**20, 1)  # noqa: E731
+    return {"model": name, "compiled": compiled, "micro_batch": micro, "step_added_MiB": mib(peak),
+            "estimate_activations_and_temporaries_MiB": mib(estimate.activation_bytes)}
+
+
+def cpu_main(json_path: str | None) -> None:
+    rows = [cpu_row(name, compiled) for name in CPU_MODELS for compiled in (False, True)]
+    for r in rows:
+        print(f"{r['model']:<20} {'compiled' if r['compiled'] else 'eager':<9} step added {r['step_added_MiB']:8.1f} MiB"
+              f"   estimate {r['estimate_activations_and_temporaries_MiB']:8.1f} MiB", flush=True)
+    for kind in ("gpt", "llama"):
+        per_block = {c: [r["step_added_MiB"] for r in rows if r["model"].startswith(f"{kind} ") and
+                         "blocks" in r["model"] and r["compiled"] == c] for c in (False, True)}
+        print(f"{kind}: one block keeps {(per_block[False][1] - per_block[False][0]) / 2:.1f} MiB eager, "
+              f"{(per_block[True][1] - per_block[True][0]) / 2:.1f} MiB compiled")
+    if json_path:
+        Path(json_path).write_text(json.dumps(rows, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["gpt2-124m", "llama3-1b"], choices=list(MODELS))
     parser.add_argument("--bf16-weights", action="store_true", help="the engine with [train] bf16_weights")
     parser.add_argument("--rows", type=int, default=12, help="places listed at the peak")
     parser.add_argument("--json", help="write the rows here too")
+    parser.add_argument("--cpu", action="store_true", help="small models' eager and compiled steps on this CPU")
     args = parser.parse_args()
+    if args.cpu:
+        cpu_main(args.json)
+        return
     rows = []
     for name in args.models:
         rows.append(row(name, args.bf16_weights, args.rows))
