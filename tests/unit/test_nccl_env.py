@@ -41,3 +41,26 @@ def test_the_plan_names_each_workers_nics_unless_switched_off():
     assert all(w.environment == nccl_environment(nodes[w.node_id], w.device_uuid) for w in on.workers)
     assert len({w.environment["NCCL_IB_HCA"] for w in on.workers}) > 1  # not one NIC for all
     assert all(w.environment == {} for w in plan(False).workers)
+
+
+def test_the_printed_plan_shows_its_mesh_and_each_workers_nics():
+    from rich.console import Console
+
+    from planning.plan_table import print_plan
+
+    config = JobConfig.from_dict({"model": {"n_layer": 2, "n_head": 4, "n_embd": 64, "seq_len": 64},
+                                  "cluster": {"use_gpu": True},
+                                  "placement": {"min_gpus": 8, "max_gpus": 8, "tensor_parallel_size": 2},
+                                  "parallel": {"strategy": "fsdp"},
+                                  "train": {"global_batch_size": 64, "micro_batch_size": 8}})
+    cluster = machines.cluster("8xH100-SXM:1")
+    plan = Planner(cluster, config, exact_memory=False).plan()
+    console = Console(record=True, width=400)
+    print_plan(plan, None, console)
+    text = console.export_text()
+    assert "mesh dp_shard 4 × tp 2 (8 ranks" in text, text
+    node = cluster.nodes[0]
+    for worker in plan.workers:
+        hca = nccl_environment(node, worker.device_uuid)["NCCL_IB_HCA"]
+        row = next(line for line in text.splitlines() if line.split()[:1] == [str(worker.rank)])
+        assert f"IB_HCA{hca}" in row, row
