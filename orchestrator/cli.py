@@ -59,6 +59,7 @@ from topology.discover import TIMEOUT_S
 from topology.probe import probe_local_node
 from topology.ray_resources import ray_start_arguments
 from topology.table import print_topology
+from workers.models import make_workload
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -424,6 +425,7 @@ def _add_plan_command(commands: argparse._SubParsersAction) -> None:
 
 def _plan(args: argparse.Namespace, console: Console) -> int:
     config = JobConfig.from_toml(args.config)
+    make_workload(config.model)  # a factory's errors answer at once, before mapping the live cluster starts Ray
     topology = _load(args)
     planner = Planner(topology, config, calibration=Calibration.for_job(config))
     plan = planner.plan()

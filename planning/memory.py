@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
@@ -49,6 +48,7 @@ from planning.resolve import resolve_precision
 from workers.activation_checkpointing import set_activation_checkpointing
 from workers.compute_copy import Bf16ComputeCopy
 from workers.models import make_workload
+from workers.models.workloads import fake_tensors
 from workers.optim import build_optimizer
 
 DeviceType = Literal["cuda", "cpu"]
@@ -186,7 +186,7 @@ def _measure(spec: StepSpec, micro_batch_sizes: tuple[int, ...]) -> list[StepMem
     round_to = CUDA_BLOCK_BYTES if spec.device_type == "cuda" else 1
     results = []
     workload = make_workload(spec.model)
-    with FakeTensorMode(allow_non_fake_inputs=False), torch.device("cpu"):
+    with fake_tensors(), torch.device("cpu"):  # a forward that reads a value (.item()) reads an unknown number
         model = workload.build()
         # Same optimizer as the worker builds for the target device (fused AdamW on CUDA).
         optimizer = build_optimizer(model, TrainConfig(), torch.device(spec.device_type))

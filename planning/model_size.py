@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import contextlib
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from core.workload import Workload
+from workers.models.workloads import fake_tensors
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +38,8 @@ class ModelFacts:
     """The residual stream's width: the input features of the first block's first linear layer (n_embd
     for the built-in models). Wider models keep matrix units busier (planning/compute.py)."""
     counted: bool = True
-    """False when the meta device could not run the model and FLOPs are 6 per parameter."""
+    """False when neither the meta device nor fake tensors could run the model and FLOPs are 6 per
+    parameter (the plan says so in a note)."""
 
 
 def model_facts(workload: Workload, seq_len: int) -> ModelFacts:
@@ -66,17 +67,17 @@ def _measure(workload: Workload, seq_len: int) -> ModelFacts:
 
 def _count_flops(workload: Workload, model: torch.nn.Module, seq_len: int) -> tuple[float, bool]:
     """On the meta model; a model whose forward reads a value (transformers checks whether position ids
-    restart, a meta tensor has none) is counted again on fake meta tensors, which such code takes for
-    tracing and does not read."""
+    restart, a meta tensor has none; a model of the user's calls .item()) is counted again on fake meta
+    tensors, which such code takes for tracing and does not read, or reads as an unknown number."""
     for fake in (False, True):
         try:
-            with FakeTensorMode(allow_non_fake_inputs=False) if fake else contextlib.nullcontext():
+            with fake_tensors() if fake else contextlib.nullcontext():
                 with torch.device("meta"):
                     counted_model = workload.build() if fake else model
                 tokens = torch.zeros((1, seq_len + 1), dtype=torch.long, device="meta")
                 with FlopCounterMode(display=False) as counter:
                     workload.loss(counted_model, tokens[:, :-1], tokens[:, 1:], loss_kernel="plain").backward()
-            return counter.get_total_flops() / seq_len, True
+            return float(counter.get_total_flops()) / seq_len, True  # float() raises for a count hanging on a read value
         except Exception:  # noqa: BLE001 - an op the meta device (then fake tensors) cannot run
             continue
     return 0.0, False

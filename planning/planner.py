@@ -60,6 +60,7 @@ from planning.figures import FigureBook
 from planning.goodput import GOODPUT_OBJECTIVES, Throughput, dollars_to_target, goodput_samples_per_second
 from planning.hook_costs import COMPRESSING_HOOKS, CommHookCost
 from planning.memory import MemoryProfile, measure_steps, profile, usable_bytes
+from planning.model_size import model_facts
 from planning.prices import PriceTable
 from planning.resolve import plan_choices
 from topology import catalog
@@ -67,6 +68,7 @@ from topology.cluster import ClusterTopology
 from topology.nccl_env import nccl_environment
 from topology.ray_resources import island_resource
 from topology.sysfs import format_cpu_list, parse_cpu_list
+from workers.models import make_workload
 
 REFINE_ROUNDS = 64
 """Hill-climbing rounds after the greedy paths; each tries every class one domain or device up or
@@ -554,6 +556,11 @@ class Planner:
     def _notes(self, choice: _Choice) -> list[str]:
         best, costing = choice.outcome, choice.costing
         notes = list(self.pool.notes)
+        facts = model_facts(make_workload(self.config.model), self.job.seq_len)
+        if not facts.counted:
+            notes.append(f"FLOPs per token estimated as 6 × {facts.parameters:,} parameters, not counted: the meta "
+                         "device and fake tensors cannot run the model's loss, so the step times, MFU and dollars "
+                         "rest on that estimate")
         if self.calibration.path:
             notes.append(self.calibration.describe())
         if self.pool.unknown:

@@ -61,8 +61,10 @@ def test_a_bad_factory_is_one_line_from_plan_and_fit_before_ray_starts(factory, 
     path = tmp_path / "job.toml"
     path.write_text(f'[model]\nkind = "custom"\nfactory = "{factory}"\nseq_len = 16\n[data]\npath = "{tmp_path}/none"\n')
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray started before the refusal"))
+    monkeypatch.setattr("orchestrator.cli.discover_cluster", lambda *a, **k: pytest.fail("the live cluster was mapped first"))
     outputs = []
-    for argv in (["plan", "--generate", "8xH100-SXM:1", "--config", str(path)], ["fit", str(path)]):
+    for argv in (["plan", "--generate", "8xH100-SXM:1", "--config", str(path)], ["plan", "--config", str(path)],
+                 ["fit", str(path)]):
         assert main(argv) == 2
         outputs.append(capsys.readouterr().out)
     for out in outputs:
@@ -72,3 +74,14 @@ def test_a_bad_factory_is_one_line_from_plan_and_fit_before_ray_starts(factory, 
 def test_a_custom_model_cannot_run_the_next_forward_overlap():
     with pytest.raises(ConfigError, match=r"\[parallel\] overlap.*only the built-in gpt and llama"):
         JobConfig.from_dict({"model": CUSTOM, "train": {"grad_clip": 0.0}, "parallel": {"overlap": "next_forward"}})
+
+
+def test_a_plan_says_when_the_model_s_flops_were_estimated_not_counted(tmp_path, capsys):
+    path = tmp_path / "job.toml"
+    path.write_text(f'[model]\nkind = "custom"\nfactory = "tests.custom_workloads:cpu_weighted"\nseq_len = 16\n'
+                    f'vocab_size = 257\n[data]\npath = "{tmp_path}/none"\n')
+    facts = model_facts(make_workload(JobConfig.from_toml(path).model), 16)
+    assert not facts.counted and facts.flops_per_token == 6 * facts.parameters
+    assert main(["plan", "--generate", "8xH100-SXM:1", "--config", str(path)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"note: FLOPs per token estimated as 6 × {facts.parameters:,} parameters, not counted" in out

@@ -24,7 +24,9 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor.parallel import ParallelStyle
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from core.config import ModelConfig
 from core.errors import ConfigError
@@ -234,7 +236,7 @@ def checked(config: ModelConfig, factory: Callable[[dict], Any]) -> Workload:
         raise ConfigError(f"{config.factory} returned a {type(built).__name__}, not an nn.Module", where=FACTORY,
                           fix="return the model (an nn.Module mapping token ids to logits), or a workload with "
                               "build, loss, blocks and identity")
-    _check_output(built, config)
+    _check_output(built, config, factory)
     if sum(p.numel() for p in built.parameters()) <= DETERMINISM_CHECKED_UP_TO:
         _check_same_weights(config, factory)
     return ModuleWorkload(config, factory)
@@ -259,21 +261,40 @@ def _seeded_weights(config: ModelConfig, factory: Callable[[dict], Any]) -> dict
         return {name: value.detach().clone() for name, value in factory(factory_table(config)).state_dict().items()}
 
 
-def _check_output(model: nn.Module, config: ModelConfig) -> None:
-    tokens = torch.zeros((2, min(config.seq_len, 8)), dtype=torch.long, device="meta")
+def _check_output(model: nn.Module, config: ModelConfig, factory: Callable[[dict], Any]) -> None:
+    """The model maps a batch of token ids to logits of the table's vocabulary: run on the meta device,
+    and where that cannot run it (a forward that reads a value, .item()), built again on fake tensors."""
+    tokens = (2, min(config.seq_len, 8))
     try:
-        logits = model(tokens)
-    except Exception as e:
-        raise ConfigError(f"the model {config.factory} built fails on a batch of token ids (batch 2, seq "
-                          f"{tokens.shape[1]}): {type(e).__name__}: {e}", where=FACTORY,
-                          fix="its forward takes token ids (batch, seq) and returns logits (batch, seq, vocab)") from None
-    expected = (*tokens.shape, config.vocab_size)
+        logits = _forward(model, tokens)
+    except Exception:  # noqa: BLE001 - an op the meta device cannot run: fake tensors decide
+        try:
+            with fake_tensors():
+                with torch.device("meta"):
+                    logits = _forward(factory(factory_table(config)), tokens)
+        except Exception as e:
+            said = (str(e).strip().splitlines() or [""])[0]  # torch's guard errors run on for lines
+            raise ConfigError(f"the model {config.factory} built fails on a batch of token ids (batch 2, seq "
+                              f"{tokens[1]}): {type(e).__name__}: {said}", where=FACTORY,
+                              fix="its forward takes token ids (batch, seq) and returns logits (batch, seq, vocab), "
+                                  "with no branch on a tensor's value") from None
+    expected = (*tokens, config.vocab_size)
     if not isinstance(logits, torch.Tensor) or tuple(logits.shape) != expected:
         got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
         raise ConfigError(f"the model {config.factory} built returns {got} for token ids of shape "
-                          f"{tuple(tokens.shape)}, not logits of shape {expected}", where=FACTORY,
+                          f"{tokens}, not logits of shape {expected}", where=FACTORY,
                           fix="return logits (batch, seq, [model] vocab_size) from forward, or a workload whose "
                               "loss reads your model's output")
+
+
+def _forward(model: nn.Module, tokens: tuple[int, int]) -> Any:
+    return model(torch.zeros(tokens, dtype=torch.long, device="meta"))
+
+
+def fake_tensors() -> FakeTensorMode:
+    """Tensors with shapes and dtypes but no values, for a model the meta device cannot run: a value it
+    reads (.item()) is an unknown number, as torch.compile traces it; a branch on one still fails."""
+    return FakeTensorMode(allow_non_fake_inputs=False, shape_env=ShapeEnv())
 
 
 def _reference(factory: Callable) -> str:

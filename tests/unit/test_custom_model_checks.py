@@ -1,0 +1,80 @@
+"""What the driver and the workers check of a custom factory beyond tests/unit/test_custom_model.py: a forward
+the meta device cannot run is tried on fake tensors before it is refused, a factory that builds other weights
+on each worker is refused by the workers, a factory may return a workload of its own.
+The module imports no driver code: its two ranks start quicker without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core.config import JobConfig
+from core.errors import ConfigError
+from planning import memory
+from planning.model_size import model_facts
+from tests.engine_support import engine_spec, run_ranks
+from tests.custom_workloads import LabelSmoothedLstm
+from workers.engine import Engine
+from workers.models import make_workload
+
+MODEL = {"kind": "custom", "seq_len": 16, "vocab_size": 257}
+TRAIN = {"global_batch_size": 8, "micro_batch_size": 4, "lr": 1e-2, "min_lr": 1e-2, "warmup_steps": 0}
+
+
+def config(factory: str, **train) -> JobConfig:
+    return JobConfig.from_dict({"model": {**MODEL, "factory": factory}, "train": {**TRAIN, **train}})
+
+
+def test_a_forward_that_reads_a_value_is_checked_on_fake_tensors_and_its_flops_and_memory_counted():
+    job = config("tests.custom_workloads:reads_a_value")
+    workload = make_workload(job.model)  # .item(): not on meta
+    facts = model_facts(workload, 16)
+    assert facts.counted and facts.flops_per_token > 6 * facts.parameters * 0.5
+    step = memory.measure_step(memory.StepSpec.for_job(job, device_type="cpu"), 4)  # the plan's memory estimate
+    assert step.parameter_bytes == facts.parameters * 4 and step.activation_bytes > 0
+
+
+def test_a_forward_whose_output_hangs_on_a_value_is_refused_with_what_fake_tensors_said():
+    with pytest.raises(ConfigError) as caught:
+        make_workload(config("tests.custom_workloads:shape_hangs_on_a_value").model)
+    said = str(caught.value)
+    assert caught.value.where == "[model] factory" and "\n" not in said
+    assert "fails on a batch of token ids (batch 2, seq 8): GuardOnDataDependentSymNode: Could not guard on " \
+           "data-dependent expression" in said and "meta" not in said  # the fake tensors' error, not the meta device's
+    assert "no branch on a tensor's value" in said
+
+
+def weights_on_each_rank(rank: int, world: int) -> dict:
+    said = {}
+    for factory in ("tests.custom_models:lstm", "tests.custom_workloads:seeded_by_rank"):
+        try:
+            Engine(engine_spec(config(factory), world, 4, 1), rank, torch.device("cpu"))
+            said[factory] = None
+        except ConfigError as e:
+            said[factory] = [type(e).__name__, e.where, str(e)]
+    return said
+
+
+def test_workers_that_build_different_weights_refuse_to_train():
+    said = run_ranks(2, weights_on_each_rank)  # seeded_by_rank passes the driver's check: it is rank 0 there
+    assert said["tests.custom_models:lstm"] is None
+    kind, where, message = said["tests.custom_workloads:seeded_by_rank"]
+    assert kind == "ConfigError" and where == "[model] factory"
+    assert "the workers built different initial weights (their fingerprints are" in message
+    assert "draw the initial weights from torch's random generator only" in message
+
+
+def test_a_factory_may_return_its_own_workload_and_the_engine_trains_it_with_its_loss():
+    workload = make_workload(config("tests.custom_workloads:label_smoothed").model)
+    assert isinstance(workload, LabelSmoothedLstm) and model_facts(workload, 16).counted
+    engine = Engine(engine_spec(config("tests.custom_workloads:label_smoothed"), 1, 4, 1), 0, torch.device("cpu"))
+    torch.manual_seed(0)
+    batch = torch.randint(0, 257, (4, 17))
+    with torch.no_grad():
+        logits = engine.model(batch[:, :-1]).flatten(0, 1)
+        smoothed = torch.nn.functional.cross_entropy(logits, batch[:, 1:].flatten(), label_smoothing=0.1)
+        plain = torch.nn.functional.cross_entropy(logits, batch[:, 1:].flatten())
+    losses = [float(engine([batch], 1e-2)[0]) for _ in range(3)]
+    assert losses[0] == pytest.approx(float(smoothed), rel=1e-6) and abs(float(smoothed) - float(plain)) > 1e-4
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[2] < losses[0] - 0.01
+
