@@ -355,14 +355,11 @@ class Orchestrator:
         """Runs the workers under Ray Train, scheduled and joined as the first `plan` says; their rows go to
         metrics.jsonl, the display and `self._rows`."""
         cfg = self.config
-        scaling = binding.scaling_config_kwargs(plan, elastic_min_workers=cfg.elastic.min_workers or None)
-        if cfg.elastic.min_workers and not cfg.cluster.use_gpu:  # CPU jobs may grow to num_workers
-            scaling["num_workers"] = (cfg.elastic.min_workers, cfg.cluster.num_workers)
         trainer = TorchTrainer(
             train_loop,
             train_loop_config={"job": job},
             torch_config=TorchConfig(backend=plan.backend),
-            scaling_config=ScalingConfig(**scaling, elastic_resize_monitor_interval_s=cfg.elastic.resize_check_s),
+            scaling_config=scaling_config(plan, cfg),
             run_config=RunConfig(name=cfg.name, storage_path=self.run.storage_path,
                                  failure_config=coordinator.failure_config(cfg),
                                  callbacks=[coordinator.failure_recorder(job.coordinator)]),
@@ -409,6 +406,16 @@ class Orchestrator:
             self._committed()
             # Kept current at every commit: a driver killed without warning leaves the report of its last checkpoint.
             self._save_report("running", Plan.load(self.run.plan_path))
+
+
+def scaling_config(plan: Plan, cfg: JobConfig) -> ScalingConfig:
+    """Where Ray Train starts the plan's workers: on the plan's nodes, the group holding the plan's NVLink
+    islands (binding.scaling_config_kwargs; each worker then checks the GPU Ray gave it). An elastic CPU
+    job may also grow to [cluster] num_workers."""
+    scaling = binding.scaling_config_kwargs(plan, elastic_min_workers=cfg.elastic.min_workers or None)
+    if cfg.elastic.min_workers and not cfg.cluster.use_gpu:
+        scaling["num_workers"] = (cfg.elastic.min_workers, cfg.cluster.num_workers)
+    return ScalingConfig(**scaling, elastic_resize_monitor_interval_s=cfg.elastic.resize_check_s)
 
 
 def _fit_into(trainer: TorchTrainer, outcome: dict) -> None:

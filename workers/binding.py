@@ -4,12 +4,13 @@ Driver side (before TorchTrainer):
 
     kwargs = scaling_config_kwargs(plan)            # num_workers, use_gpu, resources_per_worker, label_selector
     trainer = TorchTrainer(..., scaling_config=ScalingConfig(**kwargs))
-    bundles = placement_bundles(plan)               # the same placement as ray.util.placement_group arguments
 
 Worker side (first thing in the train loop):
 
     worker = claim(plan, ray_node_id=ray.get_runtime_context().get_node_id(), node_id=socket.gethostname(),
                    local_rank=ray.train.get_context().get_local_rank())
+    check_placement(worker, node=..., assigned=ray.get_runtime_context().get_assigned_resources(),
+                    gpu_ids=ray_gpus_by_uuid(ray.get_gpu_ids()), islands_requested=islands_reserved(plan, assigned))
     device = torch.device(bind(worker))             # the device by UUID, NUMA-local cores
     ranks = [None] * world; dist.all_gather_object(ranks, worker.rank)
     plan = plan.reordered(ranks)                    # plan rank i is now Ray's world rank i
@@ -18,23 +19,26 @@ Ray Train numbers workers itself (by node, then by Ray's GPU id), which need not
 order; a worker therefore claims the plan entry of its own node and local rank, and the plan is
 renumbered to Ray's world ranks once every worker knows which entry it took.
 
+What Ray can and cannot be asked (Ray 2.60):
+- The node: each worker is pinned to its node with a label selector — `ray.io/node-id` when the
+  topology came from the live cluster (it knows Ray's node ids), else the node's NVLink-domain
+  label that `archipelago node-resources` advertises. ScalingConfig takes one selector per worker.
+- The islands: Ray Train gives every worker the same resources (its worker group is one placement
+  group of identical bundles), so a worker cannot reserve its own island. The group reserves the
+  plan's islands together instead (`island_shares`), which keeps other island-aware jobs off them.
+- The GPU: not at all. Ray hands each worker the lowest free GPU ids of its node (slots of the
+  raylet's CUDA_VISIBLE_DEVICES, else 0 … N−1) and has no way to ask for a particular GPU. So
+  each worker compares the GPU Ray gave it with the plan's (`check_placement`) and stops with a
+  PlacementError naming the node and both GPUs when they differ: a plan lands on its GPUs when they
+  are the node's lowest free ones, and fails loudly otherwise, never binding a GPU Ray gave another.
+MIG slices reserve the `mig_<profile>` custom resource node-resources advertises (Ray does not count
+MIG slices as GPUs); a plan that mixes whole GPUs and MIG slices reserves cores only, and then Ray
+gives no GPU ids to check.
+
 CUDA: bind() sets CUDA_VISIBLE_DEVICES to the UUID when CUDA has not started in the process — the
 only way to reach a MIG slice. With use_gpu=True, Ray Train's TorchConfig calls
 torch.cuda.set_device before the train function, and CUDA has started: bind() then selects the
-visible GPU with that UUID. Ray reserves GPUs by count, not by UUID, so the plan's GPUs are the
-visible ones when the plan uses whole nodes (or whole islands, through the island resources).
-
-Scheduling: each worker is pinned to its node with a label selector — `ray.io/node-id` when the
-topology came from the live cluster (it knows Ray's node ids), else the node's NVLink-domain
-label that `archipelago node-resources` advertises. Whole GPUs reserve Ray's "GPU" resource and,
-inside an NVLink island of two or more, one unit of the island's `nvlink_island_<id>` resource, so a
-plan that uses part of a node is scheduled where its islands have room; MIG slices reserve the
-`mig_<profile>` custom resource node-resources advertises (Ray does not count MIG slices as GPUs).
-Ray Train gives every worker the same resources (its worker group takes one bundle shape), so
-ScalingConfig carries the island resource when the plan's workers share one island, and a plan
-that mixes whole GPUs and MIG slices reserves cores only; `placement_bundles` gives each worker its
-own, for a placement group. Either way each worker checks what Ray gave it (`check_placement`) and
-stops with a PlacementError naming the node and the GPUs when it is not what the plan placed.
+visible GPU with that UUID.
 """
 
 from __future__ import annotations
@@ -50,18 +54,36 @@ from topology.sysfs import parse_cpu_list
 
 NODE_ID_LABEL = "ray.io/node-id"
 """The label Ray gives every node: its node id."""
+RESOURCE_STEPS = 10_000
+"""Ray counts a resource in steps of 0.0001 of a unit."""
 
 
 def worker_resources(worker: WorkerPlacement) -> dict[str, float]:
-    """What one worker reserves: its cores, and its GPU or MIG slice."""
+    """What one worker reserves by itself: its cores, and its GPU or MIG slice (islands: island_shares)."""
     resources = {"CPU": float(worker.cpus)}
     if worker.device_kind == DeviceKind.GPU:
         resources["GPU"] = 1.0
-        if worker.island_resource:
-            resources[worker.island_resource] = 1.0
     elif worker.device_kind == DeviceKind.MIG:
         resources[f"mig_{worker.device_model.rsplit(' ', 1)[-1]}"] = 1.0
     return resources
+
+
+def island_shares(plan: Plan, *, elastic: bool = False) -> dict[str, float]:
+    """What every worker reserves of the plan's NVLink islands, so that the group holds them all.
+
+    Ray Train reserves one resource shape for all its workers, so a plan on islands 1 and 3 of a node
+    cannot give each worker its own island. Each worker takes an equal share of every island the plan
+    uses instead (rounded down to Ray's 0.0001): the group's shares add up to the plan's GPUs of each
+    island, so the job holds those islands' units on the node and no other island-aware job gets them.
+    That pins the islands to the job, not a worker to its island, nor a GPU: the GPU Ray gives is
+    checked by check_placement. Only for a plan on one node (another node has none of its islands'
+    resources); an elastic group, whose size varies, only when one island holds every worker."""
+    counts = Counter(worker.island_resource for worker in plan.workers if worker.island_resource)
+    nodes = {worker.ray_node_id or worker.node_id for worker in plan.workers}
+    one_island_holds_all = list(counts.values()) == [plan.world_size]
+    if len(nodes) > 1 or (elastic and not one_island_holds_all):
+        return {}
+    return {name: count * RESOURCE_STEPS // plan.world_size / RESOURCE_STEPS for name, count in counts.items()}
 
 
 def label_selector(worker: WorkerPlacement) -> dict[str, str]:
@@ -72,15 +94,6 @@ def label_selector(worker: WorkerPlacement) -> dict[str, str]:
     if worker.island_id:
         return {NVLINK_DOMAIN_LABEL: label_value(worker.island_id)}
     return {}
-
-
-def placement_bundles(plan: Plan) -> dict:
-    """Keyword arguments for `ray.util.placement_group`: one bundle per worker in plan order."""
-    selectors = [label_selector(worker) for worker in plan.workers]
-    arguments: dict = {"bundles": [worker_resources(worker) for worker in plan.workers], "strategy": "PACK"}
-    if any(selectors):
-        arguments["bundle_label_selector"] = selectors
-    return arguments
 
 
 def scaling_config_kwargs(plan: Plan, *, elastic_min_workers: int | None = None) -> dict:
@@ -95,6 +108,8 @@ def scaling_config_kwargs(plan: Plan, *, elastic_min_workers: int | None = None)
     common = {key: value for key, value in resources[0].items() if all(r.get(key) == value for r in resources)}
     if len(kinds) > 1:
         common = {"CPU": float(min(worker.cpus for worker in plan.workers))}
+    elif DeviceKind.GPU in kinds:
+        common.update(island_shares(plan, elastic=bool(elastic_min_workers)))
     selectors = [label_selector(worker) for worker in plan.workers]
     size = plan.world_size
     kwargs: dict = {"num_workers": (elastic_min_workers, size) if elastic_min_workers else size,
@@ -106,9 +121,15 @@ def scaling_config_kwargs(plan: Plan, *, elastic_min_workers: int | None = None)
 
 def claim(plan: Plan, *, ray_node_id: str = "", node_id: str = "", local_rank: int) -> WorkerPlacement:
     """This worker's plan entry: the `local_rank`-th of the plan's workers on its node, the node named
-    by Ray's node id (plans made from the live cluster) or by the topology's node id (hostname)."""
+    by Ray's node id (plans made from the live cluster) or by the topology's node id (hostname).
+
+    Ray Train gives a node's local ranks in the order of its workers' Ray GPU ids (WorkerGroup.
+    _sort_workers_by_gpu_id_grouped_by_node), so the node's entries are taken in the order of their
+    GPU index: when Ray gave the plan's GPUs, each worker claims the entry of the GPU it holds."""
     on_node = [w for w in plan.workers if (ray_node_id and w.ray_node_id == ray_node_id) or
                (not w.ray_node_id and node_id and w.node_id == node_id)]
+    if all(w.gpu_index is not None for w in on_node):
+        on_node.sort(key=lambda w: w.gpu_index)
     if not 0 <= local_rank < len(on_node):
         raise PlacementError(f"local rank {local_rank} on node {ray_node_id or node_id!r}, which the plan gives "
                              f"{len(on_node)} workers", where="plan",
@@ -118,31 +139,77 @@ def claim(plan: Plan, *, ray_node_id: str = "", node_id: str = "", local_rank: i
 
 
 def islands_reserved(plan: Plan, assigned: dict[str, float]) -> bool:
-    """Whether the worker group was scheduled with island resources: through ScalingConfig when the
-    plan's workers share one island (scaling_config_kwargs), or per worker through placement_bundles
-    (then Ray reports an island among the worker's resources)."""
+    """Whether the worker group was scheduled with island resources: when the plan's workers share one
+    island (scaling_config_kwargs carries it, elastic or not), or when Ray reports an island among the
+    worker's resources (island_shares of a plan on one node)."""
     islands = {worker.island_resource for worker in plan.workers}
     return (len(islands) == 1 and "" not in islands) or any(name.startswith("nvlink_island_") for name in assigned)
 
 
+def holds_planned_gpu(worker: WorkerPlacement, gpu_ids: list) -> bool | None:
+    """Whether the GPU ids Ray gave the worker (ray.get_gpu_ids()) are exactly its planned GPU.
+
+    Ray's ids are entries of the raylet's CUDA_VISIBLE_DEVICES when it was set (CUDA indices or UUIDs),
+    else CUDA indices 0 … N−1. A CUDA index is the plan's gpu_index (NVML's, in PCI bus order) on a node
+    of one GPU model or under CUDA_DEVICE_ORDER=PCI_BUS_ID. None when it cannot tell: not a whole-GPU
+    worker, no GPU ids (the group reserved cores only), or an index against a plan without one."""
+    if worker.device_kind != DeviceKind.GPU or not gpu_ids:
+        return None
+    ids = {str(gpu_id) for gpu_id in gpu_ids}
+    if len(ids) > 1:
+        return False
+    (given,) = ids
+    if given.isdigit():
+        return None if worker.gpu_index is None else int(given) == worker.gpu_index
+    # CUDA_VISIBLE_DEVICES takes a UUID or a unique prefix of one.
+    return (worker.device_uuid or "").lower().startswith(given.lower())
+
+
+def ray_gpus_by_uuid(gpu_ids: list, *, environ: MutableMapping[str, str] | None = None, cuda=None) -> list:
+    """Ray's GPU ids (ray.get_gpu_ids()) as the UUIDs of those GPUs ("GPU-…") when CUDA has started in this
+    process (Ray Train's TorchConfig starts it on GPU workers): a CUDA index means the GPU in CUDA's device
+    order, which on a node of mixed GPU models need not be NVML's, so holds_planned_gpu compares UUIDs,
+    exactly. Each id is a CUDA_VISIBLE_DEVICES entry (Ray Train shows a node's workers all the node's
+    reserved GPUs), so its position there is its CUDA device. The ids as they are when CUDA has not
+    started (bind() then makes the plan's GPU the visible one) or an id is not among the visible."""
+    environ = os.environ if environ is None else environ
+    cuda = cuda if cuda is not None else _torch_cuda()
+    if not gpu_ids or cuda is None or not cuda.is_initialized():
+        return gpu_ids
+    visible = [entry.strip() for entry in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if entry.strip()]
+    positions = [visible.index(str(gpu_id)) if visible else int(gpu_id) for gpu_id in gpu_ids
+                 if not visible or str(gpu_id) in visible]
+    if len(positions) != len(gpu_ids) or max(positions) >= cuda.device_count():
+        return gpu_ids
+    return [f"GPU-{cuda.get_device_properties(position).uuid}" for position in positions]
+
+
 def check_placement(worker: WorkerPlacement, *, node: str, assigned: dict[str, float], gpu_ids: list,
                     islands_requested: bool = True) -> None:
-    """Refuses a worker that Ray scheduled where the plan did not put it: without a unit of its NVLink
-    island's resource when islands were requested (islands_reserved). The GPU itself is checked by
-    bind(): inside its island the plan's GPU is bound by UUID, whichever GPU id Ray counted (Ray
-    hands out the lowest free ids and knows nothing of islands). `node`: where the worker runs, for
-    the message; `assigned`: Ray's resources for this worker (runtime context); `gpu_ids`:
-    ray.get_gpu_ids(), for the message."""
+    """Refuses a worker that Ray scheduled where the plan did not put it: on another GPU than the
+    plan's (holds_planned_gpu), or without its NVLink island's resource when islands were requested
+    (islands_reserved). `node`: where the worker runs, for the message; `assigned`: Ray's resources
+    for this worker (runtime context); `gpu_ids`: ray.get_gpu_ids()."""
+    on_planned_gpu = holds_planned_gpu(worker, gpu_ids)
+    outside_island = bool(islands_requested and worker.island_resource
+                          and assigned.get(worker.island_resource, 0.0) <= 0)
+    if on_planned_gpu is not False and not outside_island:
+        return
     planned = f"GPU {worker.gpu_index} ({worker.device_uuid})" if worker.gpu_index is not None else worker.device_uuid
-    held_gpus = f"Ray GPU ids {sorted(map(str, gpu_ids))}" if gpu_ids else "no Ray GPU ids"
-    if islands_requested and worker.island_resource and assigned.get(worker.island_resource, 0.0) <= 0:
-        islands = sorted(name for name in assigned if name.startswith("nvlink_island_")) or ["none"]
-        raise PlacementError(f"rank {worker.rank} runs on node {node} with {held_gpus} and island resources "
-                             f"{', '.join(islands)}; the plan placed it on node {worker.node_id}, {planned}, holding "
-                             f"{worker.island_resource}", where=f"worker rank {worker.rank}",
-                             fix="schedule the workers with binding.scaling_config_kwargs(plan) or placement_bundles(plan) "
-                                 "(they reserve each island), start the nodes with `ray start $(archipelago "
-                                 "node-resources)`, or plan again on the cluster as it is now")
+    held_gpus = f"Ray's GPU {', '.join(sorted(map(str, gpu_ids)))}" if gpu_ids else "no Ray GPU"
+    islands = sorted(name for name in assigned if name.startswith("nvlink_island_")) or ["none"]
+    holding = f", holding {worker.island_resource}" if worker.island_resource else ""
+    if on_planned_gpu is False:
+        fix = ("Ray gives each worker the lowest free GPU of its node and cannot be asked for another, so a plan "
+               "holds only on the GPUs Ray will give: plan again for the GPUs free there, or start Ray on the node "
+               "with CUDA_VISIBLE_DEVICES naming only the GPUs it may give")
+    else:
+        fix = ("schedule the workers with binding.scaling_config_kwargs(plan) (it reserves the plan's islands), "
+               "start the nodes with `ray start $(archipelago node-resources)`, or plan again on the cluster "
+               "as it is now")
+    raise PlacementError(f"rank {worker.rank} runs on node {node} on {held_gpus}, with island "
+                         f"resources {', '.join(islands)}; the plan placed it on node {worker.node_id}, "
+                         f"{planned}{holding}", where=f"worker rank {worker.rank}", fix=fix)
 
 
 def bind(worker: WorkerPlacement, *, environ: MutableMapping[str, str] | None = None, cuda=None,

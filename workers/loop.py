@@ -251,7 +251,8 @@ def claim_plan_entry(spec: WorkerSpec, ctx, node_rank: int) -> tuple[WorkerSpec,
                           local_rank=node_rank)
     assigned = context.get_assigned_resources()
     binding.check_placement(entry, node=f"{socket.gethostname()} ({context.get_node_id()[:8]})", assigned=assigned,
-                            gpu_ids=ray.get_gpu_ids(), islands_requested=binding.islands_reserved(spec.plan, assigned))
+                            gpu_ids=binding.ray_gpus_by_uuid(ray.get_gpu_ids()),
+                            islands_requested=binding.islands_reserved(spec.plan, assigned))
     device = torch.device(binding.bind(entry))
     if device.type == "cpu":
         torch.set_num_threads(entry.cpus)

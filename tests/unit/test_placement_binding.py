@@ -1,4 +1,5 @@
-"""From a plan to Ray: resources, label selectors, ScalingConfig, and each worker's device and cores."""
+"""From a plan to Ray: resources, label selectors, ScalingConfig, the check of what Ray gave, and each
+worker's device and cores."""
 
 import types
 
@@ -7,13 +8,16 @@ import pytest
 from core.errors import PlacementError
 from core.plan import DeviceKind
 from tests.unit.test_placement_plan import cpu_plan, gpu_worker
-from topology.ray_resources import NVLINK_DOMAIN_LABEL, label_value
+from topology.ray_resources import NVLINK_DOMAIN_LABEL, island_resource, label_value
 from workers.binding import (
     NODE_ID_LABEL,
     bind,
+    check_placement,
     claim,
+    holds_planned_gpu,
+    island_shares,
     label_selector,
-    placement_bundles,
+    ray_gpus_by_uuid,
     scaling_config_kwargs,
     worker_resources,
 )
@@ -49,9 +53,35 @@ def test_scaling_config_pins_every_worker_to_its_node():
                       "label_selector": [{NODE_ID_LABEL: "node-1"}, {NODE_ID_LABEL: "node-2"}]}
     config = ScalingConfig(**scaling_config_kwargs(plan, elastic_min_workers=1))
     assert config.min_workers == 1 and config.max_workers == 2
-    bundles = placement_bundles(plan)
-    assert bundles["bundles"] == [{"CPU": 1.0, "GPU": 1.0}] * 2
-    assert bundles["bundle_label_selector"] == [{NODE_ID_LABEL: "node-1"}, {NODE_ID_LABEL: "node-2"}]
+
+
+def island_plan(gpus, *, node="box"):
+    """Workers on `gpus` of an 8-GPU node whose island k holds GPUs 2k and 2k + 1, in plan order."""
+    workers = [gpu_worker(rank, f"GPU-{gpu}", 4, accum=1, island=f"{node}-nvl{gpu // 2}")
+               for rank, gpu in enumerate(gpus)]
+    for worker, gpu in zip(workers, gpus):
+        worker.gpu_index, worker.island_resource, worker.ray_node_id = gpu, island_resource(worker.island_id), node
+    ranks = list(range(len(gpus)))
+    return cpu_plan(workers=workers, global_batch_size=4 * len(gpus), intra_island_groups=[[r] for r in ranks],
+                    inter_island_groups=[ranks], tensor_parallel_groups=[[r] for r in ranks],
+                    data_parallel_groups=[ranks])
+
+
+def test_the_group_holds_every_island_of_a_plan_on_part_of_a_node():
+    one, three = island_resource("box-nvl1"), island_resource("box-nvl3")
+    kwargs = scaling_config_kwargs(island_plan([2, 6]))
+    assert kwargs["resources_per_worker"] == {"CPU": 1.0, "GPU": 1.0, one: 0.5, three: 0.5}
+    # Shares round down to Ray's 0.0001, so three workers never ask for more than the islands have.
+    shares = island_shares(island_plan([2, 3, 6]))
+    assert shares == {one: 0.6666, three: 0.3333} and 3 * shares[one] <= 2 and 3 * shares[three] <= 1
+    assert island_shares(island_plan([2, 3])) == {one: 1.0}
+    # An elastic group's size varies: only an island that holds every worker is reserved.
+    assert island_shares(island_plan([2, 6]), elastic=True) == {}
+    assert scaling_config_kwargs(island_plan([2, 3]), elastic_min_workers=1)["resources_per_worker"][one] == 1.0
+    # A worker on another node could hold no share of this node's islands.
+    two_nodes = island_plan([2, 6])
+    two_nodes.workers[1].ray_node_id = "other"
+    assert island_shares(two_nodes) == {}
 
 
 def test_a_cpu_plan_reserves_cores_only():
@@ -72,6 +102,40 @@ def test_workers_claim_their_entry_by_node_and_local_rank_and_the_plan_follows_r
     assert renumbered.batch_layout().global_batch == 16
     with pytest.raises(PlacementError, match="each of 0"):
         plan.reordered([0, 0])
+
+
+def test_a_node_s_workers_claim_its_entries_in_the_order_of_their_gpus_as_ray_train_ranks_them():
+    plan = island_plan([6, 2])
+    assert [claim(plan, ray_node_id="box", local_rank=rank).gpu_index for rank in (0, 1)] == [2, 6]
+
+
+def test_the_gpu_ray_gave_is_compared_with_the_plan_s():
+    worker = island_plan([6]).workers[0]
+    assert holds_planned_gpu(worker, ["6"]) is True and holds_planned_gpu(worker, [6]) is True
+    assert holds_planned_gpu(worker, ["0"]) is False and holds_planned_gpu(worker, ["6", "7"]) is False
+    # A raylet started with CUDA_VISIBLE_DEVICES=<UUIDs> hands out UUIDs, or the unique prefixes it was given.
+    assert holds_planned_gpu(worker, ["gpu-6"]) is True and holds_planned_gpu(worker, ["GPU-7"]) is False
+    # Nothing to compare: no GPU from Ray (a group that reserved cores only), or no index in the plan.
+    assert holds_planned_gpu(worker, []) is None
+    worker.gpu_index = None
+    assert holds_planned_gpu(worker, ["6"]) is None
+
+
+def test_a_worker_on_another_gpu_than_the_plan_s_is_refused_naming_node_and_both_gpus():
+    worker = island_plan([6]).workers[0]
+    assigned = {"CPU": 1.0, "GPU": 1.0, worker.island_resource: 1.0}
+    check_placement(worker, node="box (abc)", assigned=assigned, gpu_ids=["6"])
+    with pytest.raises(PlacementError) as refused:
+        check_placement(worker, node="box (abc)", assigned=assigned, gpu_ids=["7"])
+    assert refused.value.what == ("rank 0 runs on node box (abc) on Ray's GPU 7, with island resources "
+                                  "nvlink_island_box-nvl3; the plan placed it on node n0, GPU 6 (GPU-6), holding "
+                                  "nvlink_island_box-nvl3")
+    assert refused.value.fix.startswith("Ray gives each worker the lowest free GPU of its node")
+    # Its GPU but not its island, when the group reserved islands.
+    with pytest.raises(PlacementError, match="on Ray's GPU 6, with island resources none;") as refused:
+        check_placement(worker, node="box", assigned={"GPU": 1.0}, gpu_ids=["6"])
+    assert "node-resources" in refused.value.fix
+    check_placement(worker, node="box", assigned={"GPU": 1.0}, gpu_ids=["6"], islands_requested=False)
 
 
 def test_bind_sets_the_device_by_uuid_and_numa_local_cores():
@@ -121,6 +185,22 @@ def test_bind_after_cuda_started_selects_the_visible_device_with_that_uuid():
     with pytest.raises(PlacementError, match="is not among its 1 visible devices"):
         bind(worker, environ={}, cuda=FakeCuda(["2b4a0000-0000-0000-0000-000000000000"]),
              get_affinity=lambda pid: set(), set_affinity=lambda pid, cores: None)
+
+
+def test_once_cuda_started_ray_s_gpu_ids_are_compared_by_uuid_whatever_cuda_s_device_order():
+    """Ray's id "6" is the second entry of the node's shared CUDA_VISIBLE_DEVICES, so CUDA device 1: its UUID
+    decides, not the number (CUDA's default order need not be NVML's on a node of mixed GPU models)."""
+    cuda = FakeCuda(["2b4a0000-0000-0000-0000-000000000002", "2b4a0000-0000-0000-0000-000000000006"])
+    environ = {"CUDA_VISIBLE_DEVICES": "2,6"}
+    assert ray_gpus_by_uuid(["6"], environ=environ, cuda=cuda) == ["GPU-2b4a0000-0000-0000-0000-000000000006"]
+    worker = gpu_plan().workers[1]
+    worker.gpu_index, worker.device_uuid = 3, "GPU-2B4A0000-0000-0000-0000-000000000006"  # NVML numbers it 3
+    assert holds_planned_gpu(worker, ray_gpus_by_uuid(["6"], environ=environ, cuda=cuda)) is True
+    assert holds_planned_gpu(worker, ray_gpus_by_uuid(["2"], environ=environ, cuda=cuda)) is False
+    # Before CUDA starts (bind() will make the plan's GPU the visible one), or for an id CUDA cannot see: as given.
+    assert ray_gpus_by_uuid(["6"], environ=environ, cuda=NO_CUDA_YET) == ["6"]
+    assert ray_gpus_by_uuid(["7"], environ=environ, cuda=cuda) == ["7"]
+    assert ray_gpus_by_uuid(["1"], environ={}, cuda=cuda) == ["GPU-2b4a0000-0000-0000-0000-000000000006"]
 
 
 def test_bind_a_cpu_worker_sets_its_threads():
