@@ -18,7 +18,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 
 from workers.models.stack import BlockStack
-from workers.models.tensor_plans import embedding_style, final_norm_styles, gpt_block_plan
+from workers.models.tensor_plans import embedding_styles, final_norm_styles, gpt_block_plan
 
 
 class CausalSelfAttention(nn.Module):
@@ -115,7 +115,7 @@ class GPT(BlockStack):
 
     def tensor_parallel_plan(self) -> dict[str, list[ParallelStyle]]:
         # Positions split by rows too: each rank gets its sequence shard's positions to add.
-        plan = {"tok_emb": [embedding_style()],
+        plan = {"tok_emb": embedding_styles(),
                 "pos_emb": [RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-2))],
                 "ln_f": final_norm_styles()}
         for i in range(len(self.blocks)):

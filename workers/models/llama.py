@@ -30,7 +30,7 @@ from core.config import ModelConfig
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
 from workers.models.stack import BlockStack
-from workers.models.tensor_plans import embedding_style, final_norm_styles, llama_block_plan
+from workers.models.tensor_plans import embedding_styles, final_norm_styles, llama_block_plan
 
 ROPE_LOW_FREQ_FACTOR = 1.0
 ROPE_HIGH_FREQ_FACTOR = 4.0
@@ -190,7 +190,7 @@ class Llama(BlockStack):
         return self.head(x, targets, loss_kernel, loss_mask)
 
     def tensor_parallel_plan(self) -> dict[str, list[ParallelStyle]]:
-        plan = {"tok_embeddings": [embedding_style()], "norm": final_norm_styles()}
+        plan = {"tok_embeddings": embedding_styles(), "norm": final_norm_styles()}
         if not self.cfg.tie_embeddings:  # split by vocabulary rows; head() multiplies by it (the module is not called)
             plan["output"] = [ColwiseParallel()]
         for i in range(len(self.layers)):
