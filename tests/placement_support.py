@@ -17,15 +17,16 @@ def report_placement(config: dict) -> None:
     config["plan"] and for config["misplaced"], a plan on other GPUs; what it saw goes to
     <config["out"]>/<world rank>.json."""
     context = ray.get_runtime_context()
-    assigned, gpu_ids = context.get_assigned_resources(), ray.get_gpu_ids()
+    assigned, gpu_ids = context.get_assigned_resources(), binding.ray_gpus_by_uuid(ray.get_gpu_ids())
     train = ray.train.get_context()
     seen = {"node": context.get_node_id(), "resources": assigned, "gpu_ids": [str(i) for i in gpu_ids]}
     for name in ("plan", "misplaced"):
         plan = config[name]
-        entry = binding.claim(plan, ray_node_id=context.get_node_id(), local_rank=train.get_local_rank())
+        entry = binding.claim(plan, ray_node_id=context.get_node_id(), local_rank=train.get_local_rank(),
+                              gpu_ids=gpu_ids)
         try:
             binding.check_placement(entry, node=context.get_node_id(), assigned=assigned,
-                                    gpu_ids=binding.ray_gpus_by_uuid(gpu_ids),
+                                    gpu_ids=gpu_ids,
                                     islands_requested=binding.islands_reserved(plan, assigned))
             seen[name] = {"gpu": entry.gpu_index, "error": None}
         except PlacementError as e:

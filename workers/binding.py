@@ -7,10 +7,11 @@ Driver side (before TorchTrainer):
 
 Worker side (first thing in the train loop):
 
+    gpu_ids = ray_gpus_by_uuid(ray.get_gpu_ids())
     worker = claim(plan, ray_node_id=ray.get_runtime_context().get_node_id(), node_id=socket.gethostname(),
-                   local_rank=ray.train.get_context().get_local_rank())
+                   local_rank=ray.train.get_context().get_local_rank(), gpu_ids=gpu_ids)
     check_placement(worker, node=..., assigned=ray.get_runtime_context().get_assigned_resources(),
-                    gpu_ids=ray_gpus_by_uuid(ray.get_gpu_ids()), islands_requested=islands_reserved(plan, assigned))
+                    gpu_ids=gpu_ids, islands_requested=islands_reserved(plan, assigned))
     device = torch.device(bind(worker))             # the device by UUID, NUMA-local cores
     ranks = [None] * world; dist.all_gather_object(ranks, worker.rank)
     plan = plan.reordered(ranks)                    # plan rank i is now Ray's world rank i
@@ -74,7 +75,8 @@ def island_shares(plan: Plan, *, elastic: bool = False) -> dict[str, float]:
     Ray Train reserves one resource shape for all its workers, so a plan on islands 1 and 3 of a node
     cannot give each worker its own island. Each worker takes an equal share of every island the plan
     uses instead (rounded down to Ray's 0.0001): the group's shares add up to the plan's GPUs of each
-    island, so the job holds those islands' units on the node and no other island-aware job gets them.
+    island, less the rounding, so the job holds those islands' units on the node and no other
+    island-aware job gets them.
     That pins the islands to the job, not a worker to its island, nor a GPU: the GPU Ray gives is
     checked by check_placement. Only for a plan on one node (another node has none of its islands'
     resources); an elastic group, whose size varies, only when one island holds every worker."""
@@ -119,15 +121,21 @@ def scaling_config_kwargs(plan: Plan, *, elastic_min_workers: int | None = None)
     return kwargs
 
 
-def claim(plan: Plan, *, ray_node_id: str = "", node_id: str = "", local_rank: int) -> WorkerPlacement:
-    """This worker's plan entry: the `local_rank`-th of the plan's workers on its node, the node named
-    by Ray's node id (plans made from the live cluster) or by the topology's node id (hostname).
+def claim(plan: Plan, *, ray_node_id: str = "", node_id: str = "", local_rank: int,
+          gpu_ids: list = ()) -> WorkerPlacement:
+    """This worker's plan entry on its node, the node named by Ray's node id (plans made from the live
+    cluster) or by the topology's node id (hostname): the entry of the GPU Ray gave it (`gpu_ids`, best
+    as ray_gpus_by_uuid gives them) when exactly one entry holds it; else the `local_rank`-th entry.
 
     Ray Train gives a node's local ranks in the order of its workers' Ray GPU ids (WorkerGroup.
-    _sort_workers_by_gpu_id_grouped_by_node), so the node's entries are taken in the order of their
-    GPU index: when Ray gave the plan's GPUs, each worker claims the entry of the GPU it holds."""
+    _sort_workers_by_gpu_id_grouped_by_node), so without a GPU to match the node's entries are taken
+    in the order of their GPU index. That order can differ from Ray's (ids that are UUIDs, CUDA's
+    device order on a node of mixed models), which matching by the GPU itself does not mind."""
     on_node = [w for w in plan.workers if (ray_node_id and w.ray_node_id == ray_node_id) or
                (not w.ray_node_id and node_id and w.node_id == node_id)]
+    holding = [w for w in on_node if holds_planned_gpu(w, list(gpu_ids))]
+    if len(holding) == 1:
+        return holding[0]
     if all(w.gpu_index is not None for w in on_node):
         on_node.sort(key=lambda w: w.gpu_index)
     if not 0 <= local_rank < len(on_node):
@@ -174,8 +182,8 @@ def ray_gpus_by_uuid(gpu_ids: list, *, environ: MutableMapping[str, str] | None 
     started (bind() then makes the plan's GPU the visible one) or an id is not among the visible."""
     environ = os.environ if environ is None else environ
     cuda = cuda if cuda is not None else _torch_cuda()
-    if not gpu_ids or cuda is None or not cuda.is_initialized():
-        return gpu_ids
+    if not gpu_ids or not all(str(gpu_id).isdigit() for gpu_id in gpu_ids) or cuda is None or not cuda.is_initialized():
+        return gpu_ids  # UUIDs already (the raylet's CUDA_VISIBLE_DEVICES named GPUs or MIG slices by UUID)
     visible = [entry.strip() for entry in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if entry.strip()]
     positions = [visible.index(str(gpu_id)) if visible else int(gpu_id) for gpu_id in gpu_ids
                  if not visible or str(gpu_id) in visible]
@@ -196,13 +204,12 @@ def check_placement(worker: WorkerPlacement, *, node: str, assigned: dict[str, f
     if on_planned_gpu is not False and not outside_island:
         return
     planned = f"GPU {worker.gpu_index} ({worker.device_uuid})" if worker.gpu_index is not None else worker.device_uuid
-    held_gpus = f"Ray's GPU {', '.join(sorted(map(str, gpu_ids)))}" if gpu_ids else "no Ray GPU"
+    held_gpus = f"Ray's GPU {', '.join(sorted(map(str, gpu_ids)))}".replace("GPU GPU-", "GPU-") if gpu_ids else "no Ray GPU"
     islands = sorted(name for name in assigned if name.startswith("nvlink_island_")) or ["none"]
     holding = f", holding {worker.island_resource}" if worker.island_resource else ""
     if on_planned_gpu is False:
-        fix = ("Ray gives each worker the lowest free GPU of its node and cannot be asked for another, so a plan "
-               "holds only on the GPUs Ray will give: plan again for the GPUs free there, or start Ray on the node "
-               "with CUDA_VISIBLE_DEVICES naming only the GPUs it may give")
+        fix = ("plan again for the node's free GPUs (Ray gives the lowest free ones and cannot be asked for others), "
+               "or start Ray there with CUDA_VISIBLE_DEVICES listing only the GPUs it may give")
     else:
         fix = ("schedule the workers with binding.scaling_config_kwargs(plan) (it reserves the plan's islands), "
                "start the nodes with `ray start $(archipelago node-resources)`, or plan again on the cluster "

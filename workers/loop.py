@@ -247,12 +247,12 @@ def claim_plan_entry(spec: WorkerSpec, ctx, node_rank: int) -> tuple[WorkerSpec,
     Ray Train numbers workers itself; each claims the entry of its node and its index there
     (`node_rank`), and the claims, gathered in world-rank order, renumber the plan so plan rank == world rank."""
     context = ray.get_runtime_context()
+    gpu_ids = binding.ray_gpus_by_uuid(ray.get_gpu_ids())
     entry = binding.claim(spec.plan, ray_node_id=context.get_node_id(), node_id=socket.gethostname(),
-                          local_rank=node_rank)
+                          local_rank=node_rank, gpu_ids=gpu_ids)
     assigned = context.get_assigned_resources()
     binding.check_placement(entry, node=f"{socket.gethostname()} ({context.get_node_id()[:8]})", assigned=assigned,
-                            gpu_ids=binding.ray_gpus_by_uuid(ray.get_gpu_ids()),
-                            islands_requested=binding.islands_reserved(spec.plan, assigned))
+                            gpu_ids=gpu_ids, islands_requested=binding.islands_reserved(spec.plan, assigned))
     device = torch.device(binding.bind(entry))
     if device.type == "cpu":
         torch.set_num_threads(entry.cpus)

@@ -109,6 +109,17 @@ def test_a_node_s_workers_claim_its_entries_in_the_order_of_their_gpus_as_ray_tr
     assert [claim(plan, ray_node_id="box", local_rank=rank).gpu_index for rank in (0, 1)] == [2, 6]
 
 
+def test_a_worker_claims_the_entry_of_the_gpu_ray_gave_it_whatever_order_ray_ranked_them_in():
+    """A raylet started with CUDA_VISIBLE_DEVICES=<UUIDs> gives UUIDs, and Ray Train ranks a node's workers
+    by them as strings: here GPU 6's worker is local rank 0. It claims GPU 6's entry all the same."""
+    plan = island_plan([2, 6])
+    plan.workers[0].device_uuid, plan.workers[1].device_uuid = "GPU-f00", "GPU-a00"
+    assert claim(plan, ray_node_id="box", local_rank=0, gpu_ids=["GPU-a00"]).gpu_index == 6
+    assert claim(plan, ray_node_id="box", local_rank=1, gpu_ids=["GPU-f00"]).gpu_index == 2
+    # A GPU no entry holds: the local rank's entry, which check_placement then refuses.
+    assert claim(plan, ray_node_id="box", local_rank=0, gpu_ids=["GPU-b00"]).gpu_index == 2
+
+
 def test_the_gpu_ray_gave_is_compared_with_the_plan_s():
     worker = island_plan([6]).workers[0]
     assert holds_planned_gpu(worker, ["6"]) is True and holds_planned_gpu(worker, [6]) is True
@@ -130,7 +141,7 @@ def test_a_worker_on_another_gpu_than_the_plan_s_is_refused_naming_node_and_both
     assert refused.value.what == ("rank 0 runs on node box (abc) on Ray's GPU 7, with island resources "
                                   "nvlink_island_box-nvl3; the plan placed it on node n0, GPU 6 (GPU-6), holding "
                                   "nvlink_island_box-nvl3")
-    assert refused.value.fix.startswith("Ray gives each worker the lowest free GPU of its node")
+    assert refused.value.fix.startswith("plan again for the node's free GPUs (Ray gives the lowest free ones")
     # Its GPU but not its island, when the group reserved islands.
     with pytest.raises(PlacementError, match="on Ray's GPU 6, with island resources none;") as refused:
         check_placement(worker, node="box", assigned={"GPU": 1.0}, gpu_ids=["6"])
@@ -201,6 +212,7 @@ def test_once_cuda_started_ray_s_gpu_ids_are_compared_by_uuid_whatever_cuda_s_de
     assert ray_gpus_by_uuid(["6"], environ=environ, cuda=NO_CUDA_YET) == ["6"]
     assert ray_gpus_by_uuid(["7"], environ=environ, cuda=cuda) == ["7"]
     assert ray_gpus_by_uuid(["1"], environ={}, cuda=cuda) == ["GPU-2b4a0000-0000-0000-0000-000000000006"]
+    assert ray_gpus_by_uuid(["GPU-2b4a"], environ={}, cuda=cuda) == ["GPU-2b4a"]  # a UUID (prefix) already
 
 
 def test_bind_a_cpu_worker_sets_its_threads():
