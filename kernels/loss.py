@@ -207,9 +207,9 @@ def _rows(logits: torch.Tensor, targets: torch.Tensor, gradient_scale: float | N
 
 
 TWIN_CHUNK_BYTES = 8 * 2**20
-"""The twin's fp32 working copy of low-precision logits at most this size: rows are taken a block at
-a time, as the Triton kernel's programs take them, so no fp32 copy of all the logits exists (with a
-50,304-token vocabulary that copy is twice the bf16 logits, which the memory estimator does not count)."""
+"""The size of the twin's fp32 working copy of low-precision logits (or of one row, if larger): rows
+are taken a block at a time, as the Triton kernel's programs take them, so no fp32 copy of all the
+logits exists (twice the bf16 logits, which the memory estimator does not count)."""
 
 
 def cross_entropy_rows_twin(logits: torch.Tensor, targets: torch.Tensor,
@@ -217,9 +217,9 @@ def cross_entropy_rows_twin(logits: torch.Tensor, targets: torch.Tensor,
     """The Triton kernel's twin: per-row losses (fp32); with gradient_scale, logits become
     (softmax - one_hot) * gradient_scale. A row whose target is IGNORE_INDEX has loss 0 and gradient 0.
     fp32 logits are worked on in place, as the kernel does, and others a block of rows at a time
-    through an fp32 copy of TWIN_CHUNK_BYTES at most, so no (rows x vocab) temporary is made (the
+    through an fp32 copy of about TWIN_CHUNK_BYTES, so no (rows x vocab) temporary is made (the
     memory estimator counts none)."""
-    rows_per_chunk = max(1, TWIN_CHUNK_BYTES // (4 * logits.shape[-1]))
+    rows_per_chunk = max(1, TWIN_CHUNK_BYTES // (4 * max(1, logits.shape[-1])))
     if logits.dtype == torch.float32 or logits.shape[0] <= rows_per_chunk:
         return _twin_rows(logits, targets, gradient_scale)
     return torch.cat([_twin_rows(logits[start:start + rows_per_chunk], targets[start:start + rows_per_chunk],

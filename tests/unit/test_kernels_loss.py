@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.loss import cross_entropy_rows_twin, linear_cross_entropy
+from kernels import loss as loss_module
+from kernels.loss import IGNORE_INDEX, _twin_rows, cross_entropy_rows_twin, linear_cross_entropy
 from tests.interpreter_support import run_interpreted
 
 
@@ -99,6 +100,23 @@ def test_twin_leaves_the_gradient_in_the_logits():
     assert torch.allclose(losses, torch.tensor([-torch.log(softmax[2]).item(), torch.log(torch.tensor(3.0)).item()]))
     assert torch.allclose(logits[0], 0.5 * (softmax - torch.tensor([0.0, 0.0, 1.0])))
     assert torch.allclose(logits[1], 0.5 * torch.tensor([1 / 3 - 1, 1 / 3, 1 / 3]))
+
+
+@pytest.mark.parametrize("gradient_scale", [None, 0.37])
+def test_twin_takes_low_precision_rows_a_block_at_a_time_with_the_same_numbers(monkeypatch, gradient_scale):
+    """Blocks of 3 rows of 10 (TWIN_CHUNK_BYTES 120): losses and gradients bit for bit those of one pass,
+    with ignored rows on both sides of a block's edge."""
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(8, 10, generator=g) * 3).bfloat16()
+    targets = torch.randint(0, 10, (8,), generator=g)
+    targets[[2, 3]] = IGNORE_INDEX
+    whole, blocks = logits.clone(), logits.clone()
+    want = cross_entropy_rows_twin(whole, targets, gradient_scale)
+    monkeypatch.setattr(loss_module, "TWIN_CHUNK_BYTES", 3 * 4 * 10)
+    made = []
+    monkeypatch.setattr(loss_module, "_twin_rows", lambda rows, *a: made.append(len(rows)) or _twin_rows(rows, *a))
+    assert torch.equal(cross_entropy_rows_twin(blocks, targets, gradient_scale), want)
+    assert torch.equal(blocks, whole) and made == [3, 3, 2]
 
 
 INTERPRETED = r"""
