@@ -558,8 +558,8 @@ class Planner:
         notes = list(self.pool.notes)
         facts = model_facts(make_workload(self.config.model), self.job.seq_len)
         if not facts.counted:
-            notes.append(f"FLOPs per token estimated as 6 × {facts.parameters:,} parameters, not counted: the meta "
-                         "device and fake tensors cannot run the model's loss, so the step times, MFU and dollars "
+            notes.append(f"FLOPs per token estimated as 6 × {facts.parameters:,} parameters, not counted: the model's "
+                         "loss does not run on meta tensors (nor fake ones), so the step times, MFU and dollars "
                          "rest on that estimate")
         if self.calibration.path:
             notes.append(self.calibration.describe())

@@ -1,7 +1,10 @@
 """NCCL's NICs from the node's map: the RDMA devices and interfaces nearest each GPU, per worker,
 in the plan; none when [placement] nccl_nics is off."""
 
+from rich.console import Console
+
 from core.config import JobConfig
+from planning.plan_table import print_plan
 from planning.planner import Planner
 from topology import machines
 from topology.cluster import Nic, NicKind
@@ -44,10 +47,6 @@ def test_the_plan_names_each_workers_nics_unless_switched_off():
 
 
 def test_the_printed_plan_shows_its_mesh_and_each_workers_nics():
-    from rich.console import Console
-
-    from planning.plan_table import print_plan
-
     config = JobConfig.from_dict({"model": {"n_layer": 2, "n_head": 4, "n_embd": 64, "seq_len": 64},
                                   "cluster": {"use_gpu": True},
                                   "placement": {"min_gpus": 8, "max_gpus": 8, "tensor_parallel_size": 2},
