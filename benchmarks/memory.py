@@ -144,6 +144,19 @@ CPU_MODELS = {  # name: ([model] table, micro-batch), bf16 autocast on the CPU
 }
 
 
+def allocator_peak(events, start_ns: int = 0, end_ns: int | None = None) -> int:
+    """The highest running sum of the allocator's "[memory]" events (allocations positive, frees
+    negative) among a torch.profiler session's kineto events, between start_ns and end_ns: what
+    that span added at most to the memory alive before it."""
+    inside = sorted((e for e in events if e.name() == "[memory]" and start_ns <= e.start_ns() and
+                     (end_ns is None or e.start_ns() <= end_ns)), key=lambda e: e.start_ns())
+    running = peak = 0
+    for event in inside:
+        running += event.nbytes()
+        peak = max(peak, running)
+    return peak
+
+
 def cpu_row(name: str, compiled: bool) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
@@ -161,12 +174,7 @@ def cpu_row(name: str, compiled: bool) -> dict:
         engine([batch], 1e-4)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         engine([batch], 1e-4)
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    running = peak = 0
-    for event in events:
-        running += event.nbytes()
-        peak = max(peak, running)
+    peak = allocator_peak(prof.profiler.kineto_results.events())
     mib = lambda n: round(n / 2**20, 1)  # noqa: E731
     return {"model": name, "compiled": compiled, "micro_batch": micro, "step_added_MiB": mib(peak),
             "estimate_activations_and_temporaries_MiB": mib(estimate.activation_bytes)}

@@ -63,6 +63,7 @@ from core.config import JobConfig  # noqa: E402
 from core.spec import WorkerSpec  # noqa: E402
 from planning.model_size import model_facts  # noqa: E402
 from planning.resolve import uniform_spec  # noqa: E402
+from benchmarks.step import device_kernels, trace_events  # noqa: E402
 from topology import catalog  # noqa: E402
 from topology.cluster import ClusterTopology  # noqa: E402
 from topology.probe import probe_local_node  # noqa: E402
@@ -414,12 +415,8 @@ def profiled_communication(step, steps: int = 2) -> dict:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    trace = Path(os.environ.get("TMPDIR", "/tmp")) / f"multigpu-trace-{os.getpid()}.json"
-    prof.export_chrome_trace(str(trace))
-    events = json.loads(trace.read_text())["traceEvents"]
-    trace.unlink()
-    kernels = [(e["ts"], e["ts"] + e["dur"], "nccl" in e["name"].lower()) for e in events
-               if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    kernels = [(e["ts"], e["ts"] + e["dur"], "nccl" in e["name"].lower())
+               for e in device_kernels(trace_events(prof))]
     communicating, exposed = exposed_communication_us(kernels)
     return {"comm_s": communicating / 1e6 / steps, "exposed_comm_s": exposed / 1e6 / steps,
             "overlap_ratio": 1 - exposed / communicating if communicating else None}

@@ -453,6 +453,19 @@ def kernel_group(name: str) -> str:
     return "elementwise/reduce (eager)"
 
 
+def trace_events(prof) -> list[dict]:
+    """A finished torch.profiler session's events as its chrome trace holds them."""
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        return json.loads(trace.read_text())["traceEvents"]
+
+
+def device_kernels(events: list[dict]) -> list[dict]:
+    """The events the device ran (kernels, copies, memsets), each with its start "ts" and "dur" in us."""
+    return [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+
+
 def profile_row(step, data: TextBatches, name: str, start: int, steps: int = 2) -> dict:
     """Device time per step by kernel group, idle time between kernels, and the top kernels."""
     from torch.profiler import ProfilerActivity, profile
@@ -462,11 +475,8 @@ def profile_row(step, data: TextBatches, name: str, start: int, steps: int = 2) 
         for i in range(steps):
             step(data[start + 1 + i], start + 1 + i)
         torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        trace = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        events = json.loads(trace.read_text())["traceEvents"]
-    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    events = trace_events(prof)
+    kernels = device_kernels(events)
     if not kernels:
         return {"error": "the profiler recorded no device kernels"}
     kernels.sort(key=lambda e: e["ts"])

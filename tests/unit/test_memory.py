@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from benchmarks.memory import allocator_peak
 from core.config import ModelConfig, TrainConfig
 from planning import memory
 from workers.compute_copy import Bf16ComputeCopy
@@ -81,13 +82,7 @@ def measure_peaks(steps: dict[str, RealStep]) -> dict[str, int]:
     peaks = {}
     for name, step in steps.items():
         window = next(e for e in events if e.name() == name)
-        inside = sorted((e for e in events if e.name() == "[memory]" and
-                         window.start_ns() <= e.start_ns() <= window.end_ns()), key=lambda e: e.start_ns())
-        running = peak = 0
-        for event in inside:
-            running += event.nbytes()
-            peak = max(peak, running)
-        peaks[name] = step.live_bytes() + peak
+        peaks[name] = step.live_bytes() + allocator_peak(events, window.start_ns(), window.end_ns())
     return peaks
 
 
