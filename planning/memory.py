@@ -20,7 +20,9 @@ Where this is exact and where it is a model:
   blocks for GPU targets. Scratch space a kernel allocates inside itself (flash-attention's
   backward accumulators, cuBLAS workspaces) is invisible; `KERNEL_WORKSPACE_BYTES` covers it.
 - The fake step runs CPU kernels' shapes: SDPA saves output and log-sum-exp on CPU as flash
-  attention does on CUDA, and CPU autocast casts the same ops to bf16.
+  attention does on CUDA, and CPU autocast casts the same ops to bf16. rms_norm is the exception
+  found so far (the CPU keeps an fp32 copy of its output for backward, CUDA's fused kernel does
+  not): for CUDA targets it runs as CUDA runs it (planning/as_cuda.py).
 - DDP is the fake step's timeline with every gradient alive from the start (bucket views).
 - FSDP2 and tensor parallelism are analytic on top of the measured breakdown (see `peak_bytes`).
 - Between the measured micro-batches the peak is interpolated linearly (it is a maximum of
@@ -31,6 +33,7 @@ Where this is exact and where it is a model:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -44,6 +47,7 @@ from torch.utils._pytree import tree_map_only
 
 from core.config import JobConfig, ModelConfig, TrainConfig
 from core.workload import Workload
+from planning.as_cuda import cuda_ops
 from planning.resolve import resolve_precision
 from workers.activation_checkpointing import set_activation_checkpointing
 from workers.compute_copy import Bf16ComputeCopy
@@ -186,7 +190,8 @@ def _measure(spec: StepSpec, micro_batch_sizes: tuple[int, ...]) -> list[StepMem
     round_to = CUDA_BLOCK_BYTES if spec.device_type == "cuda" else 1
     results = []
     workload = make_workload(spec.model)
-    with fake_tensors(), torch.device("cpu"):  # a forward that reads a value (.item()) reads an unknown number
+    as_cuda = cuda_ops() if spec.device_type == "cuda" else contextlib.nullcontext()
+    with fake_tensors(), torch.device("cpu"), as_cuda:  # a forward that reads a value (.item()) reads an unknown number
         model = workload.build()
         # Same optimizer as the worker builds for the target device (fused AdamW on CUDA).
         optimizer = build_optimizer(model, TrainConfig(), torch.device(spec.device_type))
