@@ -28,9 +28,12 @@ import grpc
 import ray
 
 from core.errors import ClusterError, ConfigError
+from topology import ray_processes
 
 CONNECT_TIMEOUT_S = 30.0
 """How long joining a running cluster may take by default ([cluster] connect_timeout_s, --connect-timeout)."""
+EMBEDDED_EXIT_S = 10.0
+"""How long an embedded cluster's processes get to exit after ray.shutdown() before they are killed."""
 _LONGER = "--connect-timeout / [cluster] connect_timeout_s"
 _FIX = ("check the address (`ray start --head` prints it), or leave --address, RAY_ADDRESS and [cluster] address "
         "unset to start an embedded cluster")
@@ -40,19 +43,26 @@ _FIX = ("check the address (`ray start --head` prints it), or leave --address, R
 def ray_session(address: str, *, connect_timeout_s: float = CONNECT_TIMEOUT_S, embedded: dict | None = None,
                 verbose: bool = False, py_modules: list | None = None) -> Iterator[None]:
     """Joins the cluster at `address` ("auto", "ray://host:10001", host:port), or for "" starts an embedded
-    cluster with the `ray.init` options `embedded`; shuts Ray down when the block ends, however it ends.
+    cluster with the `ray.init` options `embedded`; shuts Ray down when the block ends, however it ends, and
+    returns only once the embedded cluster's processes have exited (killed after EMBEDDED_EXIT_S).
     py_modules: code Ray ships with the job to every worker (the user's model module)."""
     check_seconds(connect_timeout_s, "--connect-timeout / [cluster] connect_timeout_s")
     options = {"log_to_driver": verbose, "logging_level": logging.INFO if verbose else logging.WARNING,
                **({"runtime_env": {"py_modules": py_modules}} if py_modules else {})}
+    before = set()
     if address:
         _join(address, connect_timeout_s, options, verbose)
     else:
+        before = set(ray_processes.descendants(os.getpid()))
         ray.init(address="local", include_dashboard=False, **options, **(embedded or {}))
     try:
         yield
     finally:
+        # The embedded cluster's processes: those Ray started under this one during the session.
+        cluster = [] if address else [p for p in ray_processes.descendants(os.getpid())
+                                      if p not in before and ray_processes.is_ray(p)]
         ray.shutdown()
+        ray_processes.end(cluster, EMBEDDED_EXIT_S)
 
 
 def check_seconds(seconds: float, where: str) -> None:

@@ -26,6 +26,7 @@ import pytest
 from orchestrator.accounting.report_html import PLOTS, render_report
 from tests.conftest import write_job
 from tests.integration.conftest import SEQ_LEN, job
+from topology import ray_processes
 from workers.checkpoint import read_info
 
 pytestmark = pytest.mark.integration
@@ -52,8 +53,10 @@ def fit(job: Path, *extra: str, fsync_delay_s: float = 0.0, marker: str = "") ->
                             stderr=subprocess.STDOUT, text=True)
 
 
-def processes_marked(marker: str, wait_s: float = 10.0) -> list[str]:
-    """The command lines of live processes whose environment holds `marker`, after up to `wait_s` for them to go."""
+def processes_marked(marker: str, wait_s: float = 3.0) -> list[str]:
+    """The command lines of live processes whose environment holds `marker`, after up to `wait_s` for them to go.
+    fit itself waits for its embedded cluster's processes and kills stragglers (topology/ray_processes.py): the
+    few seconds are for the killed ones' reaping."""
     needle = f"ARCHIPELAGO_TEST_MARKER={marker}".encode()
     deadline = time.monotonic() + wait_s
     while True:
@@ -65,21 +68,6 @@ def processes_marked(marker: str, wait_s: float = 10.0) -> list[str]:
         if not found or time.monotonic() > deadline:
             return found
         time.sleep(0.5)
-
-
-def descendants(root: int) -> list[int]:
-    """Every process below `root`, from /proc."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, stack = [], [root]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
 
 
 def reported_checkpoint(run_dir: Path) -> int | None:
@@ -100,7 +88,7 @@ def kill_during_a_write(proc: subprocess.Popen, run_dir: Path, timeout_s: float 
             step = int(step_dir.name.split("_")[1])
             if (committed and step > max(committed) and not (step_dir / ".metadata").exists()
                     and reported_checkpoint(run_dir) is not None):
-                tree = [proc.pid, *descendants(proc.pid)]
+                tree = [proc.pid, *(p.pid for p in ray_processes.descendants(proc.pid))]
                 for sig in (signal.SIGSTOP, signal.SIGKILL):
                     for pid in tree:
                         with contextlib.suppress(ProcessLookupError):
