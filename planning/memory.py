@@ -21,8 +21,8 @@ Where this is exact and where it is a model:
   backward accumulators, cuBLAS workspaces) is invisible; `KERNEL_WORKSPACE_BYTES` covers it.
 - The fake step runs CPU kernels' shapes: SDPA saves output and log-sum-exp on CPU as flash
   attention does on CUDA, and CPU autocast casts the same ops to bf16. rms_norm is the exception
-  found so far (the CPU keeps an fp32 copy of its output for backward, CUDA's fused kernel does
-  not): for CUDA targets it runs as CUDA runs it (planning/as_cuda.py).
+  found so far (the CPU's decomposition keeps an fp32 copy of the normalised input for backward,
+  CUDA's fused kernel does not): for CUDA targets it runs as CUDA runs it (planning/as_cuda.py).
 - DDP is the fake step's timeline with every gradient alive from the start (bucket views).
 - FSDP2 and tensor parallelism are analytic on top of the measured breakdown (see `peak_bytes`).
 - Between the measured micro-batches the peak is interpolated linearly (it is a maximum of
