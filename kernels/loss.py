@@ -120,14 +120,21 @@ def _norm(hidden: torch.Tensor, norm_weight: torch.Tensor | None, norm_bias: tor
     1/root-mean-square; hidden itself and empty statistics without a norm."""
     if norm_weight is None:
         return hidden, hidden.new_empty(0), hidden.new_empty(0)
-    if rms:  # in fp32, as nn.RMSNorm computes low-precision inputs
-        rstd = torch.rsqrt(hidden.float().square().mean(-1, keepdim=True) + eps)
-        return (hidden.float() * rstd * norm_weight.float()).to(hidden.dtype), hidden.new_empty(0), rstd
+    if rms:
+        normed, rstd = rms_norm_rows(hidden, norm_weight, eps)
+        return normed, hidden.new_empty(0), rstd
     return torch.ops.aten.native_layer_norm(hidden, [hidden.shape[-1]], norm_weight, norm_bias, eps)
 
 
-def _rms_norm_backward(grad: torch.Tensor, hidden: torch.Tensor, rstd: torch.Tensor,
-                       norm_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_rows(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden's rows divided by their root mean square and scaled by norm_weight, in hidden's dtype; the
+    rows' fp32 1/RMS). In fp32 inside, as nn.RMSNorm computes low-precision inputs."""
+    rstd = torch.rsqrt(hidden.float().square().mean(-1, keepdim=True) + eps)
+    return (hidden.float() * rstd * norm_weight.float()).to(hidden.dtype), rstd
+
+
+def rms_norm_backward(grad: torch.Tensor, hidden: torch.Tensor, rstd: torch.Tensor,
+                      norm_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of hidden and of the weight of y = hidden · rstd · weight, in fp32 then their dtypes."""
     normalised = hidden.float() * rstd
     grad_weight = (grad.float() * normalised).sum(0)
@@ -177,7 +184,7 @@ def _backward(ctx, grad_loss: torch.Tensor, *_grads_of_the_other_outputs: torch.
         return grad_normed, grad_weight, None, None, None, None, None, None
     hidden, mean, rstd, norm_weight, norm_bias = norm_saved
     if ctx.rms:
-        grad_hidden, grad_norm_weight = _rms_norm_backward(grad_normed, hidden, rstd, norm_weight)
+        grad_hidden, grad_norm_weight = rms_norm_backward(grad_normed, hidden, rstd, norm_weight)
         return grad_hidden, grad_weight, None, None, grad_norm_weight, None, None, None
     grad_hidden, grad_norm_weight, grad_norm_bias = torch.ops.aten.native_layer_norm_backward(
         grad_normed, hidden, [hidden.shape[-1]], mean, rstd, norm_weight, norm_bias,

@@ -11,43 +11,38 @@ keeps.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from kernels.loss import rms_norm_backward, rms_norm_rows
+
 
 class FusedRMSNorm(torch.autograd.Function):
-    """torch.rms_norm computed as the CUDA kernel computes it (fp32 inside, the input's dtype out, promoted
-    with the weight's), keeping for backward only the input, the weight and the fp32 reciprocal RMS a row."""
+    """torch.rms_norm computed as the CUDA kernel computes it (fp32 inside, the input's dtype out), keeping
+    for backward only the input, the weight and the fp32 reciprocal RMS a row. The arithmetic is the fused
+    loss's RMSNorm (kernels/loss.py) over rows of the normalised dimensions flattened into one."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, normalized_shape: tuple[int, ...], weight: torch.Tensor | None,
                 eps: float | None) -> torch.Tensor:
-        dims = tuple(range(-len(normalized_shape), 0))
+        width = math.prod(normalized_shape)
         eps = torch.finfo(x.dtype).eps if eps is None else eps  # torch.rms_norm's default
-        rstd = torch.rsqrt(x.float().pow(2).mean(dims, keepdim=True) + eps)
-        out = x.float() * rstd
-        out_dtype = x.dtype if weight is None else torch.promote_types(x.dtype, weight.dtype)
-        if weight is not None:
-            out = out * weight.float()
-        ctx.dims = dims
-        ctx.save_for_backward(x, weight, rstd)
-        return out.to(out_dtype)
+        scale = x.new_ones(width) if weight is None else weight.reshape(width)
+        out, rstd = rms_norm_rows(x.reshape(-1, width), scale, eps)
+        ctx.save_for_backward(x, scale, rstd)
+        ctx.weight_shape = None if weight is None else weight.shape
+        return out.view(x.shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, weight, rstd = ctx.saved_tensors
-        normalized = x.float() * rstd
-        grad = grad.float()
-        grad_weight = None
-        if weight is not None:
-            if ctx.needs_input_grad[2]:
-                batch_dims = tuple(range(x.dim() - len(ctx.dims)))
-                grad_weight = (grad * normalized).sum(batch_dims).to(weight.dtype)
-            grad = grad * weight.float()
-        # d/dx of x * rstd(x): rstd * (g - x_hat * mean(g * x_hat))
-        grad_x = rstd * (grad - normalized * (grad * normalized).mean(ctx.dims, keepdim=True))
-        return grad_x.to(x.dtype), None, grad_weight, None
+        x, scale, rstd = ctx.saved_tensors
+        width = scale.numel()
+        grad_x, grad_scale = rms_norm_backward(grad.reshape(-1, width), x.reshape(-1, width), rstd, scale)
+        grad_weight = None if ctx.weight_shape is None else grad_scale.view(ctx.weight_shape)
+        return grad_x.view(x.shape), None, grad_weight, None
 
 
 class _CudaOps(TorchFunctionMode):
