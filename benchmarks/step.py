@@ -28,9 +28,9 @@ wait between steps); the median of the per-step intervals after the warm-up step
 the median SM clock and board power over those steps (NVML) and the share of samples in which the
 power cap or heat held the clocks down.
 --profile adds a torch.profiler summary per row: device time per step by kernel group (matmul,
-attention, loss, elementwise/fused, optimizer, float8 scaling, memcpy/memset), idle time on the
-device, host time per step, the top kernels overall and in each group, the largest idle gaps, and
-the matmul and attention rates that imply.
+attention, loss, rotary embedding, elementwise/fused, optimizer, float8 scaling, memcpy/memset), idle
+time on the device, host time per step, the top kernels overall and in each group, the largest idle
+gaps, and the matmul and attention rates that imply.
 Needs a CUDA GPU and no Ray.
 """
 
@@ -443,6 +443,7 @@ GROUPS = (  # first match wins; names as CUDA, cuBLAS, cuDNN, flash-attention an
     ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "wgmma", "sm90_", "sm80_", "ampere", "splitk", "triton_tem")),
     ("optimizer", ("adam", "multi_tensor", "foreach", "_amp_")),
     ("loss", ("softmax", "nll", "cross_entropy", "logsumexp")),
+    ("rotary embedding", ("_cos_", "_sin_")),  # Inductor's names join the fused ops with "_"
     ("float8 scaling", ("amax", "float8", "fp8", "e4m3", "reciprocal")),
     ("memcpy/memset", ("memcpy", "memset")),
     ("elementwise/fused (Inductor)", ("triton_",)),
@@ -450,7 +451,7 @@ GROUPS = (  # first match wins; names as CUDA, cuBLAS, cuDNN, flash-attention an
 
 
 def kernel_group(name: str) -> str:
-    lowered = name.lower()
+    lowered = name.lower() + "_"  # so a fused op's name ends in "_" even when it ends the kernel's
     for group, needles in GROUPS:
         if any(n in lowered for n in needles):
             return group

@@ -24,3 +24,13 @@ def test_rows_that_train_on_other_schedules_are_not_flagged(step):
 
 def test_a_loss_that_did_not_fall_is_flagged_first(step):
     assert "LOSS DID NOT FALL" in step.training_warning({"loss_fell": False, "loss_last5": 3.0}, 3.0)
+
+
+def test_kernels_fall_into_the_groups_the_profile_prints(step):
+    # Names from the Llama-3.2-3B profile on an H200 (2026-12-05): its rotary kernels compute 1/theta^i, and were
+    # counted as float8 scaling (4.7 ms a step in bf16 rows) while "reciprocal" alone marked that group.
+    rotary = "triton_poi_fused__to_copy_add_arange_cos_div_gt_lt_mul_neg_pow_reciprocal_rsub_select_sin_slice_backward_sub_t"
+    assert step.kernel_group(rotary) == "rotary embedding"
+    assert step.kernel_group("triton_red_fused_abs_amax_clamp_reciprocal_0") == "float8 scaling"
+    assert step.kernel_group("triton_poi_fused_mul_silu_silu_backward_stack_view_4") == "elementwise/fused (Inductor)"
+    assert step.kernel_group("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "matmul"
