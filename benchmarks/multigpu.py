@@ -425,9 +425,9 @@ def profiled_communication(step, steps: int = 2) -> dict:
 def _predicted_ms(topology: ClusterTopology, model: dict, micro: int, world: int, cpu: bool, layout: str) -> dict:
     """The planner's step for the layout on this machine's probed map, or why it refuses it."""
     _, strategy, tp, _ = MESH_LAYOUTS[layout]
-    config = _job(model, micro, world, cpu, parallel={"strategy": strategy}, train={"loss_kernel": "plain"},
-                  placement={"min_gpus": world, "max_gpus": world, "tensor_parallel_size": tp})
-    try:
+    try:  # the config refuses some layouts too (tensor parallelism on CPU workers)
+        config = _job(model, micro, world, cpu, parallel={"strategy": strategy}, train={"loss_kernel": "plain"},
+                      placement={"min_gpus": world, "max_gpus": world, "tensor_parallel_size": tp})
         return {"predicted_step_ms": round(planning.make_plan(topology, config).predicted.step_seconds * 1e3, 2)}
     except Exception as e:  # the measurement stands where the planner refuses (one island: no hsdp)
         return {"predicted": f"refused: {type(e).__name__}: {e}"[:200]}
@@ -442,18 +442,18 @@ def mesh_section(args, world: int, peak: float | None, topology: ClusterTopology
         if args.models and name not in args.models:
             continue
         tokens = micro * JobConfig.from_dict({"model": model}).model.seq_len
-        group = {"single": _row("engine, 1 GPU", name, launch(1, mesh_run, model, micro, "ddp", args.warmup, args.steps),
-                                1, tokens, peak)}
+        group = {"single": _announce(_row("engine, 1 GPU", name, launch(1, mesh_run, model, micro, "ddp", args.warmup,
+                                                                     args.steps), 1, tokens, peak))}
         for layout, (label, _, tp, islands) in MESH_LAYOUTS.items():
             why = mesh_layout_refusal(world, tp, islands)
             if why:
                 group[layout] = {"model": name, "config": label, "world": world, "not run": why}
                 continue
             result = launch(world, mesh_run, model, micro, layout, args.warmup, args.steps)
-            group[layout] = {**_row(label, name, result, world, tokens, peak),
-                             **_predicted_ms(topology, model, micro, world, args.cpu, layout)}
+            group[layout] = _announce({**_row(label, name, result, world, tokens, peak),
+                                       **_predicted_ms(topology, model, micro, world, args.cpu, layout)})
         plain = launch(world, plain_fsdp_run, model, micro, args.warmup, args.steps)
-        group["plain"] = _row("plain FSDP2 + compile", name, plain, world, tokens, peak)
+        group["plain"] = _announce(_row("plain FSDP2 + compile", name, plain, world, tokens, peak))
         single, plain = group["single"], group["plain"]
         for key, row in group.items():
             if "step_ms" not in row:
@@ -472,6 +472,13 @@ def mesh_section(args, world: int, peak: float | None, topology: ClusterTopology
         for row in group.values():
             print(json.dumps(row), flush=True)
     return rows
+
+
+def _announce(row: dict) -> dict:
+    """Prints a row as soon as it is measured, so a run its time limit cuts keeps what it measured; the
+    model's rows print again, with their ratios, once all of them are in."""
+    print(json.dumps({"measured": row}), flush=True)
+    return row
 
 
 def torchrun_launch(rank: int, cpu: bool):

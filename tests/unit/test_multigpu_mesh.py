@@ -1,9 +1,11 @@
 """benchmarks/multigpu.py's mesh section: the exposed-communication reading of a kernel trace, and what
-a machine with too few GPUs is told instead of a row."""
+a machine with too few GPUs is told instead of a row, and the planner's prediction beside a row."""
 
 import pytest
 
-from benchmarks.multigpu import exposed_communication_us, mesh_layout_refusal
+from benchmarks.multigpu import CPU_MODELS, _predicted_ms, exposed_communication_us, mesh_layout_refusal
+from topology.cluster import ClusterTopology
+from topology.probe import probe_local_node
 
 
 def test_communication_under_a_kernel_is_hidden_and_the_rest_exposed():
@@ -30,3 +32,13 @@ def test_collectives_overlapping_each_other_count_once():
 ])
 def test_a_layout_the_ranks_cannot_form_says_why(world, tp, islands, why):
     assert mesh_layout_refusal(world, tp, islands) == why
+
+
+def test_a_layout_the_config_refuses_gets_its_reason_beside_the_row():
+    # `multigpu.py --cpu --only mesh` measured the TP row on gloo, then stopped at its prediction: the config
+    # refuses tensor parallelism on CPU workers, and that error escaped (2026-12-05).
+    topology = ClusterTopology(nodes=[probe_local_node()])
+    model, micro = CPU_MODELS["tiny"]
+    predicted = _predicted_ms(topology, model, micro, 2, True, "tp2")
+    assert predicted["predicted"].startswith("refused: ConfigError: [placement] tensor_parallel_size")
+    assert _predicted_ms(topology, model, micro, 2, True, "fsdp")["predicted_step_ms"] > 0
