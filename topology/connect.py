@@ -49,18 +49,18 @@ def ray_session(address: str, *, connect_timeout_s: float = CONNECT_TIMEOUT_S, e
     check_seconds(connect_timeout_s, "--connect-timeout / [cluster] connect_timeout_s")
     options = {"log_to_driver": verbose, "logging_level": logging.INFO if verbose else logging.WARNING,
                **({"runtime_env": {"py_modules": py_modules}} if py_modules else {})}
-    before = set()
+    before = []
     if address:
         _join(address, connect_timeout_s, options, verbose)
     else:
-        before = set(ray_processes.descendants(os.getpid()))
+        before = ray_processes.descendants(os.getpid())
         ray.init(address="local", include_dashboard=False, **options, **(embedded or {}))
     try:
         yield
     finally:
         # The embedded cluster's processes: those Ray started under this one during the session.
-        cluster = [] if address else [p for p in ray_processes.descendants(os.getpid())
-                                      if p not in before and ray_processes.is_ray(p)]
+        started = [] if address else ray_processes.started_since(before, ray_processes.descendants(os.getpid()))
+        cluster = [p for p in started if ray_processes.is_ray(p)]
         ray.shutdown()
         ray_processes.end(cluster, EMBEDDED_EXIT_S)
 

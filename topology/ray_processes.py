@@ -54,6 +54,13 @@ def descendants(root: int) -> list[Process]:
     return found
 
 
+def started_since(before: list[Process], now: list[Process]) -> list[Process]:
+    """The processes in `now` that `before` did not hold. A process is its pid and start time: a Ray worker
+    renames itself (ray::…) once it runs, so its command line is not the one listed when it started."""
+    seen = {(p.pid, p.started) for p in before}
+    return [p for p in now if (p.pid, p.started) not in seen]
+
+
 def is_ray(process: Process) -> bool:
     """Ray's workers name themselves ray::…; its binaries and agents run from the ray package."""
     return "ray::" in process.command or "/ray/" in process.command

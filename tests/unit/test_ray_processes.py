@@ -68,3 +68,12 @@ def test_a_process_that_exits_within_the_grace_period_is_waited_for_not_killed()
         started = time.monotonic()
         assert ray_processes.end(ours, grace_s=30) == []  # its exit leaves a zombie until wait(): not alive
         assert 0.3 < time.monotonic() - started < 10
+
+
+def test_a_process_that_renamed_itself_is_not_new():
+    # A process is its pid and start time: Ray's workers rename themselves (ray::…) once they run, and a process
+    # already there before the session must not count as the cluster's because its command line changed.
+    before = [ray_processes.Process(4242, 100, "python worker.py"), ray_processes.Process(4243, 101, "sleep 9")]
+    now = [ray_processes.Process(4242, 100, "ray::IDLE"), ray_processes.Process(4243, 900, "ray::RayTrainWorker"),
+           ray_processes.Process(4300, 950, "raylet")]
+    assert [p.pid for p in ray_processes.started_since(before, now)] == [4243, 4300]
