@@ -89,7 +89,8 @@ VARIANTS = {  # name: (JobConfig sections to override, SDPA backends in priority
     "seed 1": ({"train": {"seed": 1}}, None),  # other initial weights: how far bf16 runs drift apart alone
     "no clip": ({"train": {"grad_clip": 0.0}}, None),
     "bf16 weights": ({"train": {"bf16_weights": True}}, None),  # a bf16 compute copy, fp32 masters
-    "unfused step": ({}, None),  # with bf16 weights: fp32 gradients, torch's fused AdamW, a separate pull
+    # torch's fused AdamW, which writes the clipped gradients back; with bf16 weights, from fp32 gradients, then a pull
+    "unfused step": ({}, None),
     "qat int8": ({"train": {"qat": "int8-weight"}}, None),  # fake-quantized int8 weights (torchao)
     "qat int4": ({"train": {"qat": "int8-dynamic-act-int4-weight"}}, None),
     "fp8": ({"train": {"precision": "fp8"}}, None),
@@ -364,10 +365,9 @@ def _engine(name: str, label: str, data: TextBatches, args, steps: int, extra: d
     config = engine_config(name, B, overrides, args.warmup + steps)
     spec = uniform_spec(config, world_size=1, micro_batch_size=B, grad_accum_steps=1, use_gpu=DEVICE == "cuda")
     eng = Engine(spec, 0, torch.device(DEVICE, 0))
-    if "unfused step" in label.split("+"):
-        if eng.compute_copy is None:
-            raise ValueError('"unfused step" is a variant of "bf16 weights": write "bf16 weights+unfused step"')
-        eng.fused_bf16_step = False  # the path before kernels.adamw, for comparison
+    if "unfused step" in label.split("+"):  # the paths before kernels.adamw, for comparison
+        eng.fused_bf16_step = False
+        eng.adamw_from_fp32 = None
 
     schedule = LrSchedule.for_train(config.train)
 

@@ -1,4 +1,6 @@
-"""AdamW's step on fp32 master weights, taken from bf16 gradients, writing the bf16 weights in the same pass.
+"""AdamW's step in one pass over each parameter, with torch's fused CUDA AdamW's numbers, in two forms.
+
+From bf16 gradients onto fp32 master weights, writing the bf16 weights in the same pass:
 
     adamw = AdamWFromBf16(optimizer, masters, copies)   # optimizer: the torch.optim.AdamW of `masters`
     adamw.step([c.grad for c in copies], grad_scale)    # one step, from the copies' bf16 gradients
@@ -19,6 +21,18 @@ writes the unscaled gradients back; the pull 6), and the clip's norm reads 2 byt
 On an H200 the 1.3B GPT's engine step with bf16 weights took 242.7 ms instead of 248.8, and GPT-2
 124M's 54.6 instead of 55.9 (benchmarks/RESULTS.md). Other devices run the torch twin below.
 
+From fp32 gradients onto the fp32 parameters themselves, the gradients only read:
+
+    adamw = AdamWFromFp32(optimizer)                    # its parameters' .grad are fp32
+    adamw.step(grad_scale)
+
+is `optimizer.grad_scale = grad_scale; optimizer.step()` with the same parameters and moments, but
+the gradients are left as they were: torch's fused AdamW, given a grad_scale, stores each gradient
+divided by it (what GradScaler's callers expect), 32 bytes a parameter where the step needs 28. The
+engine clips through grad_scale (workers/engine.py), so that store is 4 bytes a parameter of traffic
+for gradients that zero_grad drops next (on an H200 at the Llama-3.2-3B shape, fused AdamW took
+30.9 ms a step with the clip as grad_scale against 26.2 without, benchmarks/RESULTS.md).
+
 The numbers are torch's fused CUDA AdamW's, bit for bit (`_fused_adamw_`; its arithmetic is in
 aten/src/ATen/native/cuda/fused_adam_utils.cuh, the same in torch 2.11 and 2.13; foreach and
 for-loop AdamW round otherwise, a few fp32 ulps apart). All of it is fp32, the group's lr, betas,
@@ -32,18 +46,19 @@ eps and weight decay rounded to fp32 first, with its fused multiply-adds:
     m = fma(beta1, m, fma(-beta1, g, g))                     beta1 m + (1 - beta1) g
     v = fma(beta2, v, fma(-beta2, g * g, g * g))
     p = p - step_size * m / (sqrt(v) / bias_correction2_sqrt + eps)
-    copy = bf16(p)                                           round to nearest even
+    copy = bf16(p)                                           round to nearest even (from bf16 only)
 
 (*) The source says `p -= lr * weight_decay * p`, which nvcc makes an fma: on an H200 with torch
 2.11 the fma matched fused AdamW's masters bit for bit, the separate multiply and subtract not.
 (**) By CUDA's powf, which is not correctly rounded: the kernel takes ** from torch's CUDA pow.
-On that H200 the kernel matched fused AdamW bit for bit (tests/gpu/test_adamw_gpu.py): masters,
-moments and copies of five tensors over 5 steps, masters at each of 300 steps, and the engine's
-losses and masters over 20 steps.
+On that H200 the kernel from bf16 matched fused AdamW bit for bit (tests/gpu/test_adamw_gpu.py):
+masters, moments and copies of five tensors over 5 steps, masters at each of 300 steps, and the
+engine's losses and masters over 20 steps. The form from fp32 is the same kernel reading an fp32
+gradient and writing no copy.
 
 The optimizer keeps its state as torch's own AdamW keeps it (`step`, `exp_avg`, `exp_avg_sq` in
 optimizer.state[master], made lazily as torch makes them), so checkpoints are unchanged and a run
-can move between this step and optimizer.step() at any step. optimizer.step()'s hooks do not run.
+can move between these steps and optimizer.step() at any step. optimizer.step()'s hooks do not run.
 """
 
 from __future__ import annotations
@@ -62,7 +77,8 @@ class AdamWTensors(NamedTuple):
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     step: torch.Tensor
-    copy: torch.Tensor
+    copy: torch.Tensor | None
+    """The bf16 weight written from the stepped master; None when stepping from fp32 gradients."""
     group: int
     """Index of the master's param group in optimizer.param_groups."""
 
@@ -76,25 +92,20 @@ class AdamWHyper(NamedTuple):
     weight_decay: float
 
 
-class AdamWFromBf16:
-    def __init__(self, optimizer: torch.optim.Optimizer, masters: list[torch.Tensor], copies: list[torch.Tensor]):
-        """masters: fp32 parameters of `optimizer`; copies: a bf16 tensor of the same shape for each,
-        overwritten with the stepped master at every step."""
+class _OnePassAdamW:
+    """What both forms share: the optimizer's state and settings gathered at each step, and the choice
+    between the Triton kernel (CUDA) and its torch twin (elsewhere)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, masters: list[torch.Tensor],
+                 copies: list[torch.Tensor] | None):
         if not isinstance(optimizer, torch.optim.AdamW):
-            raise TypeError(f"AdamWFromBf16 steps a torch.optim.AdamW, not {type(optimizer).__name__}")
-        if ([(m.shape, m.dtype) for m in masters] != [(c.shape, torch.float32) for c in copies]
-                or any(c.dtype != torch.bfloat16 for c in copies)):
-            raise ValueError("masters must be fp32 and each copy a bf16 tensor of its master's shape")
+            raise TypeError(f"{type(self).__name__} steps a torch.optim.AdamW, not {type(optimizer).__name__}")
         self.optimizer = optimizer
         self.masters, self.copies = masters, copies
         self._index = {id(m): i for i, m in enumerate(masters)}
         self._tables = None  # the Triton kernel's tables on the GPU (kernels.triton_adamw), at the first CUDA step
 
-    @torch.no_grad()
-    def step(self, grads: list[torch.Tensor | None], grad_scale: torch.Tensor | None = None) -> None:
-        """One AdamW step of every master whose gradient (grads[i], in bf16, for masters[i]) is not None,
-        each gradient divided by grad_scale (a 1-element fp32 tensor on the masters' device) if given;
-        copies[i] becomes bf16(masters[i]). Masters without a gradient are left alone, as torch does."""
+    def _step(self, grads: list[torch.Tensor | None], grad_scale: torch.Tensor | None) -> None:
         if len(grads) != len(self.masters):
             raise ValueError(f"{len(grads)} gradients for {len(self.masters)} masters")
         tensors, hyper = self._gather(grads)
@@ -104,11 +115,11 @@ class AdamWFromBf16:
             from kernels import triton_adamw
             if self._tables is None:
                 self._tables = triton_adamw.DeviceTables()
-            triton_adamw.adamw_from_bf16(self._tables, tensors, hyper, grad_scale)
+            triton_adamw.adamw_step(self._tables, tensors, hyper, grad_scale)
         else:
             advance_steps(tensors)
             for t in tensors:
-                adamw_from_bf16_twin(t, hyper[t.group], grad_scale)
+                adamw_twin(t, hyper[t.group], grad_scale)
 
     def _gather(self, grads: list[torch.Tensor | None]) -> tuple[list[AdamWTensors], list[AdamWHyper]]:
         """The tensors of every master with a gradient, in the optimizer's order, and each group's settings.
@@ -116,7 +127,7 @@ class AdamWFromBf16:
         tensors, hyper = [], []
         for group_index, group in enumerate(self.optimizer.param_groups):
             if group["amsgrad"] or group["maximize"] or group["differentiable"]:
-                raise ValueError("AdamWFromBf16 takes AdamW without amsgrad, maximize or differentiable")
+                raise ValueError(f"{type(self).__name__} takes AdamW without amsgrad, maximize or differentiable")
             beta1, beta2 = group["betas"]
             hyper.append(AdamWHyper(float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
                                     float(group["weight_decay"])))
@@ -127,8 +138,42 @@ class AdamWFromBf16:
                 if grads[i] is not None:
                     state = _state(self.optimizer, group, master)
                     tensors.append(AdamWTensors(master, grads[i], state["exp_avg"], state["exp_avg_sq"],
-                                                state["step"], self.copies[i], group_index))
+                                                state["step"], None if self.copies is None else self.copies[i],
+                                                group_index))
         return tensors, hyper
+
+
+class AdamWFromBf16(_OnePassAdamW):
+    def __init__(self, optimizer: torch.optim.Optimizer, masters: list[torch.Tensor], copies: list[torch.Tensor]):
+        """masters: fp32 parameters of `optimizer`; copies: a bf16 tensor of the same shape for each,
+        overwritten with the stepped master at every step."""
+        if ([(m.shape, m.dtype) for m in masters] != [(c.shape, torch.float32) for c in copies]
+                or any(c.dtype != torch.bfloat16 for c in copies)):
+            raise ValueError("masters must be fp32 and each copy a bf16 tensor of its master's shape")
+        super().__init__(optimizer, masters, copies)
+
+    @torch.no_grad()
+    def step(self, grads: list[torch.Tensor | None], grad_scale: torch.Tensor | None = None) -> None:
+        """One AdamW step of every master whose gradient (grads[i], in bf16, for masters[i]) is not None,
+        each gradient divided by grad_scale (a 1-element fp32 tensor on the masters' device) if given;
+        copies[i] becomes bf16(masters[i]). Masters without a gradient are left alone, as torch does."""
+        self._step(grads, grad_scale)
+
+
+class AdamWFromFp32(_OnePassAdamW):
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        """Steps the parameters of `optimizer` (fp32, their gradients fp32) in place."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if any(p.dtype != torch.float32 for p in params):
+            raise ValueError("AdamWFromFp32 steps fp32 parameters; the optimizer holds "
+                             f"{sorted({str(p.dtype) for p in params})}")
+        super().__init__(optimizer, params, None)
+
+    @torch.no_grad()
+    def step(self, grad_scale: torch.Tensor | None = None) -> None:
+        """One AdamW step of every parameter with a gradient, each gradient divided by grad_scale (a
+        1-element fp32 tensor on the parameters' device) as it is read; the gradients are not written."""
+        self._step([p.grad for p in self.masters], grad_scale)
 
 
 def _state(optimizer: torch.optim.Optimizer, group: dict, master: torch.Tensor) -> dict:
@@ -149,7 +194,7 @@ def advance_steps(tensors: list[AdamWTensors]) -> None:
     torch._foreach_add_([t.step for t in tensors], 1)
 
 
-def adamw_from_bf16_twin(t: AdamWTensors, hyper: AdamWHyper, grad_scale: torch.Tensor | None) -> None:
+def adamw_twin(t: AdamWTensors, hyper: AdamWHyper, grad_scale: torch.Tensor | None) -> None:
     """The Triton kernel's twin on one parameter (its step count already advanced): the module
     docstring's arithmetic in torch ops, an fma made as fp64 product and sum rounded to fp32 (which
     rounds twice, so rarely, an ulp apart)."""
@@ -167,7 +212,8 @@ def adamw_from_bf16_twin(t: AdamWTensors, hyper: AdamWHyper, grad_scale: torch.T
     square = grad * grad
     t.exp_avg_sq.copy_(_fma(beta2, t.exp_avg_sq, _fma(-beta2, square, square)))
     t.master.sub_(step_size * t.exp_avg / (t.exp_avg_sq.sqrt() / bias_correction2_sqrt + eps))
-    t.copy.copy_(t.master)
+    if t.copy is not None:
+        t.copy.copy_(t.master)
 
 
 def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,12 @@
-"""Triton kernel for kernels.adamw: AdamW on fp32 masters from bf16 gradients, writing bf16 weights.
+"""Triton kernel for kernels.adamw: AdamW on fp32 masters from bf16 gradients, writing bf16 weights, or
+from fp32 gradients, writing nothing else (FROM_BF16, a constant the kernel is compiled for).
 
 Imported only when CUDA masters arrive (kernels.adamw imports it lazily). One launch steps every
 parameter (the 1.3B GPT of benchmarks/step.py has 147 tensors, 49 of them norm gains and biases
 too small to fill a launch of their own). Each program steps CHUNK elements of one tensor, found
 through two tables on the GPU:
   tensors   a row per tensor: the addresses of its master, gradient, exp_avg, exp_avg_sq and
-            bf16 weight, its element count and its param group (int64)
+            bf16 weight (0 without one), its element count and its param group (int64)
   chunks    a row per program: (tensor, chunk of that tensor) (int32)
 A third holds each group's lr, betas, eps and weight decay, in fp32 as the fused kernel takes
 them; a fourth, each tensor's beta1 ** step and beta2 ** step, made on the GPU by torch's pow
@@ -26,6 +27,7 @@ approximate), and tl.fma where that kernel has a fused multiply-add.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -65,7 +67,7 @@ def _pointer(row, field: tl.constexpr, dtype: tl.constexpr, ALIGNED: tl.constexp
 
 @triton.jit
 def _step_block(master, grad, exp_avg, exp_avg_sq, copy, offsets, mask, grad_scale, lr, beta1, beta2, eps,
-                weight_decay, step_size, bias_correction2_sqrt, HAS_SCALE: tl.constexpr):
+                weight_decay, step_size, bias_correction2_sqrt, HAS_SCALE: tl.constexpr, FROM_BF16: tl.constexpr):
     g = tl.load(grad + offsets, mask=mask).to(tl.float32)
     if HAS_SCALE:
         g = libdevice.div_rn(g, grad_scale)
@@ -80,21 +82,26 @@ def _step_block(master, grad, exp_avg, exp_avg_sq, copy, offsets, mask, grad_sca
     tl.store(master + offsets, p, mask=mask)
     tl.store(exp_avg + offsets, m, mask=mask)
     tl.store(exp_avg_sq + offsets, v, mask=mask)
-    tl.store(copy + offsets, p.to(tl.bfloat16), mask=mask)
+    if FROM_BF16:
+        tl.store(copy + offsets, p.to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
-def _adamw_from_bf16_kernel(tensors_ptr, chunks_ptr, hyper_ptr, powers_ptr, grad_scale_ptr, HAS_SCALE: tl.constexpr,
-                            ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+def _adamw_kernel(tensors_ptr, chunks_ptr, hyper_ptr, powers_ptr, grad_scale_ptr, HAS_SCALE: tl.constexpr,
+                  FROM_BF16: tl.constexpr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     program = tl.program_id(0)
     tensor = tl.load(chunks_ptr + 2 * program).to(tl.int64)
     row = tensors_ptr + tensor * _FIELDS
     start = tl.load(chunks_ptr + 2 * program + 1).to(tl.int64) * CHUNK
     master = _pointer(row, 0, tl.float32, ALIGNED)
-    grad = _pointer(row, 1, tl.bfloat16, ALIGNED)
     exp_avg = _pointer(row, 2, tl.float32, ALIGNED)
     exp_avg_sq = _pointer(row, 3, tl.float32, ALIGNED)
-    copy = _pointer(row, 4, tl.bfloat16, ALIGNED)
+    if FROM_BF16:
+        grad = _pointer(row, 1, tl.bfloat16, ALIGNED)
+        copy = _pointer(row, 4, tl.bfloat16, ALIGNED)
+    else:
+        grad = _pointer(row, 1, tl.float32, ALIGNED)
+        copy = master  # not written: no copy
     numel = tl.load(row + 5)
     hyper = hyper_ptr + tl.load(row + 6) * _HYPER
     lr, beta1, beta2 = tl.load(hyper), tl.load(hyper + 1), tl.load(hyper + 2)
@@ -108,12 +115,12 @@ def _adamw_from_bf16_kernel(tensors_ptr, chunks_ptr, hyper_ptr, powers_ptr, grad
         for offset in range(0, CHUNK, BLOCK):
             offsets = tl.multiple_of(start + offset, BLOCK) + tl.arange(0, BLOCK)
             _step_block(master, grad, exp_avg, exp_avg_sq, copy, offsets, None, grad_scale, lr, beta1, beta2, eps,
-                        weight_decay, step_size, bias_correction2_sqrt, HAS_SCALE)
+                        weight_decay, step_size, bias_correction2_sqrt, HAS_SCALE, FROM_BF16)
     else:
         for offset in range(0, CHUNK, BLOCK):
             offsets = start + offset + tl.arange(0, BLOCK)
             _step_block(master, grad, exp_avg, exp_avg_sq, copy, offsets, offsets < numel, grad_scale, lr, beta1,
-                        beta2, eps, weight_decay, step_size, bias_correction2_sqrt, HAS_SCALE)
+                        beta2, eps, weight_decay, step_size, bias_correction2_sqrt, HAS_SCALE, FROM_BF16)
 
 
 class DeviceTables:
@@ -127,19 +134,20 @@ class DeviceTables:
         held = self._uploaded.get(name)
         if held is None or held[0] != key:
             # Pinned, so the copy need not wait for the GPU; torch's pinned-memory cache reuses the
-            # buffer only once the copy has run.
-            host = torch.tensor(values(), dtype=dtype, pin_memory=True)
+            # buffer only once the copy has run. (CPU tensors: the kernel run by Triton's interpreter.)
+            host = torch.tensor(values(), dtype=dtype, pin_memory=device.type == "cuda")
             held = key, host.to(device, non_blocking=True)
             self._uploaded[name] = held
         return held[1]
 
 
-def adamw_from_bf16(tables: DeviceTables, tensors: list, hyper: list, grad_scale: torch.Tensor | None) -> None:
+def adamw_step(tables: DeviceTables, tensors: list, hyper: list, grad_scale: torch.Tensor | None) -> None:
     """Steps `tensors` (kernels.adamw.AdamWTensors; their step counts advance once they are checked)
     with the settings of their groups (`hyper`, kernels.adamw.AdamWHyper per group), gradients divided
-    by grad_scale if given."""
+    by grad_scale if given: from bf16 gradients writing bf16 copies, or from fp32 ones writing none."""
     device = tensors[0].master.device
-    rows = [_row(t, device) for t in tensors]
+    has_copy = tensors[0].copy is not None
+    rows = [_row(t, device, has_copy) for t in tensors]
     torch._foreach_add_([t.step for t in tensors], 1)  # each step count, as fused AdamW advances it
     numels = tuple(t.master.numel() for t in tensors)
     chunk = ADAMW_TUNING.chunk
@@ -152,19 +160,25 @@ def adamw_from_bf16(tables: DeviceTables, tensors: list, hyper: list, grad_scale
     # kernel's (the same at::native::pow_, built by the same nvcc). On an H200, libdevice's powf as
     # Triton links it differed from that at 90 % of the steps up to 1000, fp64 pow rounded at 7 %.
     powers = torch.pow(beta_table, torch.stack([t.step for t in tensors])[:, None])
-    aligned = all(row[field] % 16 == 0 for row in rows for field in range(5))
-    with torch.cuda.device(device):
-        _adamw_from_bf16_kernel[(len(chunk_table),)](
+    aligned = all(row[field] % 16 == 0 for row in rows for field in range(5 if has_copy else 4))
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        _adamw_kernel[(len(chunk_table),)](
             tensor_table, chunk_table, hyper_table, powers, grad_scale if grad_scale is not None else hyper_table,
-            HAS_SCALE=grad_scale is not None, ALIGNED=aligned, CHUNK=chunk, BLOCK=ADAMW_TUNING.block,
-            num_warps=ADAMW_TUNING.warps)
+            HAS_SCALE=grad_scale is not None, FROM_BF16=has_copy, ALIGNED=aligned, CHUNK=chunk,
+            BLOCK=ADAMW_TUNING.block, num_warps=ADAMW_TUNING.warps)
 
 
-def _row(t, device: torch.device) -> tuple[int, ...]:
-    """The tensor table's row for one parameter, after checking what the kernel assumes of it."""
-    for name, tensor, dtype in (("master", t.master, torch.float32), ("gradient", t.grad, torch.bfloat16),
-                                ("exp_avg", t.exp_avg, torch.float32), ("exp_avg_sq", t.exp_avg_sq, torch.float32),
-                                ("copy", t.copy, torch.bfloat16)):
+def _row(t, device: torch.device, has_copy: bool) -> tuple[int, ...]:
+    """The tensor table's row for one parameter, after checking what the kernel assumes of it: with a
+    copy, a bf16 gradient and copy; without, an fp32 gradient."""
+    if (t.copy is not None) != has_copy:
+        raise ValueError("either every parameter of a step has a bf16 copy or none has")
+    expected = [("master", t.master, torch.float32),
+                ("gradient", t.grad, torch.bfloat16 if has_copy else torch.float32),
+                ("exp_avg", t.exp_avg, torch.float32), ("exp_avg_sq", t.exp_avg_sq, torch.float32)]
+    if has_copy:
+        expected.append(("copy", t.copy, torch.bfloat16))
+    for name, tensor, dtype in expected:
         if tensor.dtype != dtype or tensor.device != device or not tensor.is_contiguous() \
                 or tensor.numel() != t.master.numel():
             raise ValueError(f"the {name} of a {tuple(t.master.shape)} master is {tensor.dtype} "
@@ -175,7 +189,7 @@ def _row(t, device: torch.device) -> tuple[int, ...]:
         raise ValueError(f"the step count is {t.step.dtype} on {t.step.device}: the kernel takes it in fp32 "
                          f"on {device}, where torch's AdamW keeps it with fused=True")
     return (t.master.data_ptr(), t.grad.data_ptr(), t.exp_avg.data_ptr(), t.exp_avg_sq.data_ptr(),
-            t.copy.data_ptr(), t.master.numel(), t.group)
+            t.copy.data_ptr() if has_copy else 0, t.master.numel(), t.group)
 
 
 def _chunks(numels: tuple[int, ...], chunk: int) -> list[tuple[int, int]]:

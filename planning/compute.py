@@ -44,7 +44,8 @@ COMPILED_TRAFFIC = MemoryTraffic(per_token_layer_width=210.0, per_logit=10.1, pe
 """The same profiles' other groups (124M / 1.3B): elementwise with idle 12.0 / 34.2 ms and the loss 4.7 / 2.8,
 both terms scale with tokens, so solved together to give each model's 16.7 / 37.0 ms exactly; eager
 elementwise and copies (the embedding's gradient) 1.7 / 4.0, fused AdamW with clipping 1.4 / 14.2, the
-mean of the two per unit."""
+mean of the two per unit. Measured with torch's fused AdamW, which writes the clipped gradients back; the
+engine now steps through kernels.adamw's fp32 form on CUDA, 4 bytes a parameter less (not yet measured)."""
 BF16_WEIGHTS_MFU_ANCHORS = ((768, 0.689), (2048, 0.724))
 """The compiled engine with [train] bf16_weights (a bf16 compute copy stepped by kernels.adamw's one
 pass): GPT-2 124M as above, 41.1 ms (2026-11-30), and the Llama-3.2-1B shape at B=4, T=2048, 94.0 ms

@@ -1,5 +1,6 @@
-"""The bf16-weights AdamW kernel (kernels/triton_adamw.py) on a GPU against torch's fused AdamW, and
-the engine's one-pass step against its unfused step.
+"""The one-pass AdamW kernel (kernels/triton_adamw.py) on a GPU against torch's fused AdamW, from bf16
+gradients (bf16 weights) and from fp32 ones (autocast), and the engine's one-pass steps against its
+steps through torch's fused AdamW.
 
 Run on a CUDA machine from the repository root:
     PYTHONPATH=. python3 -m pytest -m gpu tests/gpu/test_adamw_gpu.py -p no:cacheprovider
@@ -13,7 +14,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed: it comes with CUDA builds of torch, so no CUDA here")
 
 from core.config import JobConfig  # noqa: E402
-from kernels.adamw import AdamWFromBf16  # noqa: E402
+from kernels.adamw import AdamWFromBf16, AdamWFromFp32  # noqa: E402
 from tests.engine_support import engine_spec  # noqa: E402
 from tests.gpu.test_train_step_gpu import config, train  # noqa: E402
 from workers import checkpoint  # noqa: E402
@@ -163,3 +164,73 @@ def test_a_checkpoint_restored_mid_run_reaches_the_copy(dataset_dir, tmp_path):
     engine(batches, lr=1e-3)
     checkpoint.load(tmp_path / "step_3", engine.model, engine.optimizer)
     assert torch.equal(engine(batches, lr=1e-3)[0], expected)
+
+
+def fp32_gradients(step: int, bucket: bool) -> list[torch.Tensor | None]:
+    """bf16_gradients' values in fp32 (in fp32 buckets at odd offsets with `bucket`)."""
+    grads = bf16_gradients(step, False)
+    if bucket:
+        flat = torch.empty(sum(g.numel() + 1 for g in grads if g is not None) + 1, device=CUDA)
+        views, offset = [], 1
+        for g in grads:
+            if g is None:
+                views.append(None)
+                continue
+            views.append(flat[offset:offset + g.numel()].view(g.shape).copy_(g))
+            offset += g.numel() + 1
+        return views
+    return [None if g is None else g.float() for g in grads]
+
+
+@pytest.mark.parametrize("bucket", [False, True], ids=["own-tensors", "bucket-views"])
+@pytest.mark.parametrize("switch_at", [0, 2], ids=["from-the-start", "after-torch-steps"])
+def test_the_fp32_form_steps_as_torch_fused_adamw_does_and_leaves_the_gradients(bucket, switch_at):
+    """torch's fused AdamW with a grad_scale for STEPS steps against AdamWFromFp32 from step switch_at:
+    parameters and moments bit for bit; torch's gradients come back divided, ours as they were."""
+    reference, ours = parameters(), parameters()
+    reference_optimizer, our_optimizer = adamw(reference), adamw(ours)
+    step = AdamWFromFp32(our_optimizer)
+    for s in range(STEPS):
+        grads = fp32_gradients(s, bucket)
+        for a, b, grad in zip(ours, reference, grads):
+            a.grad = None if grad is None else grad.clone()
+            b.grad = None if grad is None else grad.clone()
+        reference_optimizer.grad_scale = torch.tensor(GRAD_SCALE, device=CUDA)
+        reference_optimizer.step()
+        if s < switch_at:
+            our_optimizer.grad_scale = torch.tensor(GRAD_SCALE, device=CUDA)
+            our_optimizer.step()
+        else:
+            if s == STEPS - 1:  # the state loaded again into new tensors: the kernel's tables must follow
+                our_optimizer.load_state_dict(copy.deepcopy(our_optimizer.state_dict()))
+            step.step(torch.tensor(GRAD_SCALE, device=CUDA))
+            for a, grad in zip(ours, grads):
+                assert grad is None or torch.equal(a.grad, grad)
+        reference_optimizer.zero_grad(set_to_none=True)
+        our_optimizer.zero_grad(set_to_none=True)
+    for a, b in zip(ours, reference):
+        same(a.detach(), b.detach())
+        state, their_state = our_optimizer.state[a], reference_optimizer.state[b]
+        assert torch.equal(state["step"], their_state["step"])
+        same(state["exp_avg"], their_state["exp_avg"])
+        same(state["exp_avg_sq"], their_state["exp_avg_sq"])
+    assert float(our_optimizer.state[ours[1]]["step"]) == STEPS - 1  # no gradient at step 2: not stepped
+
+
+def test_the_autocast_engine_trains_as_with_torchs_fused_adamw(dataset_dir):
+    """20 steps each way, clipping at grad_clip = 0.05 so that the clip acts: AdamWFromFp32 (what a GPU
+    with triton takes by itself) against torch's fused AdamW with the clip as grad_scale: the same
+    losses and weights, bit for bit."""
+    curves, weights = {}, {}
+    for one_pass in (True, False):
+        cfg = config(precision="bf16", lr=1e-3, steps=20, grad_clip=0.05)
+        engine = Engine(engine_spec(cfg, 1, 16, 2), 0, CUDA)
+        assert engine.adamw_from_fp32 is not None
+        if not one_pass:
+            engine.adamw_from_fp32 = None
+        curves[one_pass] = train(engine, cfg, dataset_dir)
+        weights[one_pass] = [p.detach().clone() for p in engine.model.parameters()]
+    assert curves[True] == curves[False], f"one pass {curves[True]} against torch's {curves[False]}"
+    for ours, theirs in zip(weights[True], weights[False]):
+        same(ours, theirs)
+    assert sum(curves[True][-5:]) / 5 < curves[True][0] - 0.5, curves[True]

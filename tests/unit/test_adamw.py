@@ -1,13 +1,15 @@
-"""The bf16-weights AdamW step (kernels.adamw) on CPU: its torch twin against torch's AdamW, the
-state it leaves for checkpoints, the pull it saves the next step, and the engine's path through
-it (forced on CPU) against the unfused path. tests/gpu/test_adamw_gpu.py runs the Triton kernel."""
+"""The one-pass AdamW steps (kernels.adamw) on CPU, from bf16 gradients (bf16 weights) and from fp32
+ones (autocast): their torch twin against torch's AdamW, the state it leaves for checkpoints, the
+pull it saves the next step, the gradients the fp32 form leaves alone, and the engine's paths through
+them (forced on CPU) against torch's step. tests/unit/test_adamw_interpreter.py runs the Triton kernel
+in Triton's interpreter, tests/gpu/test_adamw_gpu.py on a GPU."""
 
 import copy
 
 import pytest
 import torch
 
-from kernels.adamw import AdamWFromBf16
+from kernels.adamw import AdamWFromBf16, AdamWFromFp32
 from tests.engine_support import engine_spec
 from tests.unit.test_compute_copy import config
 from tests.unit.test_engine import MICRO, batches_for, train
@@ -192,3 +194,69 @@ def test_a_checkpoint_restored_mid_run_reaches_the_copy(tmp_path):
     engine(batches_for(4, 0, 1, 2), lr=3e-3)
     checkpoint.load(tmp_path / "step_3", engine.model, engine.optimizer)
     assert torch.equal(engine(batches_for(3, 0, 1, 2), lr=3e-3)[0], expected)
+
+
+def fp32_gradients(step: int) -> list[torch.Tensor | None]:
+    return [None if g is None else g.float() for g in bf16_gradients(step)]
+
+
+def test_the_fp32_form_steps_as_fused_adamw_does_and_leaves_the_gradients():
+    """AdamWFromFp32's step is fused AdamW's with the same grad_scale, but where torch's fused AdamW
+    writes each gradient back divided by the scale, it only reads them."""
+    ours, theirs = parameters(), parameters()
+    our_optimizer, their_optimizer = adamw(ours), adamw(theirs, fused=True)
+    step = AdamWFromFp32(our_optimizer)
+    for s in range(STEPS):
+        grads = fp32_gradients(s)
+        for a, b, grad in zip(ours, theirs, grads):
+            a.grad = None if grad is None else grad.clone()
+            b.grad = None if grad is None else grad.clone()
+        step.step(torch.tensor(GRAD_SCALE))
+        their_optimizer.grad_scale = torch.tensor(GRAD_SCALE)
+        their_optimizer.step()
+        for a, b, grad in zip(ours, theirs, grads):
+            if grad is not None:
+                assert torch.equal(a.grad, grad)  # read only
+                torch.testing.assert_close(b.grad, grad / GRAD_SCALE)  # torch's, written back
+        our_optimizer.zero_grad(set_to_none=True)
+        their_optimizer.zero_grad(set_to_none=True)
+    assert_same_training(ours, our_optimizer, theirs, their_optimizer)
+    assert float(our_optimizer.state[ours[3]]["step"]) == STEPS - 1  # no gradient at step 2: not stepped
+
+
+def test_the_fp32_form_refuses_parameters_that_are_not_fp32():
+    params = parameters()
+    params[1].data = params[1].data.bfloat16()
+    with pytest.raises(ValueError, match="fp32 parameters"):
+        AdamWFromFp32(adamw(params))
+
+
+def autocast_engine(one_pass: bool) -> Engine:
+    """An autocast engine clipping at 0.2; with `one_pass`, on the GPU's path (the clip as AdamWFromFp32's
+    grad_scale), run by the twin; without, a CPU's (clip_grad_norm_, then torch's AdamW)."""
+    engine = Engine(engine_spec(config(precision="bf16", grad_clip=0.2), 1, MICRO, 2), 0, torch.device("cpu"))
+    assert engine.adamw_from_fp32 is None and not engine.clip_in_optimizer  # a CPU's AdamW is not fused
+    if one_pass:
+        engine.clip_in_optimizer = True
+        engine.adamw_from_fp32 = AdamWFromFp32(engine.optimizer)
+    return engine
+
+
+def test_each_engine_step_on_the_fp32_one_pass_path_is_torchs_step():
+    """From the same weights and moments at every step: the same loss exactly, the same clipped
+    gradient norm, weights and moments within 1e-6 (see close)."""
+    one_pass, plain = autocast_engine(one_pass=True), autocast_engine(one_pass=False)
+    losses = []
+    for step in range(5):
+        plain.model.load_state_dict(one_pass.model.state_dict())
+        plain.optimizer.load_state_dict(copy.deepcopy(one_pass.optimizer.state_dict()))
+        (loss, norm), (plain_loss, plain_norm) = (e(batches_for(step, 0, 1, 2), lr=3e-3) for e in (one_pass, plain))
+        assert torch.equal(loss, plain_loss)
+        assert norm > 0.2 and float(norm) == pytest.approx(float(plain_norm), rel=1e-6)  # clipped
+        for ours, theirs in zip(one_pass.model.parameters(), plain.model.parameters()):
+            close(ours.detach(), theirs.detach())
+            assert ours.grad is None
+            for key in ("exp_avg", "exp_avg_sq"):
+                close(one_pass.optimizer.state[ours][key], plain.optimizer.state[theirs][key])
+        losses.append(float(loss))
+    assert losses[3] < losses[0]  # the same batch, 3 steps later
