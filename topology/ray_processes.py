@@ -71,13 +71,23 @@ def alive(process: Process) -> bool:
     return stat is not None and stat[1] == process.started
 
 
+KILLED_EXIT_S = 5.0
+"""How long a killed process is waited for: SIGKILL is delivered asynchronously."""
+
+
 def end(processes: list[Process], grace_s: float) -> list[Process]:
-    """Waits up to `grace_s` for `processes` to exit, then kills those still running; returns them."""
-    deadline = time.monotonic() + grace_s
-    while any(alive(p) for p in processes) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    """Waits up to `grace_s` for `processes` to exit, then kills those still running and waits for them to be
+    gone; returns those it killed."""
+    _wait(processes, grace_s)
     left = [p for p in processes if alive(p)]
     for process in left:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(process.pid, signal.SIGKILL)
+    _wait(left, KILLED_EXIT_S)
     return left
+
+
+def _wait(processes: list[Process], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while any(alive(p) for p in processes) and time.monotonic() < deadline:
+        time.sleep(0.05)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from topology import ray_processes
+from topology import connect, ray_processes
 
 # A parent that starts a child named like a Ray worker, prints the child's pid, then lives argv[1] seconds;
 # both ignore SIGTERM, as a worker busy in teardown would.
@@ -77,3 +77,22 @@ def test_a_process_that_renamed_itself_is_not_new():
     now = [ray_processes.Process(4242, 100, "ray::IDLE"), ray_processes.Process(4243, 900, "ray::RayTrainWorker"),
            ray_processes.Process(4300, 950, "raylet")]
     assert [p.pid for p in ray_processes.started_since(before, now)] == [4243, 4300]
+
+
+def test_an_embedded_session_ends_the_cluster_processes_ray_shutdown_left(monkeypatch):
+    """What ray_session adds to ray.shutdown(): a process its embedded cluster started that is still running
+    after the shutdown (one was, 10 s later, on a loaded 2-core machine) is ended before the session returns;
+    a Ray-named process that was there before the session is not. Ray's start is stood in for by a tree of
+    real processes, its shutdown by one that leaves them running."""
+    with contextlib.ExitStack() as stack:
+        old_parent, old_child = stack.enter_context(tree(60))
+        started = []
+        monkeypatch.setattr(connect.ray, "init", lambda **options: started.append(stack.enter_context(tree(60))))
+        monkeypatch.setattr(connect.ray, "shutdown", lambda: None)
+        monkeypatch.setattr(connect, "EMBEDDED_EXIT_S", 0.5)
+        with connect.ray_session(""):
+            [(parent, child)] = started
+            mine = {p.pid: p for p in ray_processes.descendants(os.getpid())}
+        assert not ray_processes.alive(mine[child])  # Ray's: killed (a zombie until its parent reaps it)
+        assert ray_processes.alive(mine[parent.pid])  # not named like Ray's: left alone
+        assert ray_processes.alive(mine[old_child])  # there before the session
