@@ -83,7 +83,8 @@ class Engine:
         self.adamw_from_fp32 = (AdamWFromFp32(self.optimizer)
                                 if self.compute_copy is None and self.clip_in_optimizer
                                 and use_triton(next(self.model.parameters()))
-                                and all(p.dtype == torch.float32 for p in self.model.parameters()) else None)
+                                and all(p.dtype == torch.float32 and p.is_contiguous()
+                                        for p in self.model.parameters()) else None)
         self.trained = trained
         self._measures_noise = True
         self.local_gradient: tuple[torch.Tensor, int] | None = None

@@ -167,19 +167,20 @@ def test_a_checkpoint_restored_mid_run_reaches_the_copy(dataset_dir, tmp_path):
 
 
 def fp32_gradients(step: int, bucket: bool) -> list[torch.Tensor | None]:
-    """bf16_gradients' values in fp32 (in fp32 buckets at odd offsets with `bucket`)."""
-    grads = bf16_gradients(step, False)
+    """A step's fp32 gradients (every bit of the mantissa used: a kernel that read them as bf16 would
+    round them), smaller at each step; the second parameter has none at step 2. With `bucket`, views
+    into one flat buffer at odd offsets, as DDP's buckets may hold them (no 16-byte alignment)."""
+    gen = torch.Generator(device=CUDA).manual_seed(200 + step)
+    grads = [torch.randn(shape, device=CUDA, generator=gen) * 10.0 ** -step for shape in SHAPES]
     if bucket:
-        flat = torch.empty(sum(g.numel() + 1 for g in grads if g is not None) + 1, device=CUDA)
+        flat = torch.empty(sum(g.numel() + 1 for g in grads), device=CUDA)
         views, offset = [], 1
         for g in grads:
-            if g is None:
-                views.append(None)
-                continue
             views.append(flat[offset:offset + g.numel()].view(g.shape).copy_(g))
             offset += g.numel() + 1
-        return views
-    return [None if g is None else g.float() for g in grads]
+        grads = views
+    grads[1] = None if step == 2 else grads[1]
+    return grads
 
 
 @pytest.mark.parametrize("bucket", [False, True], ids=["own-tensors", "bucket-views"])
@@ -192,8 +193,9 @@ def test_the_fp32_form_steps_as_torch_fused_adamw_does_and_leaves_the_gradients(
     step = AdamWFromFp32(our_optimizer)
     for s in range(STEPS):
         grads = fp32_gradients(s, bucket)
+        before = [None if grad is None else grad.clone() for grad in grads]
         for a, b, grad in zip(ours, reference, grads):
-            a.grad = None if grad is None else grad.clone()
+            a.grad = grad  # the views themselves with `bucket`
             b.grad = None if grad is None else grad.clone()
         reference_optimizer.grad_scale = torch.tensor(GRAD_SCALE, device=CUDA)
         reference_optimizer.step()
@@ -204,8 +206,8 @@ def test_the_fp32_form_steps_as_torch_fused_adamw_does_and_leaves_the_gradients(
             if s == STEPS - 1:  # the state loaded again into new tensors: the kernel's tables must follow
                 our_optimizer.load_state_dict(copy.deepcopy(our_optimizer.state_dict()))
             step.step(torch.tensor(GRAD_SCALE, device=CUDA))
-            for a, grad in zip(ours, grads):
-                assert grad is None or torch.equal(a.grad, grad)
+            for a, grad in zip(ours, before):
+                assert grad is None or torch.equal(a.grad, grad)  # read, not written
         reference_optimizer.zero_grad(set_to_none=True)
         our_optimizer.zero_grad(set_to_none=True)
     for a, b in zip(ours, reference):

@@ -83,7 +83,8 @@ def test_bf16_is_the_default_on_a_gpu():
 
 
 def test_clipping_inside_fused_adamw_matches_clip_grad_norm():
-    """The engine folds the clip into fused AdamW's grad_scale; the step must be clip_grad_norm_ + step."""
+    """The engine folds the clip into AdamW's grad_scale (kernels.adamw's fp32 form on a GPU with triton);
+    the step must be clip_grad_norm_ + step."""
     cfg = config(grad_clip=0.05)  # small enough that the clip acts
     engine = Engine(engine_spec(cfg, 1, 16, 2), 0, torch.device("cuda", 0))
     assert engine.clip_in_optimizer

@@ -88,7 +88,6 @@ def train(form, bucket, scaled, kernel):
             "copies_truncated": [torch.equal(c.view(torch.int16), (p.detach().view(torch.int32) >> 16).to(torch.int16))
                                  for c, p in zip(copies, params)],
             "moved": [not torch.equal(p, q) for p, q in zip(params, parameters())],
-            "copies_untouched": [torch.equal(c, q.detach().bfloat16()) for c, q in zip(copies, parameters())],
             "gradients_kept": gradients_kept}
 
 results = []
@@ -127,8 +126,6 @@ def test_the_kernel_steps_as_its_twin_in_both_forms(cases):
         assert all(kernel["moved"]), label
         if case["form"] == "bf16":
             assert all(kernel["copies_truncated"]), f"{label}: copies {kernel['copies_truncated']}"
-        else:
-            assert all(kernel["copies_untouched"]), f"{label}: the fp32 form wrote a copy"
         assert kernel["gradients_kept"] and twin["gradients_kept"], f"{label}: a gradient was written"
 
 
