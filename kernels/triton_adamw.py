@@ -1,7 +1,8 @@
 """Triton kernel for kernels.adamw: AdamW on fp32 masters from bf16 gradients, writing bf16 weights, or
 from fp32 gradients, writing nothing else (FROM_BF16, a constant the kernel is compiled for).
 
-Imported only when CUDA masters arrive (kernels.adamw imports it lazily). One launch steps every
+Imported only when CUDA masters arrive (kernels.adamw imports it lazily; tests run it on CPU tensors in
+Triton's interpreter). One launch steps every
 parameter (the 1.3B GPT of benchmarks/step.py has 147 tensors, 49 of them norm gains and biases
 too small to fill a launch of their own). Each program steps CHUNK elements of one tensor, found
 through two tables on the GPU:
@@ -10,7 +11,7 @@ through two tables on the GPU:
   chunks    a row per program: (tensor, chunk of that tensor) (int32)
 A third holds each group's lr, betas, eps and weight decay, in fp32 as the fused kernel takes
 them; a fourth, each tensor's beta1 ** step and beta2 ** step, made on the GPU by torch's pow
-before the launch from an uploaded table of each tensor's betas (adamw_from_bf16 says why torch's).
+before the launch from an uploaded table of each tensor's betas (adamw_step says why torch's).
 
 The tables are uploaded from pinned memory without waiting for the GPU, and only when they change.
 Masters, moments, step counts and weights keep their addresses; so do the gradients under DDP
@@ -20,6 +21,9 @@ uploaded again (~8 KB for the 1.3B GPT). lr changes at most steps, so the group 
 A chunk that lies wholly inside its tensor is stepped with unmasked loads and stores, which Triton
 makes 16 bytes wide where every address is a multiple of 16 (ALIGNED, checked on the host; a
 tensor table address carries no alignment Triton can see); the tail chunk of a tensor is masked.
+Until 2026-12-05 the hint sat on the int64 address, and the cast to a pointer dropped it: the kernel
+ADAMW_TUNING was measured with made 4-byte accesses only (tests/unit/test_adamw_ptx.py now reads
+the PTX Triton makes for sm_90).
 The arithmetic is kernels.adamw's docstring's: libdevice's correctly rounded division and square
 root, as nvcc compiles the fused kernel's `/` and std::sqrt (Triton's own fp32 `/` and sqrt are
 approximate), and tl.fma where that kernel has a fused multiply-add.
@@ -51,7 +55,8 @@ class AdamWTuning:
 
 
 ADAMW_TUNING = AdamWTuning(chunk=8192, block=2048, warps=8)
-"""Measured on an H200 over the 1.3B GPT's 147 tensors (36.8 GB moved): 9.45 and 9.59 ms in two runs
+"""Measured on an H200 over the 1.3B GPT's 147 tensors (36.8 GB moved), with 4-byte accesses (the
+alignment hint was lost then; to be measured again with 16-byte ones): 9.45 and 9.59 ms in two runs
 (3.9 TB/s; a plain copy of as many bytes took 8.54 ms, 4.31 TB/s). Chunks of 4096 with blocks of
 1024 and 4 warps took 9.48, of 8192 with 1024 and 4 9.84, of 16384 9.90 to 10.37, of 65536 10.30
 to 10.98; blocks of 512 10.91."""
@@ -59,10 +64,10 @@ to 10.98; blocks of 512 10.91."""
 
 @triton.jit
 def _pointer(row, field: tl.constexpr, dtype: tl.constexpr, ALIGNED: tl.constexpr):
-    address = tl.load(row + field)
-    if ALIGNED:
-        address = tl.multiple_of(address, 16)
-    return address.to(tl.pointer_type(dtype))
+    pointer = tl.load(row + field).to(tl.pointer_type(dtype))
+    if ALIGNED:  # on the pointer: a hint on the int64 address is lost in the cast (no 16-byte accesses)
+        pointer = tl.multiple_of(pointer, 16)
+    return pointer
 
 
 @triton.jit
