@@ -15,6 +15,7 @@ pytest.importorskip("triton", reason="triton is not installed: it comes with CUD
 
 from core.config import JobConfig  # noqa: E402
 from kernels.adamw import AdamWFromBf16, AdamWFromFp32  # noqa: E402
+from tests.adamw_support import bucket_views  # noqa: E402
 from tests.engine_support import engine_spec  # noqa: E402
 from tests.gpu.test_train_step_gpu import config, train  # noqa: E402
 from workers import checkpoint  # noqa: E402
@@ -41,17 +42,11 @@ def adamw(params: list[torch.nn.Parameter]) -> torch.optim.AdamW:
 
 def bf16_gradients(step: int, bucket: bool) -> list[torch.Tensor | None]:
     """A step's gradients, smaller at each step; the second parameter has none at step 2. With
-    `bucket`, views into one flat buffer at odd offsets, as DDP's buckets may hold them (no 16-byte
-    alignment: the kernel takes its narrow loads)."""
+    `bucket`, views into one flat buffer at odd offsets (tests.adamw_support.bucket_views)."""
     gen = torch.Generator(device=CUDA).manual_seed(100 + step)
     grads = [(torch.randn(shape, device=CUDA, generator=gen) * 10.0 ** -step).bfloat16() for shape in SHAPES]
     if bucket:
-        flat = torch.empty(sum(g.numel() + 1 for g in grads), dtype=torch.bfloat16, device=CUDA)
-        views, offset = [], 1
-        for g in grads:
-            views.append(flat[offset:offset + g.numel()].view(g.shape).copy_(g))
-            offset += g.numel() + 1
-        grads = views
+        grads = bucket_views(grads)
     grads[1] = None if step == 2 else grads[1]
     return grads
 
@@ -169,16 +164,11 @@ def test_a_checkpoint_restored_mid_run_reaches_the_copy(dataset_dir, tmp_path):
 def fp32_gradients(step: int, bucket: bool) -> list[torch.Tensor | None]:
     """A step's fp32 gradients (every bit of the mantissa used: a kernel that read them as bf16 would
     round them), smaller at each step; the second parameter has none at step 2. With `bucket`, views
-    into one flat buffer at odd offsets, as DDP's buckets may hold them (no 16-byte alignment)."""
+    into one flat buffer at odd offsets."""
     gen = torch.Generator(device=CUDA).manual_seed(200 + step)
     grads = [torch.randn(shape, device=CUDA, generator=gen) * 10.0 ** -step for shape in SHAPES]
     if bucket:
-        flat = torch.empty(sum(g.numel() + 1 for g in grads), device=CUDA)
-        views, offset = [], 1
-        for g in grads:
-            views.append(flat[offset:offset + g.numel()].view(g.shape).copy_(g))
-            offset += g.numel() + 1
-        grads = views
+        grads = bucket_views(grads)
     grads[1] = None if step == 2 else grads[1]
     return grads
 

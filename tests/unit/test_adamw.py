@@ -166,19 +166,25 @@ def test_each_engine_step_on_the_fused_path_is_the_unfused_step():
     the copy, and AdamW, dividing by the root of the squared gradients, turns the change this makes
     in gradients near 0 into whole steps (here 0.2 % of the largest weight after 7 steps)."""
     fused, plain = bf16_engine(fused=True), bf16_engine(fused=False)
+    assert_each_step_matches(fused, plain)
+    assert all(p.grad is None for p in fused.compute_copy.params)
+
+
+def assert_each_step_matches(one_pass: Engine, plain: Engine) -> None:
+    """Five steps, each from `one_pass`'s weights and moments loaded into `plain`: the same loss, the same
+    clipped norm, weights and moments within close(); and the loss falls."""
     losses = []
     for step in range(5):
-        plain.model.load_state_dict(fused.model.state_dict())
-        plain.optimizer.load_state_dict(copy.deepcopy(fused.optimizer.state_dict()))
-        (loss, norm), (plain_loss, plain_norm) = (e(batches_for(step, 0, 1, 2), lr=3e-3) for e in (fused, plain))
+        plain.model.load_state_dict(one_pass.model.state_dict())
+        plain.optimizer.load_state_dict(copy.deepcopy(one_pass.optimizer.state_dict()))
+        (loss, norm), (plain_loss, plain_norm) = (e(batches_for(step, 0, 1, 2), lr=3e-3) for e in (one_pass, plain))
         assert torch.equal(loss, plain_loss)
         assert norm > 0.2 and float(norm) == pytest.approx(float(plain_norm), rel=1e-6)  # clipped
-        for ours, theirs in zip(fused.model.parameters(), plain.model.parameters()):
+        for ours, theirs in zip(one_pass.model.parameters(), plain.model.parameters()):
             close(ours.detach(), theirs.detach())
             assert ours.grad is None
             for key in ("exp_avg", "exp_avg_sq"):
-                close(fused.optimizer.state[ours][key], plain.optimizer.state[theirs][key])
-        assert all(p.grad is None for p in fused.compute_copy.params)
+                close(one_pass.optimizer.state[ours][key], plain.optimizer.state[theirs][key])
         losses.append(float(loss))
     assert losses[3] < losses[0]  # the same batch, 3 steps later
 
@@ -245,18 +251,4 @@ def autocast_engine(one_pass: bool) -> Engine:
 def test_each_engine_step_on_the_fp32_one_pass_path_is_torchs_step():
     """From the same weights and moments at every step: the same loss exactly, the same clipped
     gradient norm, weights and moments within 1e-6 (see close)."""
-    one_pass, plain = autocast_engine(one_pass=True), autocast_engine(one_pass=False)
-    losses = []
-    for step in range(5):
-        plain.model.load_state_dict(one_pass.model.state_dict())
-        plain.optimizer.load_state_dict(copy.deepcopy(one_pass.optimizer.state_dict()))
-        (loss, norm), (plain_loss, plain_norm) = (e(batches_for(step, 0, 1, 2), lr=3e-3) for e in (one_pass, plain))
-        assert torch.equal(loss, plain_loss)
-        assert norm > 0.2 and float(norm) == pytest.approx(float(plain_norm), rel=1e-6)  # clipped
-        for ours, theirs in zip(one_pass.model.parameters(), plain.model.parameters()):
-            close(ours.detach(), theirs.detach())
-            assert ours.grad is None
-            for key in ("exp_avg", "exp_avg_sq"):
-                close(one_pass.optimizer.state[ours][key], plain.optimizer.state[theirs][key])
-        losses.append(float(loss))
-    assert losses[3] < losses[0]  # the same batch, 3 steps later
+    assert_each_step_matches(autocast_engine(one_pass=True), autocast_engine(one_pass=False))

@@ -25,6 +25,7 @@ import torch
 import triton.language as tl
 from kernels import triton_adamw
 from kernels.adamw import AdamWFromBf16, AdamWFromFp32, adamw_twin, advance_steps
+from tests.adamw_support import bucket_views
 
 # No libdevice in the interpreter: Triton's own correctly rounded ops, looked up when called (patched then).
 triton_adamw.libdevice = types.SimpleNamespace(div_rn=lambda a, b: tl.div_rn(a, b), sqrt_rn=lambda a: tl.sqrt_rn(a))
@@ -49,12 +50,7 @@ def gradients(step, dtype, bucket):
     gen = torch.Generator().manual_seed(100 + step)
     grads = [(torch.randn(shape, generator=gen) * 10.0 ** -step).to(dtype) for shape in SHAPES]
     if bucket:
-        flat = torch.zeros(sum(g.numel() + 1 for g in grads), dtype=dtype)
-        views, offset = [], 1
-        for g in grads:
-            views.append(flat[offset:offset + g.numel()].view(g.shape).copy_(g))
-            offset += g.numel() + 1
-        grads = views
+        grads = bucket_views(grads)
     grads[3] = None if step == 2 else grads[3]
     return grads
 
