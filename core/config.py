@@ -47,6 +47,11 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 naming a preset starts from these, and the keys it gives itself win (seq_len is always the table's)."""
 
 
+_ZERO_MEANS = {"n_kv_head": "as many as n_head", "ffn_dim": "8/3 of n_embd", "rope_scaling": "no scaling"}
+LLAMA_KEYS = ("n_kv_head", "ffn_dim", "rope_theta", "rope_scaling", "norm_eps", "qkv_bias")
+"""[model] keys only the llama model reads (hf_dir's config.json sets them for kind = "hf")."""
+
+
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
     kind: Literal["gpt", "llama", "custom", "hf"] = "gpt"
@@ -111,9 +116,11 @@ class ModelConfig:
                "pick n_head so that n_embd / n_head is a whole number (e.g. 64 per head)")
         _check(0.0 <= self.dropout < 1.0, "[model] dropout", f"must be in [0, 1), got {self.dropout}",
                "set dropout = 0.0 for pretraining")
-        _check(self.n_kv_head >= 0 and self.ffn_dim >= 0 and self.rope_scaling >= 0 and self.rope_theta > 0,
-               "[model]", "n_kv_head, ffn_dim and rope_scaling must be 0 or more, rope_theta above 0",
-               "leave them out for the defaults")
+        for name, value in (("n_kv_head", self.n_kv_head), ("ffn_dim", self.ffn_dim), ("rope_scaling", self.rope_scaling)):
+            _check(value >= 0, f"[model] {name}", f"must be 0 or more, got {value}",
+                   f"leave {name} out for its default (0: {_ZERO_MEANS[name]})")
+        _check(self.rope_theta > 0, "[model] rope_theta", f"must be above 0, got {self.rope_theta}",
+               "leave rope_theta out for Llama-3's 500000")
         if self.kind == "gpt":
             _check(self.tie_embeddings, "[model] tie_embeddings", "the gpt model always ties its head to the embedding",
                    'leave tie_embeddings out, or use kind = "llama" for an untied head')
@@ -944,7 +951,17 @@ def _model_table(data: dict[str, Any], names: list[str]) -> dict[str, Any]:
     the keys archipelago does not know gathered into `options` for the factory."""
     preset = data.get("preset")
     if isinstance(preset, str) and preset in MODEL_PRESETS:
+        shape_kind = MODEL_PRESETS[preset]["kind"]
+        _check(data.get("kind", shape_kind) in (shape_kind, "custom"), "[model] kind",
+               f"preset {preset!r} is a {shape_kind} shape, and kind = {data.get('kind')!r} would train another model "
+               "sized by part of it", f'leave kind out (the preset sets kind = "{shape_kind}"), or leave the preset out')
         data = {**MODEL_PRESETS[preset], **data}
+    if data.get("kind", "gpt") == "gpt":  # qkv_bias has its own message in ModelConfig
+        # A saved config (to_dict) writes every key with its default: only a value that would change a Llama counts.
+        defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+        given = [key for key in LLAMA_KEYS if key != "qkv_bias" and key in data and data[key] != defaults[key]]
+        _check(not given, f"[model] {given[0] if given else ''}", "is a llama key: the gpt model (the default kind) "
+               "does not read it", f'set kind = "llama" to train a Llama, or leave {", ".join(given)} out')
     if isinstance(data.get("hf_dir"), str) and data["hf_dir"]:
         data = _with_hf_shape(data)
     if data.get("kind") == "custom":

@@ -45,3 +45,26 @@ def unseeded(table: dict) -> nn.Module:
     with torch.no_grad():
         model.out.bias.fill_(random.random())
     return model
+
+
+def frozen(table: dict) -> nn.Module:
+    """Every parameter frozen: nothing to train."""
+    return LstmLanguageModel(table["vocab_size"], 8, 1).requires_grad_(False)
+
+
+class _IntegerLogits(LstmLanguageModel):
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return super().forward(tokens).long()
+
+
+def integer_logits(table: dict) -> nn.Module:
+    return _IntegerLogits(table["vocab_size"], 8, 1)
+
+
+class _DetachedLogits(LstmLanguageModel):
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return super().forward(tokens).detach()
+
+
+def detached_logits(table: dict) -> nn.Module:
+    return _DetachedLogits(table["vocab_size"], 8, 1)

@@ -56,6 +56,9 @@ def test_the_python_api_takes_the_factory_itself():
     ("tests.custom_models:not_a_module", "returned a dict, not an nn.Module"),
     ("tests.custom_models:wrong_vocabulary", "returns (2, 8, 256) for token ids of shape (2, 8), not logits of shape (2, 8, 257)"),
     ("tests.custom_models:unseeded", "builds different weights from the same torch seed (out.bias)"),
+    ("tests.custom_models:frozen", "has nothing to train: none of its 7 parameters requires a gradient"),
+    ("tests.custom_models:integer_logits", "returns torch.int64 logits"),
+    ("tests.custom_models:detached_logits", "do not depend on its trainable parameters"),
 ])
 def test_a_bad_factory_is_one_line_from_plan_and_fit_before_ray_starts(factory, said, tmp_path, capsys, monkeypatch):
     path = tmp_path / "job.toml"

@@ -128,3 +128,25 @@ def test_a_preset_takes_the_keys_the_table_gives_and_refuses_an_unknown_one():
         JobConfig.from_dict({"model": {"preset": "llama3-70b"}})
     with pytest.raises(ConfigError, match=r"\[model\] n_kv_head.*not a multiple"):
         JobConfig.from_dict({"model": {"kind": "llama", "n_head": 4, "n_kv_head": 3}})
+
+
+def test_a_gpt_table_refuses_what_only_a_llama_reads_but_a_saved_gpt_config_loads_again():
+    """kind = "gpt" (the default) with a Llama preset or a Llama key would train a GPT sized by part of it."""
+    with pytest.raises(ConfigError, match=r"\[model\] kind.*'llama3-1b' is a llama shape.*leave kind out"):
+        JobConfig.from_dict({"model": {"kind": "gpt", "preset": "llama3-1b"}})
+    for key, value in (("n_kv_head", 2), ("rope_theta", 10000.0), ("ffn_dim", 512), ("rope_scaling", 8.0),
+                       ("norm_eps", 1e-6)):
+        with pytest.raises(ConfigError, match=rf"\[model\] {key}.*is a llama key.*kind = \"llama\""):
+            JobConfig.from_dict({"model": {key: value}})
+    saved = JobConfig.from_dict({"model": {"n_layer": 2}}).to_dict()  # every key, at its default
+    assert JobConfig.from_dict(saved).model.kind == "gpt"
+    assert JobConfig.from_dict({"model": {"preset": "llama3-1b", "kind": "custom", "factory": "x:y"}}).model.n_layer == 16
+
+
+@pytest.mark.parametrize("key, value, said", [("n_kv_head", -1, "must be 0 or more, got -1"),
+                                              ("ffn_dim", -8, "must be 0 or more, got -8"),
+                                              ("rope_scaling", -8.0, "must be 0 or more, got -8.0"),
+                                              ("rope_theta", 0.0, "must be above 0, got 0.0")])
+def test_each_llama_size_out_of_range_is_named_with_its_value(key, value, said):
+    with pytest.raises(ConfigError, match=rf"\[model\] {key}: {said}"):
+        JobConfig.from_dict({"model": {"kind": "llama", key: value}})

@@ -236,6 +236,12 @@ def checked(config: ModelConfig, factory: Callable[[dict], Any]) -> Workload:
         raise ConfigError(f"{config.factory} returned a {type(built).__name__}, not an nn.Module", where=FACTORY,
                           fix="return the model (an nn.Module mapping token ids to logits), or a workload with "
                               "build, loss, blocks and identity")
+    if not any(p.requires_grad for p in built.parameters()):
+        count = sum(1 for _ in built.parameters())
+        raise ConfigError(f"the model {config.factory} built has nothing to train: "
+                          + (f"none of its {count} parameters requires a gradient" if count else "it has no parameters"),
+                          where=FACTORY, fix="return a model with trainable parameters (nn.Parameter, requires_grad "
+                                             "left on); freeze only part of it")
     _check_output(built, config, factory)
     if sum(p.numel() for p in built.parameters()) <= DETERMINISM_CHECKED_UP_TO:
         _check_same_weights(config, factory)
@@ -285,6 +291,15 @@ def _check_output(model: nn.Module, config: ModelConfig, factory: Callable[[dict
                           f"{tokens}, not logits of shape {expected}", where=FACTORY,
                           fix="return logits (batch, seq, [model] vocab_size) from forward, or a workload whose "
                               "loss reads your model's output")
+    if not logits.is_floating_point():
+        raise ConfigError(f"the model {config.factory} built returns {logits.dtype} logits", where=FACTORY,
+                          fix="return floating-point logits (fp32, or what autocast makes): the loss is taken "
+                              "from them and differentiated")
+    if torch.is_grad_enabled() and not logits.requires_grad:
+        raise ConfigError(f"the logits the model {config.factory} built returns do not depend on its trainable "
+                          "parameters: no gradient would reach them", where=FACTORY,
+                          fix="compute the logits from the parameters, with no torch.no_grad(), detach() or "
+                              "integer cast in forward")
 
 
 def _forward(model: nn.Module, tokens: tuple[int, int]) -> Any:
