@@ -20,12 +20,14 @@ def blocks_of_section(title: str) -> dict[str, str]:
     return {language: code for language, code in re.findall(r"```(\w+)\n(.*?)```", section, flags=re.S)}
 
 
-def test_the_readme_factory_and_job_train(tmp_path, monkeypatch):
+def test_the_readme_factory_and_job_train(tmp_path, monkeypatch, request):
     blocks = blocks_of_section("Your own model")
     (tmp_path / "my_models.py").write_text(blocks["python"])
     (tmp_path / "gru.toml").write_text(blocks["toml"])
     monkeypatch.syspath_prepend(str(tmp_path))
     sys.modules.pop("my_models", None)
+    # Forgotten afterwards: test_shipping writes a package of the same name.
+    request.addfinalizer(lambda: sys.modules.pop("my_models", None))
     config = JobConfig.from_toml(tmp_path / "gru.toml")
     workload = make_workload(config.model)
     assert workload.name == "my_models:build" and workload.build().embed.embedding_dim == 256
