@@ -42,6 +42,7 @@ from topology.cluster import ClusterTopology, NodeTopology
 from topology.discover import discover_cluster
 from topology.sysfs import format_cpu_list, parse_cpu_list
 from workers.elastic import WorkerReport
+from workers.models import adopt_workload
 
 COORDINATOR_NAME = "archipelago-plan-coordinator-{}"
 """Ray actor name, by run name: one coordinator per run."""
@@ -274,6 +275,7 @@ class PlanCoordinator:
     def __init__(self, config: JobConfig, spec: WorkerSpec, topology: ClusterTopology, plan_path: str, sink, memory,
                  calibration: Calibration):
         self.plan_path, self.sink, self.memory, self.calibration = plan_path, sink, memory, calibration
+        adopt_workload(config.model, spec.workload)  # a factory from the driver's script is not importable here
         self.state = ElasticState(config, spec, topology.nodes, plan_for=self._plan_for, discover=_discover)
         self.events: list[dict] = []
         # Now, not during a recovery: the exact memory of every micro-batch a re-plan can hand out (the

@@ -22,6 +22,7 @@ import ray
 import ray.train
 import torch
 import torch.distributed as dist
+from ray import cloudpickle
 
 from core.errors import ArchipelagoError
 from core.spec import WorkerSpec
@@ -67,7 +68,11 @@ def join_group(coordinator, ctx, *, use_gpu: bool, started_at: float) -> tuple[W
         except ray.exceptions.RayTaskError as e:
             answer[0] = e.cause if isinstance(e.cause, ArchipelagoError) else RuntimeError(str(e))
     if dist.is_initialized():
-        dist.broadcast_object_list(answer, src=0)
+        # Pickled by Ray's cloudpickle, as ray.get brought it: a factory from the driver's own script
+        # travels in the spec's workload by value, which torch's plain pickle cannot write.
+        sent = [cloudpickle.dumps(answer[0]) if ctx.get_world_rank() == 0 else None]
+        dist.broadcast_object_list(sent, src=0)
+        answer[0] = cloudpickle.loads(sent[0])
     if isinstance(answer[0], BaseException):
         raise answer[0]
     spec: WorkerSpec = answer[0]

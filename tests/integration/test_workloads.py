@@ -41,10 +41,19 @@ def test_a_llama_trains_and_resumes_where_it_stopped(cluster, small_dataset, tmp
     assert start["model"] == "llama" and start["flops_per_token"] > 6 * start["params"]
 
 
+def script_factory(table: dict):
+    return lstm(table)
+
+
+script_factory.__module__ = "__main__"  # as if defined in the script that calls fit(): importable nowhere else
+
+
 def test_a_factory_handed_to_the_python_api_trains_and_resumes(cluster, small_dataset, tmp_path):
-    straight, resumed, rows = straight_and_resumed(small_dataset, tmp_path, "lstm", LSTM, model=lstm)
+    """The factory is the driver script's own: it reaches the plan coordinator and the workers pickled
+    by value inside the workload (no process but the driver could import it by name)."""
+    straight, resumed, rows = straight_and_resumed(small_dataset, tmp_path, "lstm", LSTM, model=script_factory)
     assert straight[STEPS] < straight[1] - 0.5
     for step, loss in resumed.items():
         assert loss == pytest.approx(straight[step], rel=1e-5)
     start = next(r for r in rows if r.get("event") == "start")
-    assert start["model"] == "tests.custom_models:lstm"
+    assert start["model"] == "__main__:script_factory"

@@ -131,6 +131,13 @@ def make_workload(config: ModelConfig) -> Workload:
     return _WORKLOADS[key]
 
 
+def adopt_workload(config: ModelConfig, workload: Workload) -> None:
+    """Takes `workload`, made in the driver, as the [model] table's in this process (a Ray actor of the
+    driver's): a factory the Python API was handed, defined in the driver's own script, travels pickled
+    inside the workload but cannot be imported here by the name the table gives it."""
+    _WORKLOADS[repr(config)] = workload
+
+
 _WORKLOADS: dict[str, Workload] = {}
 _REGISTERED: dict[str, Callable[[dict], Any]] = {}
 """Factories the Python API was handed as callables, by the reference that names them in [model] factory."""
