@@ -98,7 +98,8 @@ class ProgressDisplay:
 
     def _event(self, row: dict) -> None:
         if row["event"] == "start":
-            where = f"from step {row['step']}" if row["step"] else "from scratch"
+            where = (f"from step {row['step']}" if row["step"] else
+                     "from the pretrained weights" if row.get("pretrained_reader") else "from scratch")
             device = row.get("device_model") or row["device"]  # every GPU worker's device is "cuda:0"
             self.console.print(f"training {where} on {row['world_size']} workers ({device}), "
                                f"{row['params'] / 1e6:.2f}M parameters")

@@ -83,8 +83,9 @@ class RunDirectory:
         occupied = self.occupied()
         if occupied and not overwrite:
             raise ConfigError("the run directory already holds a run", where=" and ".join(occupied),
-                              fix="pass --resume to continue it, --overwrite to start over (the old run is kept "
-                                  "until the new one commits a checkpoint), or set another name in the config")
+                              fix="pass --resume to continue it, --overwrite to start over (Orchestrator(..., "
+                                  "resume=True) or overwrite=True from Python; the old run is kept until the new one "
+                                  "commits a checkpoint), or set another name in the config")
 
     def create(self, *, overwrite: bool) -> SetAside | None:
         """A fresh, empty run directory. With overwrite, an earlier run is moved aside (`<name>.previous`), not

@@ -34,6 +34,15 @@ def test_an_event_the_display_does_not_know_is_shown_with_its_fields():
     assert "event: hiccup" in out
 
 
+def test_the_start_line_says_where_training_starts_from():
+    display = ProgressDisplay(console(), total_steps=20, first_step=0)
+    start = {"event": "start", "step": 0, "world_size": 2, "device": "cpu", "params": 120_000, "pretrained_reader": None}
+    display.update([start, {**start, "pretrained_reader": "posix"}, {**start, "step": 8}])
+    assert printed(display).splitlines() == ["training from scratch on 2 workers (cpu), 0.12M parameters",
+                                             "training from the pretrained weights on 2 workers (cpu), 0.12M parameters",
+                                             "training from step 8 on 2 workers (cpu), 0.12M parameters"]
+
+
 def bill_config(tmp_path, **bill) -> JobConfig:
     return JobConfig.from_dict({"name": "live", "bill": {"tensorboard": False, "prometheus": False, **bill}})
 
