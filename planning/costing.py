@@ -395,7 +395,7 @@ class Costing:
                            world)
         if strategy == DataParallel.HSDP and footprint.island_size < 2:
             return Refusal("hsdp needs two or more NVLink islands with the same number of replicas, two or more each",
-                           'use strategy = "fsdp" or "ddp" (or "auto") on these devices', world)
+                           'set [parallel] strategy = "fsdp" or "ddp" (or "auto") for these devices', world)
         replicas = footprint.replicas
         types = list(replicas)
         # An hsdp worker holds 1/island of the model state: its memory is an fsdp worker's in one island.
