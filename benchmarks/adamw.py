@@ -4,8 +4,8 @@
     python3 benchmarks/adamw.py --model llama3-1b --steps 20 --json adamw.json
     python3 benchmarks/adamw.py --cpu --model tiny                # a smoke run on the CPU (the kernels' twins)
 
-Every row steps the same parameters (the model's own shapes, built on the meta device; two param groups,
-decayed and not, as workers.optim makes them), from fresh moments, with the clip's divisor as grad_scale
+Every row steps the same parameters (the model's own shapes, built on the meta device) with the engine's
+AdamW (workers.optim: fused on CUDA, 1-D parameters not decayed), from fresh moments, with the clip's divisor as grad_scale
 where the row has one. Bytes a parameter, as each row reads and writes them:
   copy                the bandwidth baseline: 28 bytes a parameter moved by copy_ of one flat buffer (at most
                       COPY_BUFFER_BYTES, timed and scaled to the model's bytes: 3B's would need 90 GB)
@@ -34,9 +34,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-from core.config import JobConfig  # noqa: E402
+from core.config import JobConfig, TrainConfig  # noqa: E402
 from kernels.adamw import AdamWFromBf16, AdamWFromFp32  # noqa: E402
 from workers.models import make_workload  # noqa: E402
+from workers.optim import build_optimizer  # noqa: E402
 
 MODELS = {
     "llama3-1b": {"preset": "llama3-1b"},
@@ -62,13 +63,6 @@ def parameter_shapes(model: str) -> list[torch.Size]:
     return [p.shape for p in built.parameters()]
 
 
-def adamw(params: list[torch.Tensor], device: torch.device) -> torch.optim.AdamW:
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                             lr=3e-4, betas=(0.9, 0.95), fused=True)
-
-
 def gradients(shapes: list[torch.Size], device: torch.device, dtype: torch.dtype, views: bool) -> list[torch.Tensor]:
     """Small random gradients; with `views`, views into one flat buffer, each at an odd offset."""
     if not views:
@@ -89,8 +83,9 @@ def make_row(name: str, shapes: list[torch.Size], device: torch.device) -> Calla
         dst = torch.empty_like(src)
         return lambda: dst.copy_(src)
     masters = [torch.nn.Parameter(torch.randn(shape, device=device) * 0.02) for shape in shapes]
-    optimizer = adamw(masters, device)
-    if name.startswith("one-pass bf16") or name == "bf16, unfused":
+    optimizer = build_optimizer(torch.nn.ParameterList(masters), TrainConfig(), device)  # the engine's AdamW
+    torch_scale = scale if optimizer.defaults["fused"] else None  # a CPU smoke run's AdamW takes none
+    if "bf16" in name:
         grads = gradients(shapes, device, torch.bfloat16, views=False)
         copies = [m.detach().bfloat16() for m in masters]
         if name == "one-pass bf16":
@@ -100,7 +95,7 @@ def make_row(name: str, shapes: list[torch.Size], device: torch.device) -> Calla
         def unfused() -> None:
             for master, grad in zip(masters, grads):
                 master.grad = grad.float()
-            optimizer.grad_scale = scale
+            optimizer.grad_scale = torch_scale
             optimizer.step()
             with torch.no_grad():
                 torch._foreach_copy_(copies, masters)
@@ -111,7 +106,7 @@ def make_row(name: str, shapes: list[torch.Size], device: torch.device) -> Calla
     if name.startswith("one-pass fp32"):
         step = AdamWFromFp32(optimizer)
         return lambda: step.step(scale)
-    optimizer.grad_scale = scale if name == "fused + scale" else None
+    optimizer.grad_scale = torch_scale if name == "fused + scale" else None
     return optimizer.step
 
 
