@@ -48,8 +48,9 @@ naming a preset starts from these, and the keys it gives itself win (seq_len is 
 
 
 _ZERO_MEANS = {"n_kv_head": "as many as n_head", "ffn_dim": "8/3 of n_embd", "rope_scaling": "no scaling"}
-LLAMA_KEYS = ("n_kv_head", "ffn_dim", "rope_theta", "rope_scaling", "norm_eps", "qkv_bias")
-"""[model] keys only the llama model reads (hf_dir's config.json sets them for kind = "hf")."""
+LLAMA_SIZES = ("n_kv_head", "ffn_dim", "rope_theta", "rope_scaling", "norm_eps")
+"""[model] keys only the llama model reads (hf_dir's config.json sets them for kind = "hf"; qkv_bias too,
+which ModelConfig refuses on gpt with its own fix)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -116,7 +117,8 @@ class ModelConfig:
                "pick n_head so that n_embd / n_head is a whole number (e.g. 64 per head)")
         _check(0.0 <= self.dropout < 1.0, "[model] dropout", f"must be in [0, 1), got {self.dropout}",
                "set dropout = 0.0 for pretraining")
-        for name, value in (("n_kv_head", self.n_kv_head), ("ffn_dim", self.ffn_dim), ("rope_scaling", self.rope_scaling)):
+        for name in ("n_kv_head", "ffn_dim", "rope_scaling"):
+            value = getattr(self, name)
             _check(value >= 0, f"[model] {name}", f"must be 0 or more, got {value}",
                    f"leave {name} out for its default (0: {_ZERO_MEANS[name]})")
         _check(self.rope_theta > 0, "[model] rope_theta", f"must be above 0, got {self.rope_theta}",
@@ -954,14 +956,16 @@ def _model_table(data: dict[str, Any], names: list[str]) -> dict[str, Any]:
         shape_kind = MODEL_PRESETS[preset]["kind"]
         _check(data.get("kind", shape_kind) in (shape_kind, "custom"), "[model] kind",
                f"preset {preset!r} is a {shape_kind} shape, and kind = {data.get('kind')!r} would train another model "
-               "sized by part of it", f'leave kind out (the preset sets kind = "{shape_kind}"), or leave the preset out')
+               "sized by part of it",
+               f'leave kind out (the preset sets kind = "{shape_kind}"), or leave the preset out')
         data = {**MODEL_PRESETS[preset], **data}
-    if data.get("kind", "gpt") == "gpt":  # qkv_bias has its own message in ModelConfig
+    if data.get("kind", "gpt") == "gpt":
         # A saved config (to_dict) writes every key with its default: only a value that would change a Llama counts.
         defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
-        given = [key for key in LLAMA_KEYS if key != "qkv_bias" and key in data and data[key] != defaults[key]]
-        _check(not given, f"[model] {given[0] if given else ''}", "is a llama key: the gpt model (the default kind) "
-               "does not read it", f'set kind = "llama" to train a Llama, or leave {", ".join(given)} out')
+        given = [key for key in LLAMA_SIZES if key in data and data[key] != defaults[key]]
+        if given:
+            raise ConfigError("is a llama key: the gpt model (the default kind) does not read it",
+                              where=f"[model] {given[0]}", fix=f'set kind = "llama" to train a Llama, or leave {", ".join(given)} out')
     if isinstance(data.get("hf_dir"), str) and data["hf_dir"]:
         data = _with_hf_shape(data)
     if data.get("kind") == "custom":

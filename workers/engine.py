@@ -75,14 +75,13 @@ class Engine:
         # (1.3B step on an H200: 242.7 ms instead of 248.8). Without triton, torch's fused AdamW is
         # faster than the kernel's torch twin. Tests (the twin on CPU) and benchmarks/step.py (the
         # unfused path) override it; jobs do not.
-        self.fused_bf16_step = (self.compute_copy is not None and self.clip_in_optimizer
-                                and use_triton(next(self.model.parameters())))
+        one_pass = self.clip_in_optimizer and use_triton(next(self.model.parameters()))
+        self.fused_bf16_step = self.compute_copy is not None and one_pass
         # Without them, the clip still rides on AdamW's pass, but torch's fused AdamW writes every
         # gradient back divided by grad_scale, which nothing reads: the same step in the Triton kernel
         # only reads them (kernels.adamw: 28 bytes a parameter instead of 32, the same numbers).
         self.adamw_from_fp32 = (AdamWFromFp32(self.optimizer)
-                                if self.compute_copy is None and self.clip_in_optimizer
-                                and use_triton(next(self.model.parameters()))
+                                if self.compute_copy is None and one_pass
                                 and all(p.dtype == torch.float32 and p.is_contiguous()
                                         for p in self.model.parameters()) else None)
         self.trained = trained
