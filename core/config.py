@@ -908,6 +908,9 @@ class JobConfig:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"malformed TOML: {e}", where=str(path), fix="fix the TOML syntax at that line") from None
+        if not data:  # most likely the wrong file: training every default would spend the user's money on a guess
+            raise ConfigError("the config sets nothing (no table, no key)", where=str(path),
+                              fix="name what to train, e.g. start from examples/cpu-tiny.toml")
         try:
             return cls.from_dict(data)
         except ConfigError as e:

@@ -41,6 +41,13 @@ def test_missing_file_names_the_path(tmp_path):
     assert "examples/cpu-tiny.toml" in str(info.value)
 
 
+@pytest.mark.parametrize("text", ["", "# only a comment\n\n"])
+def test_a_config_that_sets_nothing_is_refused(tmp_path, text):
+    message = error_for(tmp_path, text)
+    assert "job.toml: the config sets nothing" in message
+    assert "examples/cpu-tiny.toml" in message
+
+
 def test_malformed_toml_names_the_line(tmp_path):
     message = error_for(tmp_path, "[train]\nsteps = = 3\n")
     assert "job.toml" in message and "malformed TOML" in message and "line 2" in message
