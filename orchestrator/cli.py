@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     except ArchipelagoError as e:
         if args.debug:
             raise
-        return _error(console, str(e))
+        return _error(console, str(_in_config_file(e, getattr(args, "config", None))))
     except OSError as e:  # a path the command was given that cannot be read or written
         if args.debug:
             raise
@@ -83,6 +83,14 @@ def main(argv: list[str] | None = None) -> int:
             if args.command is _fit else ""
         console.print(f"interrupted{resume}", markup=False, highlight=False, soft_wrap=True)
         return 130
+
+
+def _in_config_file(error: ArchipelagoError, config_path: str | None) -> ArchipelagoError:
+    """A config key found wrong after loading (a factory's model, the planner's search) named with its file,
+    as the loader names every key it refuses."""
+    if isinstance(error, ConfigError) and config_path and error.where.startswith("["):
+        return type(error)(error.what, where=f"{config_path}: {error.where}", fix=error.fix)
+    return error
 
 
 def _error(console: Console, message: str) -> int:

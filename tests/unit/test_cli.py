@@ -132,3 +132,12 @@ def test_a_data_path_that_holds_no_dataset_is_named_and_nothing_is_prepared_ther
     assert code == 2 and f"[data] path = '{typo}': no prepared dataset there" in line
     assert f"`archipelago prepare --source DIR --out {typo}`" in line
     assert not typo.exists() and not (tmp_path / "runs").exists()  # nothing prepared, no run started
+
+
+@pytest.mark.parametrize("command", ["plan --config", "fit"])
+def test_a_factory_found_wrong_after_loading_is_named_with_its_config_file(capsys, tmp_path, command):
+    job = write_job(tmp_path, '[model]\nkind = "custom"\nfactory = "no_such_module_of_the_user:build"\n')
+    code, out = run_cli(capsys, *command.split(), job)
+    assert code == 2
+    assert f"{job}: [model] factory: cannot import 'no_such_module_of_the_user'" in out
+    assert "Traceback" not in out
