@@ -54,7 +54,8 @@ def ray_session(address: str, *, connect_timeout_s: float = CONNECT_TIMEOUT_S, e
         _join(address, connect_timeout_s, options, verbose)
     else:
         before = ray_processes.descendants(os.getpid())
-        ray.init(address="local", include_dashboard=False, **options, **(embedded or {}))
+        with _quiet_default_token_auth():
+            ray.init(address="local", include_dashboard=False, **options, **(embedded or {}))
     try:
         yield
     finally:
@@ -63,6 +64,25 @@ def ray_session(address: str, *, connect_timeout_s: float = CONNECT_TIMEOUT_S, e
         cluster = [p for p in started if ray_processes.is_ray(p)]
         ray.shutdown()
         ray_processes.end(cluster, EMBEDDED_EXIT_S)
+
+
+class _DefaultTokenAuthNotice(logging.Filter):
+    """Ray 2.60 turns token authentication on for a new local cluster and says so in a WARNING line; an
+    embedded cluster wants it on, so the line only alarms. Any other message of that logger passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
+
+
+@contextlib.contextmanager
+def _quiet_default_token_auth() -> Iterator[None]:
+    logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    notice = _DefaultTokenAuthNotice()
+    logger.addFilter(notice)
+    try:
+        yield
+    finally:
+        logger.removeFilter(notice)
 
 
 def check_seconds(seconds: float, where: str) -> None:

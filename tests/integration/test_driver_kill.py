@@ -46,6 +46,7 @@ def fit(job: Path, *extra: str, fsync_delay_s: float = 0.0, marker: str = "") ->
     starts (Ray's, the workers) inherits: `processes_marked` finds them."""
     # Wide enough that rich prints each path on one line.
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "1000", "ARCHIPELAGO_TEST_MARKER": marker}
+    env.pop("RAY_AUTH_MODE", None)  # as a user's shell has it; Ray sets it in this process when a test starts Ray
     if fsync_delay_s:
         env.update(PYTHONPATH=os.pathsep.join([str(SLOW_FSYNC), str(REPO)]),
                    ARCHIPELAGO_TEST_FSYNC_DELAY_S=str(fsync_delay_s))
@@ -159,6 +160,11 @@ def test_resume_continues_exactly_where_an_uninterrupted_run_would_be(killed_and
     assert (report["start_step"], report["final_step"]) == (previous, RESUMED_STEPS)
     assert report["tokens_seen"] == RESUMED_STEPS * 8 * SEQ_LEN
     assert report["tokens_this_run"] == (RESUMED_STEPS - previous) * 8 * SEQ_LEN
+
+
+def test_the_embedded_cluster_starts_without_ray_alarming_about_its_token_authentication(killed_and_resumed):
+    out = killed_and_resumed[3]
+    assert "Token authentication" not in out, out[-3000:]
 
 
 def test_no_ray_process_outlives_fit(killed_and_resumed):
