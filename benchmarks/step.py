@@ -204,6 +204,19 @@ def time_steps(step, data: TextBatches, warmup: int, steps: int) -> dict:
             "losses": [float(x) for x in losses if x is not None], "clocks": clocks.summary()}
 
 
+def user_step(loss_of, optimizer: torch.optim.Optimizer):
+    """The step a user writes in plain PyTorch: the loss of a batch under bf16 autocast, backward, the
+    optimizer, the gradients freed."""
+    def step(tokens, _):
+        with torch.autocast(DEVICE, torch.bfloat16):
+            loss = loss_of(tokens)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+    return step
+
+
 def plain(name: str, compiled: bool, data: TextBatches, args, repeat: bool = False) -> tuple[dict, object]:
     """The baseline: the same model in a loop a user writes in plain PyTorch (full fp32 logits for the loss)."""
     torch.manual_seed(0)
@@ -211,13 +224,7 @@ def plain(name: str, compiled: bool, data: TextBatches, args, repeat: bool = Fal
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=DEVICE == "cuda")
     forward = torch.compile(model) if compiled else model
 
-    def step(tokens, _):
-        with torch.autocast(DEVICE, torch.bfloat16):
-            loss = forward(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+    step = user_step(lambda tokens: forward(tokens[:, :-1], tokens[:, 1:]), optimizer)
 
     timing = time_steps(step, data, args.warmup, args.steps)
     label = f"plain {'compile' if compiled else 'eager'}{' (repeat)' if repeat else ''}"
@@ -253,13 +260,8 @@ def torchtitan(name: str, data: TextBatches, args) -> tuple[dict, object]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
     tokens_per_step = data.tokens.shape[1] * (data.tokens.shape[2] - 1)
 
-    def step(tokens, _):
-        with torch.autocast(DEVICE, torch.bfloat16):
-            loss = cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:]) / tokens_per_step
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+    step = user_step(lambda tokens: cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:]) / tokens_per_step,
+                     optimizer)
 
     timing = time_steps(step, data, args.warmup, args.steps)
     import torchtitan as package
@@ -300,13 +302,7 @@ def liger(name: str, data: TextBatches, args, everything: bool) -> tuple[dict, o
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
     forward = torch.compile(model)
 
-    def step(tokens, _):
-        with torch.autocast(DEVICE, torch.bfloat16):
-            loss = forward(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+    step = user_step(lambda tokens: forward(tokens[:, :-1], tokens[:, 1:]), optimizer)
 
     timing = time_steps(step, data, args.warmup, args.steps)
     label = "plain compile + liger loss" + (", norm, swiglu" if everything else "")
