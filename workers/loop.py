@@ -196,8 +196,7 @@ def train(job: WorkerJob, ctx, started_at: float) -> dict:
             rows[-1].update(engine.window_metrics())
             if progress.step % train_cfg.eval_every == 0 or final:
                 with window.paused():
-                    last_val_loss = rows[-1]["val_loss"] = validate(engine, val_loader, train_cfg.eval_samples,
-                                                                    rank, world)
+                    last_val_loss = rows[-1]["val_loss"] = validate(engine, val_loader, train_cfg.eval_samples)
             change = None if final else adapter.maybe_change(progress.step)
             if change is not None:  # re-split in place: the same workers go on from the next sample
                 engine.replan(adapter.plan)
@@ -291,17 +290,19 @@ def open_loaders(spec: WorkerSpec, device: torch.device) -> tuple[BatchLoader, B
     return train_loader, BatchLoader(val, val_reader, device, depth=1)
 
 
-def validate(engine: Engine, val_loader: BatchLoader, eval_samples: int, rank: int, world: int) -> float:
-    """Mean loss over a fixed, evenly spread set of validation samples, split evenly across ranks
-    (every rank runs the same number of forward passes: FSDP's are collective)."""
+def validate(engine: Engine, val_loader: BatchLoader, eval_samples: int) -> float:
+    """Mean loss over a fixed, evenly spread set of validation samples, split evenly across the data-parallel
+    replicas: the ranks of a tensor-parallel group run one model on the same samples, and every rank runs
+    the same number of forward passes (FSDP's and TP's are collective)."""
+    replicas = len(engine.spec.plan.replica_micro_batch_sizes())
     num_samples = val_loader.dataset.num_samples
-    count = max(world, min(eval_samples, num_samples) // world * world)
-    ids = np.linspace(0, num_samples - 1, count).astype(np.int64)[rank::world]
+    count = max(replicas, min(eval_samples, num_samples) // replicas * replicas)
+    ids = np.linspace(0, num_samples - 1, count).astype(np.int64)[engine.worker.data_parallel_rank::replicas]
     size = engine.eval_batch_size
     chunks = [ids[i:i + size] for i in range(0, len(ids), size)]
     loss_sum, tokens = engine.evaluate(val_loader.load(chunks))
     totals = torch.tensor([loss_sum, tokens], dtype=torch.float64, device=engine.device)
-    if dist.is_initialized():
+    if dist.is_initialized():  # each replica's sums come once from each of its ranks: the ratio is the mean
         dist.all_reduce(totals)
     return float(totals[0] / totals[1])
 

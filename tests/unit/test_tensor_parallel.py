@@ -25,6 +25,7 @@ from workers.checkpoint import CheckpointInfo
 from workers import parallel
 from workers.compiler import compile_options, compile_stats
 from workers.engine import Engine
+from workers.loop import open_loaders, validate
 from workers.models import make_workload
 
 LOSS_TOLERANCE = 1e-4
@@ -34,6 +35,7 @@ COMPILED_STEPS = 4
 """Compiled under TP=2. An embedding left without its gradient by the compiled block after it shows by the
 fourth step: GPT's loss there 0.4 % off, at the third 1.3e-4."""
 KINDS = ("gpt", "llama")
+EVAL_SAMPLES = 16
 
 
 def tiny(kind: str, strategy: str = "fsdp", compiled: bool = False) -> JobConfig:
@@ -48,18 +50,30 @@ def tiny(kind: str, strategy: str = "fsdp", compiled: bool = False) -> JobConfig
 
 
 def engine(kind: str, world: int, rank: int, *, tp: int, strategy: str = "fsdp",
-           islands: list[list[int]] | None = None, compiled: bool = False) -> tuple[Engine, int]:
-    """An engine on `world` ranks with tensor-parallel groups of `tp`; returns it and its replica."""
+           islands: list[list[int]] | None = None, compiled: bool = False, data: str = "") -> tuple[Engine, int]:
+    """An engine on `world` ranks with tensor-parallel groups of `tp` (validating on the dataset at `data`);
+    returns it and its replica."""
     torch.set_num_threads(1)  # tiny matmuls: threads only contend with the other ranks
     replicas = world // tp
     spec = uniform_spec(tiny(kind, strategy, compiled), world_size=world, micro_batch_size=2 * MICRO // replicas,
-                        grad_accum_steps=1, tensor_parallel_size=tp, intra_island_groups=islands)
+                        grad_accum_steps=1, tensor_parallel_size=tp, intra_island_groups=islands, data_location=data)
     return Engine(spec, rank, torch.device("cpu")), spec.plan.worker(rank).data_parallel_rank
 
 
 def losses(kind: str, world: int, rank: int, steps: int = STEPS, **layout) -> list[float]:
     trained, replica = engine(kind, world, rank, **layout)
     return _global(train(trained, replica, world // layout["tp"], 1, steps), world, layout["tp"])
+
+
+def validated(kind: str, world: int, rank: int, data: str, **layout) -> dict:
+    """The losses of STEPS steps, then the validation loss the run would report."""
+    trained, replica = engine(kind, world, rank, data=data, **layout)
+    losses_ = _global(train(trained, replica, world // layout["tp"], 1, STEPS), world, layout["tp"])
+    return {"losses": losses_, "val": validation_loss(trained)}
+
+
+def validation_loss(trained: Engine) -> float:
+    return validate(trained, open_loaders(trained.spec, torch.device("cpu"))[1], EVAL_SAMPLES)
 
 
 def _global(losses_: list[float], world: int, tp: int) -> list[float]:
@@ -97,16 +111,17 @@ def masked_step_loss(kind: str, rank: int, world: int) -> float:
     return float(loss)
 
 
-def carried_across_meshes(kind: str, rank: int, world: int, directory: str) -> dict:
-    """TP=2 for STEPS, saved at RESUME_AT; that checkpoint resumed under FSDP2 on 2 for one step, and
-    the checkpoint saved after it resumed under TP=2 again."""
-    tp_engine, _ = engine(kind, world, rank, tp=2)
+def carried_across_meshes(kind: str, rank: int, world: int, directory: str, data: str) -> dict:
+    """TP=2 for STEPS, saved at RESUME_AT, then validated; that checkpoint resumed under FSDP2 on 2 for one
+    step, and the checkpoint saved after it resumed under TP=2 again."""
+    tp_engine, _ = engine(kind, world, rank, tp=2, data=data)
     tp_losses = []
     for step in range(STEPS):
         if step == RESUME_AT:
             info = CheckpointInfo.for_spec(tp_engine.spec, step, 0, world)
             checkpoint.save(f"{directory}/tp", tp_engine.model, tp_engine.optimizer, info).result()
         tp_losses.append(step_loss(tp_engine, 0, 1, step, world, 2))
+    tp_validated = validation_loss(tp_engine)
     dp_engine, replica = engine(kind, world, rank, tp=1)
     checkpoint.load(f"{directory}/tp", dp_engine.model, dp_engine.optimizer)
     to_fsdp = step_loss(dp_engine, replica, 2, RESUME_AT, world, 1)
@@ -114,7 +129,7 @@ def carried_across_meshes(kind: str, rank: int, world: int, directory: str) -> d
     checkpoint.save(f"{directory}/dp", dp_engine.model, dp_engine.optimizer, info).result()
     back, _ = engine(kind, world, rank, tp=2)
     checkpoint.load(f"{directory}/dp", back.model, back.optimizer)
-    return {f"{kind} tp2": tp_losses, f"{kind} tp2 -> fsdp2": to_fsdp,
+    return {f"{kind} tp2": tp_losses, f"{kind} tp2 val": tp_validated, f"{kind} tp2 -> fsdp2": to_fsdp,
             f"{kind} fsdp2 -> tp2": step_loss(back, 0, 1, RESUME_AT + 1, world, 2)}
 
 
@@ -129,37 +144,39 @@ def compiled_losses(kind: str, rank: int, world: int) -> dict:
     return {"losses": trained, "frames": compile_stats().frames_compiled - before}
 
 
-def two_ranks(rank: int, world: int, directory: str) -> dict:
-    """TP=2 alone for GPT and Llama (eager, carried across meshes by checkpoints, and compiled), and
-    on fine-tuning batches."""
+def two_ranks(rank: int, world: int, directory: str, data: str) -> dict:
+    """TP=2 alone for GPT and Llama (eager and validated, carried across meshes by checkpoints, and compiled),
+    and on fine-tuning batches."""
     return {**{key: value for kind in KINDS for key, value in
-               carried_across_meshes(kind, rank, world, f"{directory}/{kind}").items()},
+               carried_across_meshes(kind, rank, world, f"{directory}/{kind}", data).items()},
             **{f"{kind} masked tp2": masked_step_loss(kind, rank, world) for kind in KINDS},
             **{f"{kind} compiled tp2": compiled_losses(kind, rank, world) for kind in KINDS}}
 
 
-def four_ranks(rank: int, world: int) -> dict:
+def four_ranks(rank: int, world: int, data: str) -> dict:
+    llama = validated("llama", world, rank, data, tp=2)
     return {"gpt tp2 x fsdp2": losses("gpt", world, rank, tp=2),
-            "llama tp2 x fsdp2": losses("llama", world, rank, tp=2),
+            "llama tp2 x fsdp2": llama["losses"], "llama tp2 x fsdp2 val": llama["val"],
             "gpt tp2 x ddp": losses("gpt", world, rank, tp=2, strategy="ddp"),
             **{f"{kind} hsdp": losses(kind, world, rank, tp=1, strategy="hsdp", islands=[[0, 1], [2, 3]])
                for kind in KINDS}}
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict[str, list[float]]:
-    """One process, the whole batch: what every layout must reproduce."""
-    return {kind: losses(kind, 1, 0, tp=1) for kind in KINDS}
+def reference(dataset_dir) -> dict:
+    """One process, the whole batch: the losses and validation loss every layout must reproduce."""
+    runs = {kind: validated(kind, 1, 0, str(dataset_dir), tp=1) for kind in KINDS}
+    return {**{kind: run["losses"] for kind, run in runs.items()}, **{f"{kind} val": run["val"] for kind, run in runs.items()}}
 
 
 @pytest.fixture(scope="module")
-def on_two(tmp_path_factory) -> dict:
-    return run_ranks(2, two_ranks, str(tmp_path_factory.mktemp("meshes")))
+def on_two(tmp_path_factory, dataset_dir) -> dict:
+    return run_ranks(2, two_ranks, str(tmp_path_factory.mktemp("meshes")), str(dataset_dir))
 
 
 @pytest.fixture(scope="module")
-def on_four() -> dict:
-    return run_ranks(4, four_ranks)
+def on_four(dataset_dir) -> dict:
+    return run_ranks(4, four_ranks, str(dataset_dir))
 
 
 def close(ours: list[float], theirs: list[float]) -> bool:
@@ -187,6 +204,13 @@ def test_tensor_parallel_fine_tuning_loss_is_the_mean_over_every_counted_target(
 @pytest.mark.parametrize("layout", ["gpt tp2 x fsdp2", "llama tp2 x fsdp2", "gpt tp2 x ddp", "gpt hsdp", "llama hsdp"])
 def test_two_dimensional_meshes_on_four_ranks_give_the_one_process_losses(on_four, reference, layout):
     assert close(on_four[layout], reference[layout.split()[0]])
+
+
+@pytest.mark.parametrize("case", ["gpt tp2 val", "llama tp2 val", "llama tp2 x fsdp2 val"])
+def test_the_validation_loss_under_tensor_parallelism_is_the_one_process_loss(on_two, on_four, reference, case):
+    """The ranks of a tensor-parallel group validate on the same samples; replicas split them."""
+    ours = {**on_two, **on_four}[case]
+    assert close([ours], [reference[f"{case.split()[0]} val"]])
 
 
 @pytest.mark.parametrize("kind", KINDS)
