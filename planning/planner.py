@@ -411,7 +411,8 @@ class Planner:
         """counts with more devices of class c: one device (fine) or a chunk of domains growing
         with the class's size, cut down to the device limit. None when nothing can be added."""
         room = self._capacity[c] - counts[c]
-        limit = self.job.max_devices - sum(counts) if self.job.max_devices else room
+        unit = self.job.tensor_parallel_size  # counts stay whole tensor-parallel groups
+        limit = (self.job.max_devices - sum(counts)) // unit * unit if self.job.max_devices else room
         domain = self._unit_of_class[c]
         step = self.job.tensor_parallel_size if fine else domain * max(1, counts[c] // domain // 4)
         if not fine and counts[c] % domain:
@@ -476,6 +477,7 @@ class Planner:
                                      f"{have}", where="[placement] tensor_parallel_size",
                                      fix=f"set tensor_parallel_size to at most {largest.size if largest else 1}"
                                          ", or use fully sharded data parallelism ([parallel] strategy = \"fsdp\")")
+            self._check_range_holds_groups()
         usable = sum(self._usable(domain) for domain in pool.domains)
         if usable < job.min_devices:
             key = "[placement] min_gpus" if job.use_gpu else "[cluster] num_workers"
@@ -490,6 +492,16 @@ class Planner:
         if missing and job.objective in DOLLAR_OBJECTIVES:
             raise PlacementError(f"no price for {', '.join(missing)}", where="[placement] prices",
                                  fix=f"add them, e.g. prices = {{ \"{missing[0]}\" = 2.0 }} (dollars per hour)")
+
+    def _check_range_holds_groups(self) -> None:
+        """A GPU range with no multiple of tensor_parallel_size in it: no count of whole groups can run."""
+        job, unit = self.job, self.job.tensor_parallel_size
+        lowest = -(-job.min_devices // unit) * unit
+        if job.max_devices and lowest > job.max_devices:
+            raise PlacementError(f"min_gpus = {job.min_devices} to max_gpus = {job.max_devices} holds no multiple of "
+                                 f"tensor_parallel_size = {unit}", where="[placement] max_gpus",
+                                 fix=f"set max_gpus to {lowest} (whole tensor-parallel groups), or tensor_parallel_size "
+                                     "to a size that divides a GPU count in the range")
 
     def _why_no_devices(self, what: str) -> PlacementError:
         """Why the pool is empty, in the cluster's own terms: GPUs nothing describes, GPUs that are all

@@ -104,3 +104,31 @@ def test_tensor_parallel_size_0_weighs_only_sizes_the_job_can_run():
     config = job(TINY, placement={"tensor_parallel_size": 0}, train={"qat": "int8-weight"})
     plan = plan_of("8xH100-SXM:1", config, parameters=1e6, activation_gib_per_sample=0.1)
     assert plan.tensor_parallel_size == 1 and "tensor_parallel_size = 0 took 1" in plan.notes[-1]
+
+
+@pytest.mark.parametrize(("min_gpus", "max_gpus", "planned"), [(1, 3, 2), (2, 3, 2), (4, 5, 4), (1, 5, 4)])
+def test_a_gpu_range_is_planned_in_whole_tensor_parallel_groups(min_gpus, max_gpus, planned):
+    """The most GPUs the range allows that tensor_parallel_size divides; the odd one left is not planned."""
+    config = job(TINY, placement={"tensor_parallel_size": 2, "min_gpus": min_gpus, "max_gpus": max_gpus,
+                                  "objective": "fastest"})
+    plan = plan_of("8xH100-SXM:1", config, parameters=1e6, activation_gib_per_sample=0.1)
+    assert plan.world_size == planned and plan.tensor_parallel_size == 2
+
+
+@pytest.mark.parametrize("gpus", [3, 5])
+def test_a_gpu_range_without_a_whole_tensor_parallel_group_count_is_refused_by_name(gpus):
+    config = job(TINY, placement={"tensor_parallel_size": 2, "min_gpus": gpus, "max_gpus": gpus})
+    with pytest.raises(PlacementError) as refused:
+        plan_of("8xH100-SXM:1", config, parameters=1e6, activation_gib_per_sample=0.1)
+    assert refused.value.where == "[placement] max_gpus"
+    assert "holds no multiple of tensor_parallel_size = 2" in refused.value.what
+    assert f"set max_gpus to {gpus + 1}" in refused.value.fix
+
+
+def test_tensor_parallel_size_0_on_an_odd_gpu_count_takes_1_and_says_why_not_2():
+    """What an elastic re-plan for 3 granted GPUs asks."""
+    config = job(TINY, placement={"tensor_parallel_size": 0, "min_gpus": 3, "max_gpus": 3},
+                 train={"global_batch_size": 48})
+    plan = plan_of("8xH100-SXM:1", config, parameters=1e6, activation_gib_per_sample=0.1)
+    assert (plan.world_size, plan.tensor_parallel_size) == (3, 1)
+    assert "2: refused, min_gpus = 3 to max_gpus = 3 holds no multiple" in plan.notes[-1]
