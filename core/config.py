@@ -783,6 +783,12 @@ class JobConfig:
         _check(not elastic or self.elastic.min_workers <= self.cluster.num_workers, "[elastic] min_workers",
                f"{self.elastic.min_workers} is above [cluster] num_workers = {self.cluster.num_workers}",
                "set min_workers to at most num_workers, or 0 for a fixed size")
+        tp = self.placement.tensor_parallel_size
+        _check(not elastic or tp <= 1, "[elastic] min_workers",
+               f"Ray Train restarts an elastic group on any worker count from {self.elastic.min_workers} up, and "
+               f"tensor_parallel_size = {tp} runs only on multiples of {tp}",
+               "set [placement] tensor_parallel_size = 0 (each re-plan takes a size that divides the workers "
+               "granted), or min_workers = 0 for a fixed size")
         if self.train.batch_size == "adaptive":
             self._check_adaptive_batch()
         if self.cluster.use_gpu:

@@ -61,3 +61,13 @@ def test_tensor_parallelism_on_cpus_is_refused_not_dropped():
     assert "tensor_parallel_size = 1" in refused.value.fix
     for size in (0, 1):  # the planner's pick, and nothing split
         assert JobConfig.from_dict({"placement": {"tensor_parallel_size": size}}).placement.tensor_parallel_size == size
+
+
+def test_an_elastic_job_with_a_fixed_tensor_parallel_size_is_refused_and_the_planners_pick_is_not():
+    """Ray Train may grant an elastic group a worker count the groups do not divide (3 for groups of 2)."""
+    gpu_job = {"cluster": {"use_gpu": True, "num_workers": 4}, "elastic": {"min_workers": 2}}
+    with pytest.raises(ConfigError) as refused:
+        JobConfig.from_dict({**gpu_job, "placement": {"tensor_parallel_size": 2}})
+    assert refused.value.where == "[elastic] min_workers"
+    assert "runs only on multiples of 2" in refused.value.what and "tensor_parallel_size = 0" in refused.value.fix
+    assert JobConfig.from_dict({**gpu_job, "placement": {"tensor_parallel_size": 0}}).placement.tensor_parallel_size == 0
