@@ -4,9 +4,10 @@
     apply_tensor_parallel(model, workload, mesh["tp"])
     with loss_context(tensor_parallel=True): loss = …; loss.backward()
 
-Ranks are laid out row-major, tensor-parallel ranks innermost, as the planner numbers them: each
-tensor-parallel group is consecutive ranks inside one NVLink island, and under hsdp each shard
-group is one island.
+Each worker sits in the mesh where its plan entry says (its replica, its tensor-parallel rank), not
+where its rank would put it row-major: the planner numbers each tensor-parallel group consecutively
+inside one NVLink island (under hsdp each shard group is one island), but Ray numbers the workers
+itself, and the plan renumbered to Ray's order keeps the groups, not their order.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
-from core.errors import ConfigError
+from core.errors import ConfigError, PlacementError
 from core.plan import DataParallel, Plan
 from core.workload import Workload
 
@@ -28,7 +29,22 @@ def device_mesh(plan: Plan, device: torch.device) -> DeviceMesh:
     and, with dp_shard of 1, ddp beside tensor parallelism."""
     sizes = dict(zip(plan.mesh_dim_names, plan.mesh_shape))
     shape = (sizes.get("dp_replicate", 1), sizes.get("dp_shard", 1), sizes.get("tp", 1))
-    return init_device_mesh(device.type, shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    return DeviceMesh(device.type, mesh_ranks(plan, shape), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+
+
+def mesh_ranks(plan: Plan, shape: tuple[int, int, int]) -> torch.Tensor:
+    """Each worker's rank at its place in the (dp_replicate, dp_shard, tp) mesh, by its plan entry's
+    replica and tensor-parallel rank: Ray numbers the workers itself (Plan.reordered), so a group the
+    plan put on one island need not be consecutive ranks, as a mesh laid out from the shape would assume."""
+    ranks = torch.full(shape, -1, dtype=torch.int)
+    shard = shape[1]
+    for worker in plan.workers:
+        replica = worker.data_parallel_rank
+        ranks[replica // shard, replica % shard, worker.tensor_parallel_rank] = worker.rank
+    if sorted(ranks.flatten().tolist()) != list(range(plan.world_size)):
+        raise PlacementError(f"the plan's replicas and tensor-parallel ranks do not fill the {'×'.join(map(str, shape))} "
+                             "mesh once each", where="plan", fix="plan again with `archipelago plan`")
+    return ranks
 
 
 def data_parallel_mesh(plan: Plan, mesh: DeviceMesh) -> DeviceMesh:

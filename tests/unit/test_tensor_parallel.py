@@ -50,13 +50,17 @@ def tiny(kind: str, strategy: str = "fsdp", compiled: bool = False) -> JobConfig
 
 
 def engine(kind: str, world: int, rank: int, *, tp: int, strategy: str = "fsdp",
-           islands: list[list[int]] | None = None, compiled: bool = False, data: str = "") -> tuple[Engine, int]:
+           islands: list[list[int]] | None = None, compiled: bool = False, data: str = "",
+           claimed: list[int] | None = None) -> tuple[Engine, int]:
     """An engine on `world` ranks with tensor-parallel groups of `tp` (validating on the dataset at `data`);
-    returns it and its replica."""
+    returns it and its replica. claimed: the plan renumbered as Ray's workers claimed its entries (rank i
+    runs plan rank claimed[i])."""
     torch.set_num_threads(1)  # tiny matmuls: threads only contend with the other ranks
     replicas = world // tp
     spec = uniform_spec(tiny(kind, strategy, compiled), world_size=world, micro_batch_size=2 * MICRO // replicas,
                         grad_accum_steps=1, tensor_parallel_size=tp, intra_island_groups=islands, data_location=data)
+    if claimed is not None:
+        spec = spec.with_plan(spec.plan.reordered(claimed))
     return Engine(spec, rank, torch.device("cpu")), spec.plan.worker(rank).data_parallel_rank
 
 
@@ -158,6 +162,8 @@ def four_ranks(rank: int, world: int, data: str) -> dict:
     return {"gpt tp2 x fsdp2": losses("gpt", world, rank, tp=2),
             "llama tp2 x fsdp2": llama["losses"], "llama tp2 x fsdp2 val": llama["val"],
             "gpt tp2 x ddp": losses("gpt", world, rank, tp=2, strategy="ddp"),
+            # Ray numbered the workers on GPUs 0, 2 (one NVLink pair) and 1, 3 (the other) in GPU order
+            "gpt tp2 x fsdp2, groups not consecutive": losses("gpt", world, rank, tp=2, claimed=[0, 2, 1, 3]),
             **{f"{kind} hsdp": losses(kind, world, rank, tp=1, strategy="hsdp", islands=[[0, 1], [2, 3]])
                for kind in KINDS}}
 
@@ -201,7 +207,8 @@ def test_tensor_parallel_fine_tuning_loss_is_the_mean_over_every_counted_target(
     assert on_two[f"{kind} masked tp2"] == pytest.approx(float(expected), rel=LOSS_TOLERANCE)
 
 
-@pytest.mark.parametrize("layout", ["gpt tp2 x fsdp2", "llama tp2 x fsdp2", "gpt tp2 x ddp", "gpt hsdp", "llama hsdp"])
+@pytest.mark.parametrize("layout", ["gpt tp2 x fsdp2", "llama tp2 x fsdp2", "gpt tp2 x ddp", "gpt hsdp", "llama hsdp",
+                                    "gpt tp2 x fsdp2, groups not consecutive"])
 def test_two_dimensional_meshes_on_four_ranks_give_the_one_process_losses(on_four, reference, layout):
     assert close(on_four[layout], reference[layout.split()[0]])
 
