@@ -115,8 +115,10 @@ def tensor_parallel_refusal(size: int, *, use_gpu: bool = True, builtin_model: b
                        "[train] bf16_weights", f"set bf16_weights = false, {fix}")
     for name, value in (divisible or {}).items():
         if value % size:
+            sizes = [str(d) for d in range(1, min(value, 16) + 1) if value % d == 0]  # the sizes a group on one island takes
+            listed = sizes[0] if len(sizes) == 1 else f"{', '.join(sizes[:-1])} or {sizes[-1]}"
             return Refusal(f"{name} = {value} does not split evenly over {size} ranks", where,
-                           f"set tensor_parallel_size to a divisor of {value}")
+                           f"set tensor_parallel_size to {listed}")
     return None
 
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from core import rules
 from core.config import JobConfig
-from core.errors import PlacementError
+from core.errors import ConfigError, PlacementError
 from core.plan import (
     DataParallel,
     DeviceBasis,
@@ -162,11 +162,15 @@ class Planner:
         island that the model's heads, hidden width and sequence split evenly over; the best under the
         objective, with notes saying what each other size was predicted to do or why it could not run."""
         largest = max((d.size for d in self.pool.domains if d.nvlink), default=1)
-        sizes = [t for t in (2 ** k for k in range(8))
-                 if t <= largest and self.config.tensor_parallel_refusal(t) is None]
         plans: dict[int, Plan] = {}
-        refused: dict[int, PlacementError] = {}
-        for t in sizes:
+        refused: dict[int, ConfigError | PlacementError] = {}
+        for t in (2 ** k for k in range(8)):
+            if t > largest:
+                break
+            rule = self.config.tensor_parallel_refusal(t)
+            if rule is not None:
+                refused[t] = rule.error()
+                continue
             config = dataclasses.replace(self.config, placement=dataclasses.replace(self.config.placement,
                                                                                     tensor_parallel_size=t))
             try:

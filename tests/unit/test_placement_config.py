@@ -71,3 +71,12 @@ def test_an_elastic_job_with_a_fixed_tensor_parallel_size_is_refused_and_the_pla
     assert refused.value.where == "[elastic] min_workers"
     assert "runs only on multiples of 2" in refused.value.what and "tensor_parallel_size = 0" in refused.value.fix
     assert JobConfig.from_dict({**gpu_job, "placement": {"tensor_parallel_size": 0}}).placement.tensor_parallel_size == 0
+
+
+def test_a_model_that_does_not_split_over_the_tensor_parallel_size_names_the_sizes_that_do():
+    llama = {"kind": "llama", "n_layer": 2, "n_head": 8, "n_kv_head": 2, "n_embd": 64, "seq_len": 32}
+    with pytest.raises(ConfigError) as refused:
+        JobConfig.from_dict({"cluster": {"use_gpu": True}, "model": llama, "placement": {"tensor_parallel_size": 4}})
+    assert refused.value.where == "[placement] tensor_parallel_size"
+    assert refused.value.what == "[model] n_kv_head = 2 does not split evenly over 4 ranks"
+    assert refused.value.fix == "set tensor_parallel_size to 1 or 2"

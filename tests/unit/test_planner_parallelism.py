@@ -132,3 +132,12 @@ def test_tensor_parallel_size_0_on_an_odd_gpu_count_takes_1_and_says_why_not_2()
     plan = plan_of("8xH100-SXM:1", config, parameters=1e6, activation_gib_per_sample=0.1)
     assert (plan.world_size, plan.tensor_parallel_size) == (3, 1)
     assert "2: refused, min_gpus = 3 to max_gpus = 3 holds no multiple" in plan.notes[-1]
+
+
+def test_tensor_parallel_size_0_says_why_the_sizes_the_model_cannot_split_over_were_not_weighed():
+    """Two key/value heads split over 1 or 2 ranks; the island's 4 and 8 are named with the reason."""
+    config = job({**TINY, "kind": "llama", "n_kv_head": 2}, placement={"tensor_parallel_size": 0})
+    plan = plan_of("8xH100-SXM:1", config, parameters=1e6, activation_gib_per_sample=0.1)
+    note = plan.notes[-1]
+    for size in (4, 8):
+        assert f"{size}: refused, [model] n_kv_head = 2 does not split evenly over {size} ranks" in note
