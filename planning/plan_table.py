@@ -33,16 +33,21 @@ def print_plan(plan: Plan, naive: Plan | None, console: Console, *, naive_reason
 
 
 def _headline(plan: Plan) -> str:
-    tp = f", tensor parallel {plan.tensor_parallel_size}" if plan.tensor_parallel_size > 1 else ""
-    buckets = ", ".join(f"{kind} {size / 2**20:.0f} MiB" for kind, size in plan.ddp_bucket_bytes.items())
+    # Beside tensor parallelism the data-parallel side runs on FSDP2 (ddp as replicas of one shard), which
+    # has no DDP comm hook or buckets.
+    on_mesh = plan.tensor_parallel_size > 1
+    strategy = plan.data_parallel.value
+    if on_mesh:
+        strategy += f"{' as FSDP2 replicas' * (strategy == 'ddp')}, tensor parallel {plan.tensor_parallel_size}"
+    buckets = "" if on_mesh else ", ".join(f"{kind} {size / 2**20:.0f} MiB" for kind, size in plan.ddp_bucket_bytes.items())
     workers = f"{plan.world_size} worker{'s' * (plan.world_size != 1)}"
     reduction = {AllReduce.NONE: "no gradient reduction",
                  AllReduce.ALL_GATHER: f"all-gather of compressed gradients over {plan.backend}"}.get(
         plan.allreduce, f"{plan.allreduce.value} all-reduce over {plan.backend}")
-    if plan.comm_hook and plan.allreduce != AllReduce.NONE and plan.data_parallel.value == "ddp":
+    if plan.comm_hook and plan.allreduce != AllReduce.NONE and plan.data_parallel.value == "ddp" and not on_mesh:
         reduction += f" (comm hook {plan.comm_hook})"
     return (f"[bold]plan '{escape(plan.job_name)}'[/] ({plan.objective.value}): {workers}, "
-            f"{plan.data_parallel.value}{tp}, {reduction}, global batch {plan.global_batch_size} = "
+            f"{strategy}, {reduction}, global batch {plan.global_batch_size} = "
             f"{_micro_batches(plan)} × {plan.grad_accum_steps} accumulation" + (f"; buckets {buckets}" if buckets else ""))
 
 

@@ -6,11 +6,13 @@ model this size would measure), so no test builds a large fake model."""
 from __future__ import annotations
 
 import pytest
+from rich.console import Console
 
 from core.config import JobConfig
 from core.errors import PlacementError
 from core.plan import DataParallel, DeviceKind
 from planning.memory import MemoryProfile, StepMemory, StepSpec
+from planning.plan_table import print_plan
 from planning.planner import Planner
 from topology import machines
 
@@ -141,3 +143,16 @@ def test_tensor_parallel_size_0_says_why_the_sizes_the_model_cannot_split_over_w
     note = plan.notes[-1]
     for size in (4, 8):
         assert f"{size}: refused, [model] n_kv_head = 2 does not split evenly over {size} ranks" in note
+
+
+def test_the_plan_headline_under_tensor_parallelism_names_fsdp2_replicas_and_no_ddp_hook_or_buckets():
+    def headline(placement: dict) -> str:
+        console = Console(record=True, width=400)
+        print_plan(plan_of("8xH100-SXM:1", job(TINY, placement={"min_gpus": 4, "max_gpus": 4, **placement}),
+                           parameters=1e6, activation_gib_per_sample=0.1), None, console)
+        return console.export_text().splitlines()[0]
+    ddp = headline({})
+    assert ", ddp, " in ddp and "(comm hook allreduce)" in ddp and "; buckets" in ddp, ddp
+    tp = headline({"tensor_parallel_size": 2})
+    assert "ddp as FSDP2 replicas, tensor parallel 2, ring all-reduce" in tp, tp
+    assert "comm hook" not in tp and "buckets" not in tp
