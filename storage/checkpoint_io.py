@@ -582,7 +582,7 @@ def load_checkpoint(state: dict[str, Any], location: str | Path | Location, *, r
         raise CheckpointError(f"not a committed checkpoint (no {DCP_METADATA})", where=str(location),
                               fix="load an earlier committed step; CheckpointStore.latest() picks the newest")
     storage_reader = RawReader(location, reader=reader, threads=threads)
-    with _user_errors():
+    with _user_errors(loading=location):
         dcp.load(state, storage_reader=storage_reader, process_group=process_group, no_dist=not _distributed())
     return storage_reader.used
 
@@ -593,16 +593,27 @@ def checkpoint_group() -> Any:
     return dist.new_group(backend="gloo") if _distributed() else None
 
 
+_ANOTHER_MODEL = ("Size mismatch between saved", "Missing key in checkpoint state_dict")
+"""How DCP's load planner words a checkpoint whose tensors are not the model's (torch 2.11–2.13)."""
+
+
 @contextlib.contextmanager
-def _user_errors() -> Iterator[None]:
-    """DCP wraps every rank's exception in a CheckpointException; an ArchipelagoError inside comes out as is."""
+def _user_errors(*, loading: Location | None = None) -> Iterator[None]:
+    """DCP wraps every rank's exception in a CheckpointException; an ArchipelagoError inside comes out as is,
+    and so, as a CheckpointError, does a step `loading` whose tensors do not fit the model: no retry of
+    the load (Ray's restart after a failure) could change either."""
     try:
         yield
     except CheckpointException as e:
-        for failure in e.failures.values():
-            error = failure[0] if isinstance(failure, tuple) else failure
+        errors = [failure[0] if isinstance(failure, tuple) else failure for failure in e.failures.values()]
+        for error in errors:
             if isinstance(error, ArchipelagoError):
                 raise error from None
+        for error in errors:
+            if loading is not None and str(error).startswith(_ANOTHER_MODEL):
+                raise CheckpointError(f"the checkpoint was written by another model: {error}", where=str(loading),
+                                      fix="resume with the model that wrote it (its [model] table or factory), or "
+                                          "start a new run: --overwrite, or another name") from None
         raise
 
 

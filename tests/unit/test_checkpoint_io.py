@@ -281,3 +281,20 @@ def test_every_file_of_a_committed_step_has_its_checksum(tmp_path):
     for name, written in sums.items():
         data = (step / name).read_bytes()
         assert written == {"bytes": len(data), "crc32": zlib.crc32(data)}
+
+
+def test_a_checkpoint_of_another_shape_is_a_checkpoint_error_naming_the_tensor(tmp_path):
+    """A factory's model changed in code (the [model] table, which the driver compares, did not): the load
+    fails on the worker, where a CheckpointError stops the run instead of Ray retrying it."""
+    model, optimizer = trained(0)
+    checkpoint.save(tmp_path / "ck", model, optimizer, info(1))
+    wider = dataclasses.replace(CONFIG, model=dataclasses.replace(CONFIG.model, n_embd=48))
+    other, other_optimizer = trained(0, wider)
+    with pytest.raises(CheckpointError) as refused:
+        checkpoint.load(tmp_path / "ck", other, other_optimizer)
+    assert refused.value.where == str(tmp_path / "ck")
+    assert "written by another model: Size mismatch between saved torch.Size([257, 32])" in refused.value.what
+    assert "--overwrite" in refused.value.fix
+    deeper = dataclasses.replace(CONFIG, model=dataclasses.replace(CONFIG.model, n_layer=2))
+    with pytest.raises(CheckpointError, match="written by another model: Missing key in checkpoint state_dict"):
+        checkpoint.load(tmp_path / "ck", *trained(0, deeper))
