@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from core.adaptive_batch import AdaptiveBatch
 from core.errors import CheckpointError
 from core.schedule import LrSchedule
 from core.spec import WorkerSpec
@@ -90,7 +91,10 @@ def read_info(directory: str | Path | Location) -> CheckpointInfo:
     try:
         fields = json.loads((location / INFO_FILE).read_bytes())
         schedule = fields.pop("lr_schedule", None)
-        return CheckpointInfo(**fields, lr_schedule=None if schedule is None else LrSchedule.from_dict(schedule))
+        info = CheckpointInfo(**fields, lr_schedule=None if schedule is None else LrSchedule.from_dict(schedule))
+        if info.adaptive_batch is not None:  # read here, where its damage is this file's, not on a worker's resume
+            AdaptiveBatch.from_dict(info.adaptive_batch)
+        return info
     except (json.JSONDecodeError, TypeError, UnicodeDecodeError, KeyError, AttributeError) as e:
         raise CheckpointError(f"{INFO_FILE} is unreadable ({e})", where=str(location),
                               fix="resume from an earlier checkpoint or start over") from None

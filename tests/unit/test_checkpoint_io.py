@@ -8,6 +8,7 @@ import zlib
 import pytest
 import torch
 
+from core.adaptive_batch import AdaptiveBatch
 from core.config import JobConfig
 from core.errors import CheckpointError
 from orchestrator.run_dir import RunDirectory
@@ -298,3 +299,17 @@ def test_a_checkpoint_of_another_shape_is_a_checkpoint_error_naming_the_tensor(t
     deeper = dataclasses.replace(CONFIG, model=dataclasses.replace(CONFIG.model, n_layer=2))
     with pytest.raises(CheckpointError, match="written by another model: Missing key in checkpoint state_dict"):
         checkpoint.load(tmp_path / "ck", *trained(0, deeper))
+
+
+@pytest.mark.parametrize("state", [{"batch": 4}, {"batch": 4, "estimator": {"no_such_field": 1}, "changes": 0}])
+def test_an_adaptive_batch_state_the_resume_cannot_read_is_a_checkpoint_error_when_read(tmp_path, state):
+    model, optimizer = trained(0)
+    adaptive = checkpoint.CheckpointInfo.for_spec(job_spec(CONFIG), 1, 4, world_size=1,
+                                                  adaptive_batch=AdaptiveBatch(4).to_dict())
+    checkpoint.save(tmp_path / "ck", model, optimizer, adaptive)
+    assert checkpoint.read_info(tmp_path / "ck").adaptive_batch == AdaptiveBatch(4).to_dict()
+    path = tmp_path / "ck" / checkpoint.INFO_FILE
+    path.write_text(json.dumps({**json.loads(path.read_text()), "adaptive_batch": state}))
+    with pytest.raises(CheckpointError, match="archipelago.json is unreadable") as refused:
+        checkpoint.read_info(tmp_path / "ck")
+    assert refused.value.where == str(tmp_path / "ck")
