@@ -109,6 +109,12 @@ class BatchPolicy:
         """Samples the run trains: [train] steps of the base batch, whatever the batch does."""
         return steps * self.base_batch
 
+    def finished(self, step: int, consumed_samples: int, steps: int) -> bool:
+        """An adaptive run trains [train] steps × global_batch_size samples; a fixed one [train] steps."""
+        if not self.adaptive:
+            return step >= steps
+        return consumed_samples >= self.total_samples(steps)
+
     def lr_multiplier(self, state: AdaptiveBatch) -> float:
         scale = state.batch / self.base_batch
         if self.lr_scaling == "sqrt":

@@ -29,6 +29,7 @@ from rich.console import Console
 
 import planning
 import topology
+from core.adaptive_batch import BatchPolicy
 from core.config import JobConfig
 from core.errors import ArchipelagoError, ConfigError, DataError, FailureBudgetError
 from core.plan import Plan
@@ -133,7 +134,8 @@ class Orchestrator:
             check_takes_loss_masks(self.workload)
         self._tokenizer = tokenizer
         resume_from = self._resume_point(tokenizer)
-        if resume_from is not None and resume_from[1].step >= self.config.train.steps:
+        if resume_from is not None and BatchPolicy.for_train(self.config.train).finished(
+                resume_from[1].step, resume_from[1].consumed_samples, self.config.train.steps):
             return self._already_trained(*resume_from)
         start = self._open_run(resume_from)
         try:
@@ -177,8 +179,11 @@ class Orchestrator:
     def _already_trained(self, latest: Path | Location, info: checkpoint.CheckpointInfo) -> FitResult:
         """--resume of a run whose latest checkpoint is at or past [train] steps: said, and nothing touched."""
         steps = self.config.train.steps
-        self.console.print(f"run {self.config.name!r} is trained to step {info.step} ({latest}) and [train] steps = "
-                           f"{steps}: nothing to train. Raise [train] steps to train further; "
+        batch = self.config.train.global_batch_size
+        trained = (f"{info.consumed_samples:,} samples, and an adaptive batch trains [train] steps × global_batch_size "
+                   f"= {steps} × {batch}" if self.config.train.batch_size == "adaptive" else f"[train] steps = {steps}")
+        self.console.print(f"run {self.config.name!r} is trained to step {info.step} ({latest}) and {trained}: "
+                           "nothing to train. Raise [train] steps to train further; "
                            f"`archipelago report {self.run.path}` shows the run.", markup=False, highlight=False)
         return FitResult([], latest, Plan.load(self.run.plan_path), RunReport.load(self.run.path), trained=False)
 

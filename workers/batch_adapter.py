@@ -47,10 +47,7 @@ class BatchAdapter:
         return schedule.lr_at(self.policy.progress(consumed_samples)) * self.policy.lr_multiplier(self.state)
 
     def finished(self, step: int, consumed_samples: int, steps: int) -> bool:
-        """An adaptive run trains [train] steps × global_batch_size samples; a fixed one [train] steps."""
-        if not self.policy.adaptive:
-            return step >= steps
-        return consumed_samples >= self.policy.total_samples(steps)
+        return self.policy.finished(step, consumed_samples, steps)
 
     def measured(self, rows: list[dict]) -> None:
         """Feeds the window's norms to the estimator; each row gains the step's global batch and the

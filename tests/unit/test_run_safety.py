@@ -51,18 +51,22 @@ def config(tmp_path, dataset_dir):
 
 @pytest.fixture
 def finished(config) -> RunDirectory:
-    """A run as fit leaves it after training to [train] steps: a committed checkpoint of the last step,
-    plan.json, metrics, bill and report."""
+    return finished_run(config, consumed_samples=STEPS * 8)
+
+
+def finished_run(config, *, consumed_samples: int) -> RunDirectory:
+    """A run as fit leaves it after training STEPS steps, consumed_samples samples: a committed checkpoint
+    of the last step, plan.json, metrics, bill and report."""
     run = RunDirectory(config.runs_dir, config.name)
     run.create(overwrite=False)
     spec = job_spec(config)
     model, optimizer = trained(0, config)
     checkpoint.save(run.checkpoints.step(STEPS), model, optimizer,
-                    checkpoint.CheckpointInfo.for_spec(spec, STEPS, STEPS * 8, 2)).result()
+                    checkpoint.CheckpointInfo.for_spec(spec, STEPS, consumed_samples, 2)).result()
     spec.plan.save(run.plan_path)
     rows = [{"event": "start", "step": 0, "world_size": 2, "device": "cpu", "params": 1, "flops_per_token": 1.0},
             *({"step": s, "loss": 5.0 - s / 10, "tokens_per_s": 1000.0} for s in range(1, STEPS + 1))]
-    rows[-1]["consumed_samples"] = STEPS * 8
+    rows[-1]["consumed_samples"] = consumed_samples
     run.append_metrics(rows)
     bill = BillMeter(Rates.from_plan(spec.plan)).observe(rows)
     (run.path / "bill.jsonl").write_text("".join(json.dumps(row) + "\n" for row in bill))
@@ -79,6 +83,20 @@ def test_resume_of_a_trained_run_says_so_exits_0_and_touches_nothing(capsys, tmp
     out = capsys.readouterr().out.replace("\n", "")
     assert code == 0 and f"run 'tiny' is trained to step {STEPS}" in out and f"[train] steps = {STEPS}: nothing to train" in out
     assert "Raise [train] steps to train further" in out and "tokens/s" not in out  # no empty summary
+    assert snapshot(tmp_path / "runs") == before and not ray.is_initialized()
+
+
+def test_resume_of_an_adaptive_run_that_trained_its_samples_in_fewer_steps_says_so(capsys, tmp_path, dataset_dir):
+    """An adaptive batch trains [train] steps × global_batch_size samples, in however many steps its batches
+    take: here STEPS + 2 steps' worth in STEPS larger steps."""
+    adaptive = tiny_job(dataset_dir, tmp_path / "runs", train={"steps": STEPS + 2, "batch_size": "adaptive",
+                                                               "min_batch_size": 8, "max_batch_size": 16})
+    finished_run(adaptive, consumed_samples=(STEPS + 2) * 8)
+    before = snapshot(tmp_path / "runs")
+    code = main(["fit", str(write_job(tmp_path / "job.toml", adaptive)), "--resume"])
+    out = capsys.readouterr().out.replace("\n", "")
+    assert code == 0 and f"is trained to step {STEPS}" in out, out
+    assert f"{(STEPS + 2) * 8} samples, and an adaptive batch trains [train] steps × global_batch_size = {STEPS + 2} × 8" in out
     assert snapshot(tmp_path / "runs") == before and not ray.is_initialized()
 
 
