@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow.fs as pafs
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -162,14 +163,14 @@ class DamagedStep:
 def step_damage(step_dir: str | Path | Location) -> str | None:
     """What is wrong with a committed step, or None: `.metadata` unpickles, every file it names is in checksums.json,
     and every file there has the size and crc32 it was written with (each file read once). A step saved before
-    checksums.json existed is held to its `.metadata` alone."""
+    checksums.json existed is held to its `.metadata` and the sizes of the files it names."""
     location = Location.parse(step_dir, error=CheckpointError)
     try:
         metadata = RawReader(location).read_metadata()
     except CheckpointError as e:
         return e.what
     if not (location / CHECKSUMS).is_file():
-        return None
+        return _short_file(location, metadata)
     try:
         sums = {name: FileSum(**fields) for name, fields in json.loads((location / CHECKSUMS).read_bytes()).items()}
     except (ValueError, TypeError, AttributeError) as e:
@@ -184,6 +185,21 @@ def step_damage(step_dir: str | Path | Location) -> str | None:
         if found != written:
             return (f"{name} has {found.bytes} bytes with crc32 {found.crc32:#010x}; it was written as "
                     f"{written.bytes} bytes with crc32 {written.crc32:#010x}")
+    return None
+
+
+def _short_file(location: Location, metadata: Metadata) -> str | None:
+    """A data file `.metadata` names that is missing or ends before the last byte it should hold."""
+    ends: dict[str, int] = {}
+    for extent in metadata.storage_data.values():
+        if isinstance(extent, RawExtent):
+            ends[extent.relative_path] = max(ends.get(extent.relative_path, 0), extent.offset + extent.length)
+    for name, end in sorted(ends.items()):
+        found = (location / name).info()
+        if found.type == pafs.FileType.NotFound:
+            return f"{name} is missing"
+        if found.size < end:
+            return f"{name} has {found.size} bytes; its tensors end at byte {end}"
     return None
 
 

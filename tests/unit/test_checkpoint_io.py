@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 import pickle
 import zlib
 
@@ -243,7 +244,11 @@ def saved_steps(run: RunDirectory, *steps: int) -> None:
     (lambda step: (step / ".metadata").write_bytes(b"\x80\x04garbage" * 10), ".metadata is unreadable"),
     (lambda step: (step / "archipelago.json").write_text("{}"), "archipelago.json has 2 bytes"),
     (lambda step: next(step.glob("*.distcp")).unlink(), "is missing"),
-], ids=["bytes-changed", "metadata-garbage", "info-replaced", "file-missing"])
+    # Steps saved before checksums.json: held to the sizes .metadata gives their files.
+    (lambda step: ((step / "checksums.json").unlink(), os.truncate(next(step.glob("*.distcp")), 4096)),
+     "has 4096 bytes; its tensors end at byte"),
+    (lambda step: ((step / "checksums.json").unlink(), next(step.glob("*.distcp")).unlink()), "is missing"),
+], ids=["bytes-changed", "metadata-garbage", "info-replaced", "file-missing", "legacy-truncated", "legacy-missing"])
 def test_resume_falls_back_past_a_damaged_newest_step_and_keeps_it(tmp_path, damage, problem):
     run = RunDirectory(tmp_path, "job")
     run.create(overwrite=False)
