@@ -134,7 +134,7 @@ def read_manifest(directory: str | Path | Location) -> Manifest:
     except (pa.ArrowInvalid, OSError) as e:
         raise DataError(f"manifest is not readable Parquet ({e})", where=str(path), fix=PREPARE_AGAIN) from None
     meta = table.schema.metadata or {}
-    version = int(meta.get(b"format_version", b"0"))
+    version = _meta_int(meta, b"format_version", path, default=0)
     if version != FORMAT_VERSION:
         raise DataError(f"manifest format version {version}, this archipelago reads version {FORMAT_VERSION}",
                         where=str(path), fix="prepare the dataset again with this version of `archipelago prepare`")
@@ -146,8 +146,20 @@ def read_manifest(directory: str | Path | Location) -> Manifest:
         if shard.dtype not in TOKEN_DTYPES:
             raise DataError(f"shard dtype {shard.dtype!r} is not one of {TOKEN_DTYPES}",
                             where=f"{location / shard.path} (manifest row)", fix=PREPARE_AGAIN)
-    return Manifest(int(meta[b"vocab_size"]), shards, token_flags=meta.get(b"token_flags", b"0") == b"1",
-                    packed_seq_len=int(meta.get(b"packed_seq_len", b"0")))
+    return Manifest(_meta_int(meta, b"vocab_size", path), shards, token_flags=meta.get(b"token_flags", b"0") == b"1",
+                    packed_seq_len=_meta_int(meta, b"packed_seq_len", path, default=0))
+
+
+def _meta_int(meta: dict[bytes, bytes], key: bytes, path: Location, *, default: int | None = None) -> int:
+    """A whole number from the manifest's Parquet metadata; `default` where an older prepare left it out."""
+    text = meta.get(key)
+    if text is None and default is not None:
+        return default
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        found = "missing" if text is None else f"{text[:40]!r}, not a whole number"
+        raise DataError(f"manifest metadata {key.decode()} is {found}", where=str(path), fix=PREPARE_AGAIN) from None
 
 
 def check_shard(location: Location, shard: ShardInfo, header: bytes, size: int) -> None:

@@ -129,6 +129,25 @@ def test_a_manifest_of_another_version_is_refused(dataset_dir, tmp_path):
         TokenDataset(copy, "train", 32)
 
 
+@pytest.mark.parametrize("key, value, problem", [
+    (b"vocab_size", None, "manifest metadata vocab_size is missing"),
+    (b"vocab_size", b"lots", "manifest metadata vocab_size is b'lots', not a whole number"),
+    (b"format_version", b"one", "manifest metadata format_version is b'one', not a whole number"),
+])
+def test_a_manifest_whose_metadata_is_missing_or_garbled_is_a_data_error(dataset_dir, tmp_path, key, value, problem):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(dataset_dir, copy)
+    table = pq.read_table(copy / MANIFEST)
+    meta = {k: v for k, v in table.schema.metadata.items() if k != key} | ({key: value} if value is not None else {})
+    pq.write_table(table.replace_schema_metadata(meta), copy / MANIFEST)
+    with pytest.raises(DataError) as refused:
+        read_manifest(copy)
+    assert refused.value.what == problem and refused.value.where.endswith(MANIFEST)
+    assert "prepare" in refused.value.fix
+
+
 def test_check_files_catches_missing_and_resized_shards_with_one_listing(dataset_dir, tmp_path):
     import shutil
 
