@@ -130,7 +130,7 @@ def _prepare(args: argparse.Namespace, console: Console) -> int:
     console.print(f"{summary.directory}: {summary.documents['train']:,} train documents "
                   f"({summary.tokens['train']:,} tokens), {summary.documents['val']:,} validation documents "
                   f"({summary.tokens['val']:,} tokens), {summary.shards} shards, tokenizer {summary.tokenizer}, "
-                  f"{summary.workers} processes", markup=False, highlight=False)
+                  f"{summary.workers} processes{summary.truncation_note}", markup=False, highlight=False)
     return 0
 
 

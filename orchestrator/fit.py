@@ -313,7 +313,8 @@ class Orchestrator:
                                       tokenizer=data.tokenizer, workers=data.prepare_workers,
                                       seq_len=self.config.model.seq_len)
             self.console.print(f"prepared {summary.tokens['train']:,} train and {summary.tokens['val']:,} "
-                               f"validation tokens in {summary.shards} shards ({summary.workers} processes)")
+                               f"validation tokens in {summary.shards} shards ({summary.workers} processes){summary.truncation_note}",
+                               markup=False)
         train = TokenDataset(location, "train", self.config.model.seq_len)  # reads the manifest, once
         val = TokenDataset(location, "val", self.config.model.seq_len, manifest=train.manifest)
         check_files(location, train.shards + val.shards)

@@ -31,7 +31,7 @@ from typing import Any, Literal
 import numpy as np
 
 from core.errors import DataError
-from storage.flags import flag
+from storage.flags import TARGET_BIT, flag
 
 ChatFormat = Literal["chat", "instruction"]
 ROLES = ("system", "user", "assistant")
@@ -101,12 +101,16 @@ class Packer:
         self.filled = 0
         self.documents = 0
         self.truncated = 0
+        """Documents cut at seq_len: what followed was dropped."""
+        self.trained_tokens = 0
+        """Tokens the loss counts, in what was kept."""
 
     def add(self, words: np.ndarray) -> None:
         self.documents += 1
         if words.size > self.seq_len:
             self.truncated += 1
             words = words[:self.seq_len]
+        self.trained_tokens += int(np.count_nonzero(words & TARGET_BIT))
         if self.filled + words.size > self.seq_len:
             self._pad_out()
         self.sample[self.filled:self.filled + words.size] = words

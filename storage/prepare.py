@@ -61,6 +61,14 @@ class PrepareSummary:
     shards: int
     tokenizer: str
     workers: int
+    truncated: int = 0
+    """Conversations cut at seq_len (fine-tuning formats): what followed was not trained on."""
+
+    @property
+    def truncation_note(self) -> str:
+        """"; N conversations cut at …" for the summary line, or nothing."""
+        return (f"; {self.truncated:,} conversations cut at the sample length (what followed is not trained on)"
+                if self.truncated else "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -363,13 +371,16 @@ def prepare_dataset(source: str, out: str | Path, *, pattern: str | None = None,
     staging.mkdir(parents=True)
     try:
         packing = seq_len if fine_tuning else 0
-        writers, documents = _write_shards(staging, units, tok, workers, (tokenizer, text_column, val_percent),
-                                           shard_tokens, packing, on_progress)
-        for split, writer in writers.items():
+        writers, sinks = _write_shards(staging, units, tok, workers, (tokenizer, text_column, val_percent),
+                                       shard_tokens, packing, on_progress)
+        documents = {split: sink.documents for split, sink in sinks.items()}
+        for split in writers:
             if not documents[split]:
                 raise DataError(f"the {split} split would be empty ({sum(documents.values())} "
                                 f"documents, val_percent = {val_percent})", where=str(root),
                                 fix="add more documents or change val_percent")
+            if fine_tuning:
+                _check_trained_tokens(split, sinks[split], source_format, root)
         shards = writers["train"].shards + writers["val"].shards
         write_manifest(staging, shards, tok.vocab_size, token_flags=fine_tuning, packed_seq_len=packing)
     except BaseException:
@@ -382,14 +393,27 @@ def prepare_dataset(source: str, out: str | Path, *, pattern: str | None = None,
     staging.rename(out)
     return PrepareSummary(out, documents,
                           {s: sum(x.num_tokens for x in w.shards) for s, w in writers.items()}, len(shards),
-                          tok.name, workers)
+                          tok.name, workers, truncated=sum(sink.truncated for sink in sinks.values() if isinstance(sink, chat.Packer)))
+
+
+def _check_trained_tokens(split: str, packer: chat.Packer, source_format: str, root: Path) -> None:
+    """A split whose conversations kept no token the loss counts would train on nothing (a loss of 0)
+    or validate to 0 / 0."""
+    if packer.trained_tokens:
+        return
+    cut = f", {packer.truncated} of them cut at --seq-len {packer.seq_len}" if packer.truncated else ""
+    turn = "assistant turn" if source_format == "chat" else "response"
+    raise DataError(f"the {split} split has no token to train on: none of its {packer.documents} conversations "
+                    f"kept an {turn}{cut}", where=str(root),
+                    fix=f"give the conversations an {turn}" + (", or a larger --seq-len (the job's [model] seq_len)"
+                                                               if packer.truncated else ""))
 
 
 def _write_shards(staging: Path, units: list[Unit], tok: Tokenizer, workers: int, initargs: tuple,
                   shard_tokens: int, packing: int, on_progress: Callable[[int, int, int], None] | None
-                  ) -> tuple[dict[str, _ShardWriter], dict[str, int]]:
-    """The shard writers of both splits and each split's documents; packing > 0 packs flagged
-    documents into samples of that many tokens (storage/chat.py)."""
+                  ) -> tuple[dict[str, _ShardWriter], dict[str, _ShardWriter | chat.Packer]]:
+    """The shard writers of both splits and what each split's documents went into (its writer, or with
+    packing > 0 the chat.Packer that packs flagged documents into samples of that many tokens)."""
     dtype = "uint32" if packing else tok.dtype
     writers = {split: _ShardWriter(staging, split, shard_tokens, tok, dtype) for split in ("train", "val")}
     sinks = {split: chat.Packer(w, packing, tok.eos_id) if packing else w for split, w in writers.items()}
@@ -407,4 +431,4 @@ def _write_shards(staging: Path, units: list[Unit], tok: Tokenizer, workers: int
         executor.shutdown(wait=True, cancel_futures=True)
     for sink in sinks.values():
         sink.flush()
-    return writers, {split: sink.documents for split, sink in sinks.items()}
+    return writers, sinks

@@ -33,7 +33,7 @@ import ray.train
 import torch
 import torch.distributed as dist
 
-from core.errors import ArchipelagoError, CheckpointError
+from core.errors import ArchipelagoError, CheckpointError, DataError
 from core.spec import WorkerSpec
 from storage.fs import Location
 from storage.ledger import LEDGER_FILE
@@ -304,6 +304,10 @@ def validate(engine: Engine, val_loader: BatchLoader, eval_samples: int) -> floa
     totals = torch.tensor([loss_sum, tokens], dtype=torch.float64, device=engine.device)
     if dist.is_initialized():  # each replica's sums come once from each of its ranks: the ratio is the mean
         dist.all_reduce(totals)
+    if totals[1] == 0:  # a mean of nothing would be reported as a validation loss of nan
+        raise DataError(f"the {len(ids) * replicas} validation samples read hold no token the loss counts",
+                        where="[train] eval_samples", fix="raise eval_samples, or give the validation split's "
+                        "conversations assistant turns")
     return float(totals[0] / totals[1])
 
 

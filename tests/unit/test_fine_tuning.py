@@ -12,6 +12,8 @@
 import copy
 import dataclasses
 import json
+import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -27,6 +29,7 @@ from storage.tokenizers import ByteTokenizer
 from tests.engine_support import engine_spec
 from tests.hf_support import write_model
 from workers.engine import Engine, loss_arguments
+from workers.loop import validate
 from workers.models import make_workload
 
 SEQ = 96
@@ -136,6 +139,25 @@ def test_the_step_loss_is_the_mean_over_every_counted_target():
     assert int(unpack(first).loss_mask.sum()) != int(unpack(second).loss_mask.sum())
 
 
+class ValSplit:
+    """The two members of a validation loader that validate reads, every sample `sample`."""
+
+    def __init__(self, sample: torch.Tensor, num_samples: int = 4):
+        self.sample, self.dataset = sample, SimpleNamespace(num_samples=num_samples)
+
+    def load(self, chunks):
+        return [self.sample.expand(len(chunk), -1) for chunk in chunks]
+
+
+def test_validation_samples_without_a_counted_token_are_a_data_error_not_a_loss_of_nan():
+    engine = two_micro_batch_engine()
+    with pytest.raises(DataError) as refused:
+        validate(engine, ValSplit(packed_sample() & ~(1 << 31)), eval_samples=4)  # no target flagged
+    assert refused.value.where == "[train] eval_samples"
+    assert refused.value.what == "the 4 validation samples read hold no token the loss counts"
+    assert math.isfinite(validate(engine, ValSplit(packed_sample()), eval_samples=4))
+
+
 @pytest.mark.parametrize("token_flags", [True, False])
 def test_the_noise_read_on_one_worker_is_the_first_micro_batch_s_own_mean_gradient(token_flags):
     engine = two_micro_batch_engine(token_flags)
@@ -169,6 +191,37 @@ def test_prepare_chat_packs_conversations_and_refuses_a_line_without_roles(tmp_p
         prepare_dataset(str(source), tmp_path / "bad", source_format="chat", seq_len=SEQ, workers=1)
     assert "b.jsonl, byte" in raised.value.where and '"role"' in raised.value.fix
     assert not (tmp_path / "bad").exists() and not (tmp_path / "bad.partial").exists()
+
+
+def write_chats(source, conversations: list[list[tuple[str, str]]]) -> str:
+    source.mkdir()
+    (source / "a.jsonl").write_text("".join(json.dumps({"messages": [{"role": r, "content": c} for r, c in turns]}) + "\n"
+                                            for turns in conversations))
+    return str(source)
+
+
+def test_prepare_counts_conversations_cut_at_the_sample_length(tmp_path):
+    long = [("user", "x" * (SEQ - 10)), ("assistant", "a long answer that does not fit")]
+    summary = prepare_dataset(write_chats(tmp_path / "chats", (TURNS + [long]) * 20), tmp_path / "data",
+                              source_format="chat", seq_len=SEQ, workers=1)
+    assert summary.truncated == 20
+    assert summary.truncation_note == "; 20 conversations cut at the sample length (what followed is not trained on)"
+
+
+@pytest.mark.parametrize("conversation, cut", [
+    ([("user", "hello"), ("user", "anyone?")], False),  # no assistant turn at all
+    ([("user", "y" * (SEQ + 5)), ("assistant", "too late")], True),
+], ids=["no-assistant", "cut-before-the-answer"])
+def test_prepare_refuses_conversations_that_keep_no_token_to_train_on(tmp_path, conversation, cut):
+    """Trained, they gave a loss of 0 every step and a validation loss of nan, and the run 'completed'."""
+    with pytest.raises(DataError) as refused:
+        prepare_dataset(write_chats(tmp_path / "chats", [conversation] * 40), tmp_path / "data",
+                        source_format="chat", seq_len=SEQ, workers=1)
+    assert refused.value.what.startswith("the train split has no token to train on: none of its")
+    assert refused.value.what.endswith(" of them cut at --seq-len 96" if cut else "conversations kept an assistant turn")
+    assert refused.value.fix.startswith("give the conversations an assistant turn")
+    assert ("a larger --seq-len" in refused.value.fix) == cut
+    assert not (tmp_path / "data").exists()
 
 
 def test_flags_round_trip():
