@@ -73,6 +73,21 @@ def test_safetensors_of_another_shape(tmp_path):
         assert "config.json" in error.fix
 
 
+def test_safetensors_holding_integers_where_weights_belong(tmp_path):
+    """An integer tensor of the right shape was cast to weights without a word (the first loss changed)."""
+    from safetensors.torch import load_file, save_file
+
+    write_model(tmp_path / "m", "llama")
+    path = tmp_path / "m" / "model.safetensors"
+    tensors = load_file(path)
+    key = "model.layers.0.mlp.up_proj.weight"
+    tensors[key] = tensors[key].round().to(torch.int64)
+    save_file(tensors, path, metadata={"format": "pt"})
+    for kind in ("hf", "llama"):
+        error = refused(tmp_path, tmp_path / "m", kind)
+        assert f"tensor '{key}' holds torch.int64 numbers, not floating-point weights" in error.what
+
+
 @pytest.mark.parametrize("architecture, overrides, said", [
     ("llama", {"attention_bias": True}, "biases on o_proj too"),
     ("qwen2", {"use_sliding_window": True, "sliding_window": 16}, "sliding-window attention over 16 tokens")])

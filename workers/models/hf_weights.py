@@ -49,7 +49,8 @@ def stored_tensors(hf_dir: str | Path) -> dict[str, StoredTensor]:
 
 
 def check_shapes(expected: dict[str, tuple[int, ...]], hf_dir: str | Path) -> None:
-    """Every expected tensor is stored with its shape; ConfigError naming the file, the tensor and the fix."""
+    """Every expected tensor is stored with its shape, as floating-point numbers (an integer tensor would be
+    cast to weights without a word); ConfigError naming the file, the tensor and the fix."""
     stored = stored_tensors(hf_dir)
     config = Path(hf_dir) / "config.json"
     for key, shape in expected.items():
@@ -62,6 +63,10 @@ def check_shapes(expected: dict[str, tuple[int, ...]], hf_dir: str | Path) -> No
             raise ConfigError(f"{file}: tensor {key!r} is {list(found)}, the model {config} describes needs "
                               f"{list(shape)}", where=WHERE,
                               fix="the weights belong to another config: put their own config.json beside them")
+        if not stored[key].dtype.is_floating_point:
+            raise ConfigError(f"{file}: tensor {key!r} holds {stored[key].dtype} numbers, not floating-point weights",
+                              where=WHERE, fix="use the model's own safetensors files (quantized checkpoints are not "
+                                               "read: take the bf16 or fp32 release)")
 
 
 @dataclass(frozen=True, slots=True)
