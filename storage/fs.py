@@ -23,6 +23,10 @@ import pyarrow.fs as pafs
 
 from core.errors import ArchipelagoError
 
+GCS_RETRY_LIMIT_S = 30.0
+"""How long a gs:// request retries when the URI's retry_limit_seconds does not say: pyarrow's own limit
+is 15 minutes, spent in silence when the network or the credentials are missing."""
+
 
 @dataclass(frozen=True)
 class Location:
@@ -58,8 +62,11 @@ class Location:
                         where=f"{scheme}://***@{authority.rsplit('@', 1)[1]}/{after}".rstrip("/"),
                         fix="remove them from the URI and give them in the environment (AWS_ACCESS_KEY_ID and "
                             "AWS_SECRET_ACCESS_KEY for s3://) or the cloud's own credential files")
+        uri = text
+        if scheme in ("gs", "gcs") and "retry_limit_seconds" not in query:
+            uri += ("&" if query else "?") + f"retry_limit_seconds={GCS_RETRY_LIMIT_S:g}"
         try:
-            fs, path = pafs.FileSystem.from_uri(text)
+            fs, path = pafs.FileSystem.from_uri(uri)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as e:
             raise error(f"cannot open {scheme}:// storage ({e})", where=text,
                         fix="check the URI, its query parameters and the credentials in the environment") from None
