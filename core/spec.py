@@ -31,6 +31,9 @@ class DataSpec:
     engine its batches itself: tests and benchmarks)."""
     tokenizer: str = "bytes"
     """The dataset's tokenizer identity (checkpoints record it)."""
+    fingerprint: str = ""
+    """The training samples' identity (storage.shards.Manifest.train_fingerprint; checkpoints record it, and a
+    resume on other samples is refused: the sampler's next sample would be another); "" where not known."""
     token_flags: bool = False
     """The dataset's tokens carry a loss mask and document starts (storage/flags.py: fine-tuning data,
     `prepare --format chat|instruction`): the engine unpacks them and weights the loss by counted targets."""
@@ -67,11 +70,13 @@ class WorkerSpec:
     @classmethod
     def for_plan(cls, config: JobConfig, plan: Plan, *, workload: Workload, flops_per_token: float,
                  data_location: str = "", tokenizer: str = "bytes", token_flags: bool = False,
-                 lr_schedule: LrSchedule | None = None) -> WorkerSpec:
+                 data_fingerprint: str = "", lr_schedule: LrSchedule | None = None) -> WorkerSpec:
         """The spec for the workers that run `plan` of the job `config` (its model `workload`), reading
         the prepared dataset at `data_location` (its tokenizer identity `tokenizer`; `token_flags`: a
-        fine-tuning dataset's flagged tokens); `lr_schedule` is [train]'s when None (a new run)."""
-        data = DataSpec(location=data_location, tokenizer=tokenizer, token_flags=token_flags, reader=config.data.reader,
+        fine-tuning dataset's flagged tokens; `data_fingerprint`: its training samples' identity);
+        `lr_schedule` is [train]'s when None (a new run)."""
+        data = DataSpec(location=data_location, tokenizer=tokenizer, fingerprint=data_fingerprint,
+                        token_flags=token_flags, reader=config.data.reader,
                         reader_threads=config.data.reader_threads, prefetch_steps=config.data.prefetch_steps,
                         shard_checksums_percent=config.data.shard_checksums_percent)
         return cls(plan=plan, workload=workload, flops_per_token=flops_per_token, model=config.model,

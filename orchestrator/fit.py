@@ -81,6 +81,19 @@ class _Clock:
 
 
 @dataclass(frozen=True, slots=True)
+class _Dataset:
+    """The prepared dataset the job trains on, as checked on the driver."""
+
+    location: str
+    """A local path or a URI."""
+    tokenizer: str
+    token_flags: bool
+    """Its tokens carry a loss mask (fine-tuning data)."""
+    fingerprint: str
+    """Its training samples' identity (checkpoints record it)."""
+
+
+@dataclass(frozen=True, slots=True)
 class _Start:
     """Where this invocation's training starts."""
 
@@ -129,17 +142,17 @@ class Orchestrator:
         aside comes back if this one committed nothing, and a run that trained writes report.json."""
         self._clock, self._rows = _Clock(), []
         _ = self.workload  # a factory's errors, before anything starts
-        data_dir, tokenizer, token_flags = self._dataset()
-        if token_flags:
+        dataset = self._dataset()
+        if dataset.token_flags:
             check_takes_loss_masks(self.workload)
-        self._tokenizer = tokenizer
-        resume_from = self._resume_point(tokenizer)
+        self._tokenizer = dataset.tokenizer
+        resume_from = self._resume_point(dataset)
         if resume_from is not None and BatchPolicy.for_train(self.config.train).finished(
                 resume_from[1].step, resume_from[1].consumed_samples, self.config.train.steps):
             return self._already_trained(*resume_from)
         start = self._open_run(resume_from)
         try:
-            plan = self._train_on_ray(data_dir, tokenizer, token_flags, start)
+            plan = self._train_on_ray(dataset, start)
         except BaseException as e:
             self._stopped("interrupted" if isinstance(e, (KeyboardInterrupt, SystemExit)) else "failed")
             raise
@@ -148,7 +161,7 @@ class Orchestrator:
         finish_mlflow(self.run.path)
         return FitResult(self._rows, self.run.latest_checkpoint(), plan, report)
 
-    def _train_on_ray(self, data_dir: str, tokenizer: str, token_flags: bool, start: _Start) -> Plan:
+    def _train_on_ray(self, dataset: _Dataset, start: _Start) -> Plan:
         """Plans the job on the cluster and trains it; returns the plan the last worker group ran."""
         if not (self.address or ray.is_initialized()):
             # An embedded cluster runs on this machine: measure its devices (once; cached) while it is
@@ -163,7 +176,8 @@ class Orchestrator:
                 self._save_report("running", plan)
             facts = model_facts(self.workload, self.config.model.seq_len)
             spec = WorkerSpec.for_plan(self.config, plan, workload=self.workload, flops_per_token=facts.flops_per_token,
-                                       data_location=str(data_dir), tokenizer=tokenizer, token_flags=token_flags,
+                                       data_location=dataset.location, tokenizer=dataset.tokenizer,
+                                       token_flags=dataset.token_flags, data_fingerprint=dataset.fingerprint,
                                        lr_schedule=start.lr_schedule)
             sink = MetricsSink.options(scheduling_strategy=coordinator.on_this_node()).remote()  # outlives worker nodes
             plan_coordinator = coordinator.start_coordinator(self.config, spec, cluster, str(self.run.plan_path),
@@ -252,7 +266,7 @@ class Orchestrator:
             self.console.print(f"  plan note: {note}", markup=False)
         return plan
 
-    def _resume_point(self, tokenizer: str) -> tuple[Path | Location, checkpoint.CheckpointInfo] | None:
+    def _resume_point(self, dataset: _Dataset) -> tuple[Path | Location, checkpoint.CheckpointInfo] | None:
         """For --resume, the checkpoint to continue from and its info, checked against the job; None for a new
         run, whose place is checked (an earlier run there needs --overwrite). Touches nothing."""
         if not self.resume:
@@ -264,8 +278,8 @@ class Orchestrator:
                                "resuming from the committed step before it", markup=False, highlight=False)
         info = checkpoint.read_info(latest)
         checkpoint.check_compatible(info, identity=self.workload.identity(), seed=self.config.train.seed,
-                                    tokenizer=tokenizer, global_batch_size=self.config.train.global_batch_size,
-                                    directory=latest)
+                                    tokenizer=dataset.tokenizer, global_batch_size=self.config.train.global_batch_size,
+                                    directory=latest, dataset=dataset.fingerprint)
         return latest, info
 
     def _open_run(self, resume_from: tuple[Path | Location, checkpoint.CheckpointInfo] | None) -> _Start:
@@ -290,12 +304,8 @@ class Orchestrator:
                                f"{train.steps}", markup=False, highlight=False)
         return _Start(latest, info.step, schedule)
 
-    def _dataset(self) -> tuple[str, str, bool]:
-        """The prepared dataset (preparing it first when the config says where from), checked against the job.
-
-        Returns its location (a local path or a URI), the tokenizer identity and whether its tokens carry
-        a loss mask (fine-tuning data).
-        """
+    def _dataset(self) -> _Dataset:
+        """The prepared dataset (preparing it first when the config says where from), checked against the job."""
         data = self.config.data
         location = Location.parse(data.path, error=DataError)
         if not has_dataset(location) and not data.prepare_from:
@@ -341,7 +351,7 @@ class Orchestrator:
             raise DataError(f"the dataset packs conversations into samples of {packed} tokens, the job's are "
                             f"{model.seq_len}", where=f"{location} / [model] seq_len",
                             fix=f"set [model] seq_len = {packed}, or prepare the data again with --seq-len {model.seq_len}")
-        return str(location), train.tokenizer, train.manifest.token_flags
+        return _Dataset(str(location), train.tokenizer, train.manifest.token_flags, train.manifest.train_fingerprint)
 
     @contextlib.contextmanager
     def _ray(self) -> Iterator[None]:

@@ -19,6 +19,7 @@ reader (storage/readers.py) moves those ranges into host or GPU memory.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import threading
 import zlib
@@ -89,6 +90,13 @@ class Manifest:
 
     def split(self, name: str) -> list[ShardInfo]:
         return [s for s in self.shards if s.split == name]
+
+    @property
+    def train_fingerprint(self) -> str:
+        """What the training samples are, in 16 hex digits: each train shard's name, length and checksum. The
+        same dataset copied elsewhere keeps it; data prepared again from another source does not."""
+        rows = sorted((s.path, s.num_tokens, s.crc32) for s in self.split("train"))
+        return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
 
 
 def shard_header(dtype: str, num_tokens: int, tokenizer: str) -> bytes:

@@ -72,6 +72,8 @@ class CheckpointInfo:
     adaptive_batch: dict | None = None
     """With [train] batch_size = "adaptive": the batch of the next step and the noise-scale estimate
     (core.adaptive_batch.AdaptiveBatch.to_dict), so a resume goes on with the batch and learning rate it had."""
+    dataset: str = ""
+    """The training samples' identity (DataSpec.fingerprint); "" in checkpoints that predate it."""
 
     @classmethod
     def for_spec(cls, spec: WorkerSpec, step: int, consumed_samples: int, world_size: int = 0,
@@ -80,7 +82,8 @@ class CheckpointInfo:
         the sampler and the schedule count steps of: a goodput plan of an adaptive run may start at
         another, and an adaptive run's current batch is in `adaptive_batch`."""
         return cls(step, consumed_samples, spec.workload.identity(), spec.data.tokenizer, spec.train.seed,
-                   spec.train.global_batch_size, SAMPLER_NAME, world_size, spec.lr_schedule, adaptive_batch)
+                   spec.train.global_batch_size, SAMPLER_NAME, world_size, spec.lr_schedule, adaptive_batch,
+                   spec.data.fingerprint)
 
 
 def read_info(directory: str | Path | Location) -> CheckpointInfo:
@@ -101,9 +104,10 @@ def read_info(directory: str | Path | Location) -> CheckpointInfo:
 
 
 def check_compatible(info: CheckpointInfo, *, identity: dict[str, Any], seed: int, tokenizer: str,
-                     global_batch_size: int, directory: str | Path | Location) -> None:
+                     global_batch_size: int, directory: str | Path | Location, dataset: str = "") -> None:
     """Refuses a checkpoint whose weights or data stream do not belong to this job: another model
-    (`identity`, the job's workload's), another [train] seed or global batch, another tokenizer."""
+    (`identity`, the job's workload's), another [train] seed or global batch, another tokenizer, other
+    training samples (`dataset`, DataSpec.fingerprint; not compared where either side does not know it)."""
     differ = [f"{k}: checkpoint {info.model.get(k)!r}, config {identity.get(k)!r}"
               for k in dict.fromkeys([*identity, *info.model]) if k != "dropout" and info.model.get(k) != identity.get(k)]
     if differ:
@@ -112,6 +116,13 @@ def check_compatible(info: CheckpointInfo, *, identity: dict[str, Any], seed: in
     if info.tokenizer != tokenizer:
         raise CheckpointError(f"checkpoint was trained on {info.tokenizer!r} tokens, the dataset has {tokenizer!r}",
                               where=str(directory), fix="resume with the dataset it was trained on")
+    if info.dataset and dataset and info.dataset != dataset:
+        # The sampler's position counts samples of the dataset it was trained on: on others it would
+        # go on at samples that are not the next ones.
+        raise CheckpointError(f"checkpoint was trained on other samples (dataset fingerprint {info.dataset}, the "
+                              f"dataset's is {dataset})", where=str(directory),
+                              fix="resume with the dataset it was trained on; to train on new data, export the run "
+                                  "(`archipelago export`) and start a new run from it ([model] hf_dir)")
     if info.seed != seed:
         # The sample order is a function of the seed: another seed would repeat some samples of the
         # current epoch and skip others.
@@ -195,7 +206,7 @@ class RunCheckpoints:
         info = read_info(latest)
         check_compatible(info, identity=self.spec.workload.identity(), seed=self.spec.train.seed,
                          tokenizer=self.spec.data.tokenizer, global_batch_size=self.spec.train.global_batch_size,
-                         directory=latest)
+                         directory=latest, dataset=self.spec.data.fingerprint)
         self.restored_from = latest
         return load(latest, model, optimizer, info=info, reader=self.settings.reader,
                     process_group=self.group)

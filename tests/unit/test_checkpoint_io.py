@@ -136,6 +136,10 @@ def test_incompatible_checkpoints_are_refused_with_the_reason(tmp_path):
     assert fields["lr_schedule"]["decays"][0]["end_step"] == CONFIG.train.steps  # recorded for the resume
     with pytest.raises(CheckpointError, match="sampler 'numpy-permutation'.*start a new run"):
         checkpoint.check_compatible(legacy, **job)
+    with pytest.raises(CheckpointError, match="trained on other samples .dataset fingerprint 00aa, the dataset's is 11bb"):
+        checkpoint.check_compatible(dataclasses.replace(saved, dataset="00aa"), **{**job, "dataset": "11bb"})
+    checkpoint.check_compatible(dataclasses.replace(saved, dataset=""), **{**job, "dataset": "11bb"})  # saved before fingerprints
+    checkpoint.check_compatible(dataclasses.replace(saved, dataset="00aa"), **job)  # a caller that does not know the data's
     llama = make_workload(dataclasses.replace(CONFIG.model, kind="llama")).identity()
     with pytest.raises(CheckpointError, match="checkpoint is from another model.*kind: checkpoint None, config 'llama'"):
         checkpoint.check_compatible(saved, **{**job, "identity": llama})

@@ -1,5 +1,6 @@
 """Bad input on the command line: one clear line, a non-zero exit, no traceback."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -7,6 +8,7 @@ import pytest
 
 from orchestrator.cli import main
 from tests.conftest import tiny_job
+from tests.conftest import write_job as write_job_config
 
 
 def run_cli(capsys, *argv):
@@ -76,6 +78,24 @@ def test_resume_with_a_checkpoint_of_another_model(capsys, tmp_path, dataset_dir
     assert code == 2
     assert "checkpoint is from another model (n_layer: checkpoint 2, config 1)" in out
     assert str(checkpoint) in out.replace("\n", "")
+
+
+def test_resume_on_other_training_samples_is_refused_before_ray(capsys, tmp_path, dataset_dir):
+    """The same tokenizer, other samples (another dataset, or this one prepared again from changed text):
+    the sampler's position would point at samples that are not the next ones."""
+    from tests.checkpoint_support import trained
+    from tests.engine_support import job_spec
+    from workers import checkpoint as checkpoints
+
+    config = tiny_job(dataset_dir, tmp_path / "runs")
+    spec = job_spec(config)
+    elsewhere = dataclasses.replace(spec, data=dataclasses.replace(spec.data, fingerprint="feedfacefeedface"))
+    step = tmp_path / "runs" / "tiny" / "step_00000004"
+    checkpoints.save(step, *trained(0, config), checkpoints.CheckpointInfo.for_spec(elsewhere, 4, 32)).result()
+    code, out = run_cli(capsys, "fit", str(write_job_config(tmp_path / "job.toml", config)), "--resume")
+    assert code == 2, out
+    assert "checkpoint was trained on other samples (dataset fingerprint feedfacefeedface, the dataset's is " in out
+    assert "archipelago export" in out and "plan:" not in out  # refused on the driver: no cluster was planned
 
 
 def test_resume_without_a_checkpoint(capsys, tmp_path, dataset_dir):

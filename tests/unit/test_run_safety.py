@@ -185,7 +185,7 @@ def test_a_resume_with_more_steps_continues_the_learning_rate_the_checkpoint_rec
     assert recorded == job_spec(eight).lr_schedule
     console = quiet()
     orchestrator = Orchestrator(twelve, resume=True, console=console)
-    start = orchestrator._open_run(orchestrator._resume_point("bytes"))
+    start = orchestrator._open_run(orchestrator._resume_point(orchestrator._dataset()))
     assert start.step == 6 and start.lr_schedule.lr_at(6) == recorded.lr_at(6) < job_spec(twelve).lr_schedule.lr_at(6)
     assert start.lr_schedule.lr_at(11) > start.lr_schedule.lr_at(12) == pytest.approx(2e-4)
     assert f"[train] steps 8 → 12: the learning rate goes on from {recorded.lr_at(6):.3g} at step 6" in printed(console)

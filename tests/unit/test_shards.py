@@ -118,6 +118,19 @@ def test_uint32_tokens_round_trip(tmp_path):
     assert data.dtype.itemsize == 4 and np.array_equal(data.batch(np.array([7]))[0], tokens[693:793])
 
 
+def test_the_train_fingerprint_follows_the_samples_not_the_place(dataset_dir, corpus_dir, tmp_path):
+    import shutil
+
+    shutil.copytree(dataset_dir, tmp_path / "copy")
+    fingerprint = read_manifest(dataset_dir).train_fingerprint
+    assert len(fingerprint) == 16 and read_manifest(tmp_path / "copy").train_fingerprint == fingerprint
+    corpus = shutil.copytree(corpus_dir, tmp_path / "corpus")  # the session's corpus stays as the dataset has it
+    changed = next(p for p in sorted(corpus.rglob("*.py")) if split_of(p.relative_to(corpus).as_posix(), 25.0) == "train")
+    changed.write_text(changed.read_text() + "\n# one more line\n")
+    prepare_dataset(str(corpus), tmp_path / "again", val_percent=25.0, shard_tokens=64 * 1024, workers=1)
+    assert read_manifest(tmp_path / "again").train_fingerprint != fingerprint
+
+
 def test_a_manifest_of_another_version_is_refused(dataset_dir, tmp_path):
     import shutil
 
