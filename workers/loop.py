@@ -161,7 +161,8 @@ def train(job: WorkerJob, ctx, started_at: float) -> dict:
     steps = train_loader.stream(ledger.tap(sampler.steps(progress.consumed_samples, layout, replica)))
     preemption = PreemptionWatch(spec.preemption_check_steps)
     window = MetricsWindow()
-    send(job, rank, [{"event": "start", "step": progress.step, "world_size": world, "device": str(device),
+    send(job, rank, [{"event": "start", "step": progress.step, "consumed_samples": progress.consumed_samples,
+                      "world_size": world, "device": str(device),
                       "device_model": plan.worker(rank).device_model, "precision": engine.precision.name,
                       "params": sum(p.numel() for p in engine.model.parameters()),
                       "flops_per_token": spec.flops_per_token, "model": spec.workload.name,

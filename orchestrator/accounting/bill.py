@@ -119,6 +119,8 @@ class BillMeter:
                 self.world_size = row.get("world_size", self.world_size) or self.world_size
                 self.flops_per_token = row.get("flops_per_token", self.flops_per_token)
                 self.precision = row.get("precision", self.precision)
+                if "consumed_samples" in row:  # a group started from a checkpoint: the tokens go on from there
+                    self.tokens = row["consumed_samples"] * self.rates.seq_len
             elif i in step_seconds:
                 step_s = step_seconds[i]
                 later -= step_s
@@ -237,8 +239,9 @@ def project(evals: list[dict], target: float) -> TargetCost | None:
     """The cost of reaching `target` if the validation loss keeps following a power law in dollars,
     loss = a · dollars^b, fitted (least squares in log–log) to the later half of the evaluations, from
     MIN_EVALUATIONS_TO_PROJECT on (two points always make a line, and two noisy evaluations make any
-    line). Optimistic near the loss floor, which a power law without one cannot see; None while the
-    fitted loss is not falling."""
+    line), its slope drawn through the last evaluation, so that a target that evaluation missed is
+    never projected to be reached before it. Optimistic near the loss floor, which a power law without
+    one cannot see; None while the fitted loss is not falling."""
     points = [(math.log(r["dollars"]), math.log(r["val_loss"]), r) for r in evals
               if r["dollars"] > 0 and r["val_loss"] > 0]
     if len(points) < MIN_EVALUATIONS_TO_PROJECT:
@@ -252,8 +255,8 @@ def project(evals: list[dict], target: float) -> TargetCost | None:
     slope = sum((p[0] - mean_x) * (p[1] - mean_y) for p in points) / sxx
     if slope >= 0:
         return None
-    dollars = math.exp(mean_x + (math.log(target) - mean_y) / slope)
     first, last = points[0][2], points[-1][2]
+    dollars = last["dollars"] * math.exp((math.log(target) - math.log(last["val_loss"])) / slope)
     # Steps, tokens and device-hours go on growing with the dollars at the rate between the fitted evaluations.
     spent = last["dollars"] - first["dollars"]
     per_dollar = {k: (last[k] - first[k]) / spent for k in ("step", "device_hours", "tokens")}

@@ -56,6 +56,7 @@ class RunReport:
     wall_seconds: float
     """This invocation of fit, from its start (dataset preparation and checks included) to the end of training."""
     world_size: int
+    """The last worker group's (an elastic run's groups may differ)."""
     device: str
     num_params: int
     start_step: int
@@ -65,7 +66,7 @@ class RunReport:
     """Tokens trained on since step 0, resumed runs included."""
     tokens_this_run: int
     tokens_per_second: float
-    """Median over the run's metric reports (startup and checkpoints excluded)."""
+    """Median over the last worker group's metric reports (startup and checkpoints excluded)."""
     predicted_tokens_per_second: float
     """What the planner predicted for this plan (plan.json), to hold the cost model to account."""
     step_seconds: float
@@ -88,14 +89,16 @@ class RunReport:
     dollars_per_hour: float
     """Price of the plan's devices per hour (the [placement] pricing column)."""
     dollars: float
-    """This invocation's bill: dollars_per_hour × wall_seconds (start-up included: it is billed too)."""
+    """This invocation's bill over its wall_seconds (start-up included: it is billed too), at the rate of the
+    worker group running at each moment (bill.jsonl), the time after its last step at the last group's."""
     dollars_per_million_tokens: float | None
     """dollars ÷ tokens_this_run, in millions."""
     tokens_per_dollar: float | None
     """tokens_this_run ÷ dollars."""
     run_dollars: float
-    """Dollars from the launch of the first worker group of the run (every invocation, steps redone
-    included) to its last step: the scale of the curves and of `convergence`."""
+    """Dollars of every invocation of the run (steps redone included), to the end of this one (earlier ones
+    to their last step): what the run has cost. bill.jsonl's, to the last step, is the scale of the curves
+    and of `convergence`."""
     device_hours: float
     """Device-hours over the same span: GPU-hours on GPUs (a MIG slice counts its share of the card),
     worker-hours on CPUs."""
@@ -124,18 +127,22 @@ class RunReport:
     def from_rows(cls, rows: list[dict], *, plan: Plan, **fields: Any) -> RunReport:
         steps = [r for r in rows if "loss" in r]
         vals = [r["val_loss"] for r in steps if "val_loss" in r]
-        start = next((r for r in rows if r.get("event") == "start"), {})
+        starts = [i for i, r in enumerate(rows) if r.get("event") == "start"]
+        # Throughput, step time and MFU are the last worker group's (`plan` is the plan it ran): the groups
+        # of an elastic run differ in size and speed.
+        start = rows[starts[-1]] if starts else {}
+        group_steps = [r for r in rows[starts[-1]:] if "loss" in r] if starts else steps
         last_consumed = next((r["consumed_samples"] for r in reversed(steps) if "consumed_samples" in r), 0)
-        start_step = start.get("step", 0)
+        start_step = rows[starts[0]].get("step", 0) if starts else 0
         committed = {r["step"]: r for r in steps}.values()  # a step redone after a rewind counts once
         tokens_this_run = sum(r.get("global_batch") or plan.global_batch_size for r in committed) * plan.seq_len
-        tokens_per_second = statistics.median(r["tokens_per_s"] for r in steps) if steps else 0.0
-        dollars = plan.predicted.dollars_per_hour * fields["wall_seconds"] / 3600
+        tokens_per_second = statistics.median(r["tokens_per_s"] for r in group_steps) if group_steps else 0.0
         rates = Rates.from_plan(plan)
         bill_rows = _bill_rows(Path(fields["run_dir"]), rows, rates)
         this_run = bill_rows[-len(steps):] if steps else []
         bill = _BillSummary.of(bill_rows, rates, start)
-        step_seconds = _median_step_seconds(steps, plan, tokens_per_second)
+        spent = _Spent.of(bill_rows, len(this_run), fields["wall_seconds"], rates, bill.scale)
+        step_seconds = _median_step_seconds(group_steps, plan, tokens_per_second)
         predicted = plan.predicted.step_seconds
         bill_config = _bill_config(fields["config"])
         return cls(
@@ -157,12 +164,12 @@ class RunReport:
             exposed_comm_share=_median(this_run, "exposed_comm_share"),
             data_wait_share=_median(this_run, "data_wait_share"),
             dollars_per_hour=plan.predicted.dollars_per_hour,
-            dollars=dollars,
-            dollars_per_million_tokens=dollars / tokens_this_run * 1e6 if tokens_this_run else None,
-            tokens_per_dollar=tokens_this_run / dollars if dollars else None,
-            run_dollars=bill.last.get("dollars", 0.0),
-            device_hours=bill.last.get("device_hours", 0.0),
-            bf16_tflops_hours=bill.last.get("bf16_tflops_hours", 0.0),
+            dollars=spent.dollars,
+            dollars_per_million_tokens=spent.dollars / tokens_this_run * 1e6 if tokens_this_run else None,
+            tokens_per_dollar=tokens_this_run / spent.dollars if spent.dollars else None,
+            run_dollars=spent.run_dollars,
+            device_hours=spent.device_hours,
+            bf16_tflops_hours=spent.bf16_tflops_hours,
             dollars_per_bf16_tflops_hour=(plan.predicted.dollars_per_hour / rates.bf16_tflops()
                                           if rates.bf16_tflops() else None),
             convergence=[asdict(c) for c in cost_to_reach(bill_rows, bill_config.targets)],
@@ -210,6 +217,15 @@ class RunReport:
                 f"{theirs!r}, and a loss per token depends on what a token is")
 
     @property
+    def run_tokens_per_dollar(self) -> float | None:
+        """Every token the run trained on (tokens_seen) per dollar of every invocation (run_dollars)."""
+        return self.tokens_seen / self.run_dollars if self.run_dollars else None
+
+    @property
+    def run_dollars_per_million_tokens(self) -> float | None:
+        return self.run_dollars / self.tokens_seen * 1e6 if self.tokens_seen else None
+
+    @property
     def tokenizer_identity(self) -> str:
         """The dataset's tokenizer, or for an older report the one its config named."""
         return self.tokenizer or (self.config.get("data") or {}).get("tokenizer", "bytes")
@@ -235,7 +251,10 @@ class RunReport:
         per_million = "-" if self.dollars_per_million_tokens is None else f"${self.dollars_per_million_tokens:.4f}"
         per_dollar = "" if self.tokens_per_dollar is None else f", {self.tokens_per_dollar:,.0f} tokens per dollar"
         rows.append(("bill", f"${self.dollars:.4f} at ${self.dollars_per_hour:.2f}/hour; {per_million} per million "
-                             f"tokens{per_dollar}"))
+                             f"tokens{per_dollar}" + (" (this invocation)" if self.start_step else "")))
+        if self.start_step:  # a resumed run: what all of it cost
+            whole = "" if self.run_tokens_per_dollar is None else f", {self.run_tokens_per_dollar:,.0f} tokens per dollar"
+            rows.append(("bill, whole run", f"${self.run_dollars:.4f} over every invocation since step 0{whole}"))
         if self.bf16_tflops_hours:
             unit = ("" if self.dollars_per_bf16_tflops_hour is None
                     else f" at ${self.dollars_per_bf16_tflops_hour:.4g} each")
@@ -257,10 +276,38 @@ class RunReport:
 
 
 @dataclass(frozen=True, slots=True)
+class _Spent:
+    """What was paid: the meter's figures (bill.jsonl, which counts to each invocation's last step at the rate
+    of the group then running), and the rest of this invocation after its last step (the last checkpoint,
+    the workers' exit) at the last group's rate."""
+
+    dollars: float
+    """This invocation's."""
+    run_dollars: float
+    device_hours: float
+    bf16_tflops_hours: float
+
+    @classmethod
+    def of(cls, bill_rows: list[dict], this_run: int, wall_seconds: float, rates: Rates, scale: float) -> _Spent:
+        """this_run: the bill rows of this invocation, the last ones; rates × scale: the last group's."""
+        last = bill_rows[-1] if bill_rows else {}
+        before = bill_rows[-this_run - 1] if this_run and len(bill_rows) > this_run else {}
+        metered_s = last.get("elapsed_s", 0.0) - before.get("elapsed_s", 0.0) if this_run else 0.0
+        metered_dollars = last.get("dollars", 0.0) - before.get("dollars", 0.0) if this_run else 0.0
+        tail_h = max(0.0, wall_seconds - metered_s) / 3600 * scale  # hours of the whole plan's devices
+        return cls(dollars=metered_dollars + rates.dollars_per_hour * tail_h,
+                   run_dollars=last.get("dollars", 0.0) + rates.dollars_per_hour * tail_h,
+                   device_hours=last.get("device_hours", 0.0) + rates.gpu_equivalents * tail_h,
+                   bf16_tflops_hours=last.get("bf16_tflops_hours", 0.0) + rates.bf16_tflops() * tail_h)
+
+
+@dataclass(frozen=True, slots=True)
 class _BillSummary:
     last: dict
     peak_tflops: float
     peak_basis: str
+    scale: float
+    """The share of the plan's devices the last worker group holds (BillMeter.scale)."""
 
     @classmethod
     def of(cls, bill_rows: list[dict], rates: Rates, start: dict) -> _BillSummary:
@@ -268,7 +315,8 @@ class _BillSummary:
         meter.observe([start] if start else [])
         basis = ("nominal CPU peak, 0.1 TFLOP/s per core" if rates.nominal_peak
                  else f"dense {meter.precision} peak from the device catalog")
-        return cls(last=bill_rows[-1] if bill_rows else {}, peak_tflops=meter.peak_tflops(), peak_basis=basis)
+        return cls(last=bill_rows[-1] if bill_rows else {}, peak_tflops=meter.peak_tflops(), peak_basis=basis,
+                   scale=meter.scale)
 
 
 def _bill_rows(run_dir: Path, rows: list[dict], rates: Rates) -> list[dict]:

@@ -303,9 +303,11 @@ _COMPARED = (("status", "status", "s"), ("tokenizer", "tokenizer_identity", "s")
              ("final validation loss", "final_val_loss", ".4f"),
              ("final train loss", "final_train_loss", ".4f"), ("tokens seen", "tokens_seen", ",d"),
              ("tokens/s", "tokens_per_second", ",.0f"), ("MFU", "mfu", ".2%"), ("step time (s)", "step_seconds", ".4g"),
-             ("planner's step-time error", "prediction_error", "+.0%"), ("bill ($)", "dollars", ".4f"),
-             ("$ per hour", "dollars_per_hour", ".2f"), ("$ per million tokens", "dollars_per_million_tokens", ".4f"),
-             ("tokens per dollar", "tokens_per_dollar", ",.0f"), ("device-hours", "device_hours", ".4g"),
+             ("planner's step-time error", "prediction_error", "+.0%"),
+             # Whole runs against whole runs: a resumed run's last invocation is only part of its bill.
+             ("bill, whole run ($)", "run_dollars", ".4f"), ("$ per hour", "dollars_per_hour", ".2f"),
+             ("$ per million tokens", "run_dollars_per_million_tokens", ".4f"),
+             ("tokens per dollar", "run_tokens_per_dollar", ",.0f"), ("device-hours", "device_hours", ".4g"),
              ("exposed communication share", "exposed_comm_share", ".0%"),
              ("data wait share", "data_wait_share", ".0%"),
              ("wall time (s)", "wall_seconds", ".1f"))

@@ -152,7 +152,8 @@ def test_resume_continues_exactly_where_an_uninterrupted_run_would_be(killed_and
     run_dir, caught, _, _, _, _ = killed_and_resumed
     previous = caught - EVERY
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if r.get("event") == "start"] == [0, previous]  # one row per invocation
+    starts = [r for r in rows if r.get("event") == "start"]
+    assert [(r["step"], r["consumed_samples"]) for r in starts] == [(0, 0), (previous, previous * 8)]  # one per invocation
     expected = {r["step"]: r["loss"] for r in straight.result.metrics if "loss" in r}
     for row in (r for r in rows if "loss" in r):  # same weights, optimizer state and samples ⇒ the same losses
         assert row["loss"] == pytest.approx(expected[row["step"]], rel=1e-5), row["step"]
@@ -160,6 +161,7 @@ def test_resume_continues_exactly_where_an_uninterrupted_run_would_be(killed_and
     assert (report["start_step"], report["final_step"]) == (previous, RESUMED_STEPS)
     assert report["tokens_seen"] == RESUMED_STEPS * 8 * SEQ_LEN
     assert report["tokens_this_run"] == (RESUMED_STEPS - previous) * 8 * SEQ_LEN
+    assert report["run_dollars"] > report["dollars"] > 0  # the killed invocation was paid for too
 
 
 def test_the_embedded_cluster_starts_without_ray_alarming_about_its_token_authentication(killed_and_resumed):

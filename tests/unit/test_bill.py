@@ -99,6 +99,17 @@ def test_a_resumed_run_carries_the_dollars_and_the_clock():
     assert row["device_hours"] == pytest.approx(0.5 + 2 * 36 / 3600)
 
 
+def test_a_group_started_from_a_checkpoint_counts_tokens_from_it():
+    """Resumed from step 40 after an earlier invocation billed to step 55: step 41 has trained 41 steps'
+    tokens, not 56 (the meter carried 55's until the next log window corrected it)."""
+    carried = {"step": 55, "elapsed_s": 100.0, "dollars": 1.0, "tokens": 55 * 32768}
+    meter = BillMeter(Rates.from_plan(plan()), carried=carried)
+    inside_a_window = {"step": 41, "loss": 3.0, "tokens_per_s": 65536.0}  # no consumed_samples: not a window's end
+    (row,) = meter.observe([{**START, "step": 40, "consumed_samples": 40 * 32}, inside_a_window], now=10.0)
+    assert row["tokens"] == 41 * 32768
+    assert row["tokens_per_dollar"] == pytest.approx(41 * 32768 / row["dollars"])
+
+
 def test_without_a_clock_each_step_takes_its_measured_time():
     rows = BillMeter(Rates.from_plan(plan())).observe([START, *steps(1, 4)])
     assert [r["elapsed_s"] for r in rows] == [0.5, 1.0, 1.5, 2.0]
@@ -133,6 +144,16 @@ def test_the_next_target_is_projected_from_a_power_law_in_dollars():
     assert later.dollars is None and not later.projected  # only the next target is projected
     flat = cost_to_reach(evals((1.0, 3.0), (2.0, 3.1), (3.0, 3.2)), [2.0])[0]
     assert flat.dollars is None  # a loss that is not falling projects nothing
+
+
+def test_a_projection_never_lands_before_the_evaluation_that_missed_the_target():
+    """The last evaluation sits above the fitted line: the fit alone would place 2.9 before it (step 29 of
+    a run whose step 30 measured 2.935). The slope is drawn through that last evaluation instead."""
+    rows = evals((0.9103, 4.1177), (0.9809, 3.1287), (1.0374, 2.9350))
+    (cost,) = cost_to_reach(rows, [2.9])
+    assert cost.projected and cost.dollars > 1.0374 and cost.step > 300
+    slope = -2.6496  # the least-squares slope of these three in log-log
+    assert cost.dollars == pytest.approx(1.0374 * (2.9 / 2.935) ** (1 / slope), rel=1e-3)
 
 
 def test_two_evaluations_project_nothing():

@@ -3,13 +3,15 @@ to one worker and restarted from step 4. Without bill.jsonl the report bills the
 each step taking its measured time."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from core.config import JobConfig
 from orchestrator.accounting.report import RunReport
 from orchestrator.accounting.report_html import PLOTS, render_report
-from tests.unit.test_bill import START, plan, steps
+from orchestrator.accounting.bill import mfu
+from tests.unit.test_bill import FLOPS_PER_TOKEN, START, plan, steps
 
 
 def window(first: int, last: int, **extra) -> list[dict]:
@@ -46,9 +48,13 @@ def run_dir(tmp_path):
 def test_the_report_of_an_elastic_run_bills_the_redone_steps(run_dir):
     report = RunReport.load(run_dir)
     assert [e["event"] for e in report.events] == ["start", "worker_lost", "resize", "replan", "start", "restart"]
-    # 6 steps of 0.5 s on 2 workers ($5.98/h), then steps 5–8 again on 1 ($2.99/h): (3 × 5.98 + 2 × 2.99) / 3600.
-    assert report.run_dollars == pytest.approx(23.92 / 3600)
-    assert report.device_hours == pytest.approx((3 * 2 + 2 * 1) / 3600)
+    # 6 steps of 0.5 s on 2 workers ($5.98/h), then steps 5–8 again on 1 ($2.99/h): (3 × 5.98 + 2 × 2.99) / 3600;
+    # the rest of the invocation's 100 s (start-up, the last checkpoint) on the last group's 1 worker.
+    assert report.run_dollars == report.dollars == pytest.approx((23.92 + 95 * 2.99) / 3600)
+    assert report.device_hours == pytest.approx((3 * 2 + 2 * 1 + 95 * 1) / 3600)
+    # Throughput and MFU are the last group's: one H100 (989.4 TFLOP/s), not the first group's two.
+    assert report.world_size == 1 and report.peak_tflops == pytest.approx(989.4)
+    assert report.mfu == pytest.approx(mfu(FLOPS_PER_TOKEN, 65536.0, 989.4))
     # Validation 3.5 at step 4 and 3.0 at step 8 (the redone path): 3.2 is 60% of the way, at step 6.4.
     (target,) = report.convergence
     assert target["reached"] and target["step"] == pytest.approx(6.4)
@@ -83,6 +89,23 @@ def test_comparing_runs_with_different_tokenizers_says_their_losses_do_not_compa
     assert "Careful: their losses are not comparable" in (tmp_path / "both" / "report.html").read_text()
     same = dataclasses.replace(bpe, tokenizer="bytes")
     assert RunReport.load(run_dir).losses_compare_with(same) is None
+
+
+def test_a_resumed_run_shows_and_compares_what_all_of_it_cost(run_dir, tmp_path):
+    """Its last invocation cost $1 for 1M of the run's 4M tokens; the run, over every invocation, $5."""
+    import dataclasses
+
+    from orchestrator.accounting.report_html import _comparison
+
+    whole = dataclasses.replace(RunReport.load(run_dir), start_step=6, dollars=1.0, run_dollars=5.0,
+                                tokens_this_run=1_000_000, tokens_seen=4_000_000, tokens_per_dollar=1e6)
+    rows = dict(whole.summary_rows())
+    assert rows["bill"].endswith("(this invocation)")
+    assert rows["bill, whole run"] == "$5.0000 over every invocation since step 0, 800,000 tokens per dollar"
+    one_go = dataclasses.replace(whole, name="one-go", start_step=0, dollars=2.5, run_dollars=2.5)
+    table = _comparison([SimpleNamespace(report=whole), SimpleNamespace(report=one_go)])
+    assert "<td>bill, whole run ($)</td><td>5.0000</td><td>2.5000</td><td>0.5×</td>" in table
+    assert "<td>tokens per dollar</td><td>800,000</td><td>1,600,000</td><td>2×</td>" in table
 
 
 def test_an_adaptive_run_is_reported_at_the_batches_it_trained(tmp_path):
