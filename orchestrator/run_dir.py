@@ -66,8 +66,9 @@ class RunDirectory:
                                   fix="start over with --overwrite (the damaged steps are kept as step_*.damaged)")
         aside = (f"; {self.previous_path} holds the run an interrupted --overwrite set aside: move it back to "
                  "resume that one" if self.previous_path.exists() else "")
-        raise CheckpointError("no committed checkpoint to resume from", where=str(self.path),
-                              fix=f"run without --resume to start this run{aside}")
+        start = ("run with --overwrite instead of --resume to start it again (what is there is kept until the "
+                 "new run commits a checkpoint)" if self.occupied() else "run without --resume to start this run")
+        raise CheckpointError("no committed checkpoint to resume from", where=str(self.path), fix=f"{start}{aside}")
 
     def occupied(self) -> list[str]:
         """Where an earlier run of this name left files: the run directory, and checkpoint storage elsewhere."""

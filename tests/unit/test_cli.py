@@ -99,9 +99,14 @@ def test_resume_on_other_training_samples_is_refused_before_ray(capsys, tmp_path
 
 
 def test_resume_without_a_checkpoint(capsys, tmp_path, dataset_dir):
-    toml = f'runs_dir = "{tmp_path}"\n[data]\npath = "{dataset_dir}"\n'
+    toml = f'name = "first"\nruns_dir = "{tmp_path / "runs"}"\n[data]\npath = "{dataset_dir}"\n'
     code, out = run_cli(capsys, "fit", write_job(tmp_path, toml), "--resume")
-    assert code == 2 and "no committed checkpoint to resume from" in out
+    assert code == 2 and "no committed checkpoint to resume from — run without --resume to start this run" in out
+    # A run that stopped before its first checkpoint left files: starting without --resume would be refused.
+    (tmp_path / "runs" / "first").mkdir(parents=True)
+    (tmp_path / "runs" / "first" / "metrics.jsonl").write_text("{}\n")
+    code, out = run_cli(capsys, "fit", write_job(tmp_path, toml), "--resume")
+    assert code == 2 and "no committed checkpoint to resume from — run with --overwrite instead of --resume" in out.replace("\n", "")
 
 
 def test_a_real_process_prints_one_line_and_exits_2(tmp_path):
