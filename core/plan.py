@@ -541,12 +541,15 @@ def _check_mesh(plan: Plan) -> None:
         _invalid(f"mesh {names} of shape {shape} for {plan.data_parallel.value} with tensor_parallel_size {t}",
                  "mesh_dim_names", f"the mesh is {expected}, tensor-parallel innermost")
     if plan.data_parallel == DataParallel.HSDP:
-        block = shape[1] * t
-        shard_groups = [list(range(r, r + block)) for r in range(0, plan.world_size, block)]
-        if sorted(map(sorted, plan.intra_island_groups)) != shard_groups:
-            _invalid(f"hsdp shards over groups of {block} consecutive ranks, but the islands are "
-                     f"{plan.intra_island_groups[:4]}", "mesh_shape",
-                     "hsdp needs islands of equal size, ranks numbered island by island")
+        # A shard group is dp_shard replicas in a row, by plan entry (the mesh places each worker by its
+        # replica): consecutive ranks as the planner numbers them, any ranks once Ray renumbered them.
+        shard_groups: dict[int, list[int]] = {}
+        for worker in plan.workers:
+            shard_groups.setdefault(worker.data_parallel_rank // shape[1], []).append(worker.rank)
+        if sorted(map(sorted, plan.intra_island_groups)) != sorted(map(sorted, shard_groups.values())):
+            _invalid(f"hsdp shards over groups of {shape[1]} replicas ({shape[1] * t} ranks) in a row, but the islands "
+                     f"are {plan.intra_island_groups[:4]}", "mesh_shape",
+                     "hsdp needs islands of equal size, replicas numbered island by island")
 
 
 @dataclass(frozen=True, slots=True)

@@ -106,8 +106,11 @@ def test_the_plan_names_its_mesh_and_hsdp_shards_inside_islands():
     plan = cpu_plan(**hsdp)
     assert (plan.mesh_dim_names, plan.mesh_shape) == (["dp_replicate", "dp_shard"], [2, 2])
     assert Plan.from_json(plan.to_json()) == plan
-    with pytest.raises(PlacementError, match="hsdp shards over groups of 2 consecutive ranks"):
+    with pytest.raises(PlacementError, match=r"hsdp shards over groups of 2 replicas \(2 ranks\) in a row"):
         cpu_plan(**hsdp | dict(intra_island_groups=[[0, 2], [1, 3]], inter_island_groups=[[0, 1], [2, 3]]))
+    # Ray numbered the workers otherwise (GPU order): the same islands, ranks no longer consecutive.
+    renumbered = plan.reordered([0, 2, 1, 3])
+    assert renumbered.intra_island_groups == [[0, 2], [1, 3]] and renumbered.workers[1].island_id == "n1-nvl0"
     with pytest.raises(PlacementError, match="mesh"):
         cpu_plan(**hsdp | dict(mesh_dim_names=["dp_shard"], mesh_shape=[4]))
 

@@ -165,7 +165,9 @@ def four_ranks(rank: int, world: int, data: str) -> dict:
             # Ray numbered the workers on GPUs 0, 2 (one NVLink pair) and 1, 3 (the other) in GPU order
             "gpt tp2 x fsdp2, groups not consecutive": losses("gpt", world, rank, tp=2, claimed=[0, 2, 1, 3]),
             **{f"{kind} hsdp": losses(kind, world, rank, tp=1, strategy="hsdp", islands=[[0, 1], [2, 3]])
-               for kind in KINDS}}
+               for kind in KINDS},
+            "gpt hsdp, islands not consecutive": losses("gpt", world, rank, tp=1, strategy="hsdp",
+                                                        islands=[[0, 1], [2, 3]], claimed=[0, 2, 1, 3])}
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +210,7 @@ def test_tensor_parallel_fine_tuning_loss_is_the_mean_over_every_counted_target(
 
 
 @pytest.mark.parametrize("layout", ["gpt tp2 x fsdp2", "llama tp2 x fsdp2", "gpt tp2 x ddp", "gpt hsdp", "llama hsdp",
-                                    "gpt tp2 x fsdp2, groups not consecutive"])
+                                    "gpt tp2 x fsdp2, groups not consecutive", "gpt hsdp, islands not consecutive"])
 def test_two_dimensional_meshes_on_four_ranks_give_the_one_process_losses(on_four, reference, layout):
     assert close(on_four[layout], reference[layout.split()[0]])
 
