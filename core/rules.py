@@ -10,6 +10,7 @@ refused on the driver, before Ray starts, with the same words wherever it is fou
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from core.errors import ConfigError
@@ -115,7 +116,8 @@ def tensor_parallel_refusal(size: int, *, use_gpu: bool = True, builtin_model: b
                        "[train] bf16_weights", f"set bf16_weights = false, {fix}")
     for name, value in (divisible or {}).items():
         if value % size:
-            sizes = [str(d) for d in range(1, min(value, 16) + 1) if value % d == 0]  # the sizes a group on one island takes
+            common = math.gcd(*divisible.values())  # a size every one of them splits over
+            sizes = [str(d) for d in range(1, common + 1) if common % d == 0]
             listed = sizes[0] if len(sizes) == 1 else f"{', '.join(sizes[:-1])} or {sizes[-1]}"
             return Refusal(f"{name} = {value} does not split evenly over {size} ranks", where,
                            f"set tensor_parallel_size to {listed}")

@@ -80,3 +80,8 @@ def test_a_model_that_does_not_split_over_the_tensor_parallel_size_names_the_siz
     assert refused.value.where == "[placement] tensor_parallel_size"
     assert refused.value.what == "[model] n_kv_head = 2 does not split evenly over 4 ranks"
     assert refused.value.fix == "set tensor_parallel_size to 1 or 2"
+    # Sizes every split key takes: 12 heads (1, 2, 3, 4, 6, 12) over 1,000 positions (1, 2, 4, 5, 8, 10, …).
+    gpt = {"n_layer": 1, "n_head": 12, "n_embd": 96, "seq_len": 1000}
+    with pytest.raises(ConfigError) as refused:
+        JobConfig.from_dict({"cluster": {"use_gpu": True}, "model": gpt, "placement": {"tensor_parallel_size": 8}})
+    assert refused.value.fix == "set tensor_parallel_size to 1, 2 or 4"
