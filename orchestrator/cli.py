@@ -37,7 +37,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from core.columns import Column, print_fitted
 from core.config import JobConfig
-from core.errors import ArchipelagoError, ConfigError
+from core.errors import ArchipelagoError, ConfigError, PlacementError
 from orchestrator.accounting import calibrate
 from planning import calibration_fit
 from orchestrator.accounting.report import RunReport
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 def _in_config_file(error: ArchipelagoError, config_path: str | None) -> ArchipelagoError:
     """A config key found wrong after loading (a factory's model, the planner's search) named with its file,
     as the loader names every key it refuses."""
-    if isinstance(error, ConfigError) and config_path and error.where.startswith("["):
+    if isinstance(error, (ConfigError, PlacementError)) and config_path and error.where.startswith("["):
         return type(error)(error.what, where=f"{config_path}: {error.where}", fix=error.fix)
     return error
 

@@ -627,7 +627,8 @@ def _user_errors(*, loading: Location | None = None) -> Iterator[None]:
                 raise error from None
         for error in errors:
             if loading is not None and str(error).startswith(_ANOTHER_MODEL):
-                raise CheckpointError(f"the checkpoint was written by another model: {error}", where=str(loading),
+                raise CheckpointError(f"the checkpoint's tensors do not fit this model or its optimizer: {error}",
+                                      where=str(loading),
                                       fix="resume with the model that wrote it (its [model] table or factory), or "
                                           "start a new run: --overwrite, or another name") from None
         raise

@@ -402,11 +402,12 @@ def _check_trained_tokens(split: str, packer: chat.Packer, source_format: str, r
     if packer.trained_tokens:
         return
     cut = f", {packer.truncated} of them cut at --seq-len {packer.seq_len}" if packer.truncated else ""
-    turn = "assistant turn" if source_format == "chat" else "response"
-    raise DataError(f"the {split} split has no token to train on: none of its {packer.documents} conversations "
-                    f"kept an {turn}{cut}", where=str(root),
-                    fix=f"give the conversations an {turn}" + (", or a larger --seq-len (the job's [model] seq_len)"
-                                                               if packer.truncated else ""))
+    turn = "an assistant turn" if source_format == "chat" else "a response"
+    purpose = "train on" if split == "train" else "validate on"
+    raise DataError(f"the {split} split has no token to {purpose}: none of its {packer.documents} conversations "
+                    f"kept {turn}{cut}", where=str(root),
+                    fix=f"give the conversations {turn}" + (", or a larger --seq-len (the job's [model] seq_len)"
+                                                            if packer.truncated else ""))
 
 
 def _write_shards(staging: Path, units: list[Unit], tok: Tokenizer, workers: int, initargs: tuple,

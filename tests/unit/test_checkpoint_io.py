@@ -303,10 +303,10 @@ def test_a_checkpoint_of_another_shape_is_a_checkpoint_error_naming_the_tensor(t
     with pytest.raises(CheckpointError) as refused:
         checkpoint.load(tmp_path / "ck", other, other_optimizer)
     assert refused.value.where == str(tmp_path / "ck")
-    assert "written by another model: Size mismatch between saved torch.Size([257, 32])" in refused.value.what
+    assert "do not fit this model or its optimizer: Size mismatch between saved torch.Size([257, 32])" in refused.value.what
     assert "--overwrite" in refused.value.fix
     deeper = dataclasses.replace(CONFIG, model=dataclasses.replace(CONFIG.model, n_layer=2))
-    with pytest.raises(CheckpointError, match="written by another model: Missing key in checkpoint state_dict"):
+    with pytest.raises(CheckpointError, match="do not fit this model or its optimizer: Missing key in checkpoint state_dict"):
         checkpoint.load(tmp_path / "ck", *trained(0, deeper))
 
 

@@ -166,3 +166,10 @@ def test_a_factory_found_wrong_after_loading_is_named_with_its_config_file(capsy
     assert code == 2
     assert f"{job}: [model] factory: cannot import 'no_such_module_of_the_user'" in out
     assert "Traceback" not in out
+
+
+def test_a_plan_refused_for_a_config_key_names_the_config_file(capsys, tmp_path):
+    job = write_job(tmp_path, "[model]\nn_layer = 1\nn_head = 4\nn_embd = 64\nseq_len = 64\n[cluster]\nuse_gpu = true\n"
+                              "[placement]\nmin_gpus = 3\nmax_gpus = 3\ntensor_parallel_size = 2\n")
+    code, out = run_cli(capsys, "plan", "--config", job, "--generate", "8xH100-SXM:1")
+    assert code == 2 and f"{job}: [placement] max_gpus: min_gpus = 3 to max_gpus = 3 holds no multiple" in out

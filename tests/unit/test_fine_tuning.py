@@ -224,6 +224,17 @@ def test_prepare_refuses_conversations_that_keep_no_token_to_train_on(tmp_path, 
     assert not (tmp_path / "data").exists()
 
 
+def test_prepare_refuses_instructions_whose_responses_were_all_cut(tmp_path):
+    source = tmp_path / "pairs"
+    source.mkdir()
+    (source / "a.jsonl").write_text("".join(json.dumps({"prompt": "p" * (SEQ + i), "response": "late"}) + "\n"
+                                            for i in range(5, 45)))  # every prompt longer than a sample
+    with pytest.raises(DataError) as refused:
+        prepare_dataset(str(source), tmp_path / "data", source_format="instruction", seq_len=SEQ, workers=1)
+    assert " conversations kept a response, " in refused.value.what
+    assert refused.value.fix.startswith("give the conversations a response, or a larger --seq-len")
+
+
 def test_flags_round_trip():
     words = flag(np.array([5, 6, 7]), np.array([False, True, True]))
     b = unpack(torch.from_numpy(np.concatenate([words, flag(np.array([8]), np.array([True]))]).astype(np.int64))[None])

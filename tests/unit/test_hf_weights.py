@@ -73,19 +73,21 @@ def test_safetensors_of_another_shape(tmp_path):
         assert "config.json" in error.fix
 
 
-def test_safetensors_holding_integers_where_weights_belong(tmp_path):
-    """An integer tensor of the right shape was cast to weights without a word (the first loss changed)."""
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float8_e4m3fn])
+def test_safetensors_holding_integers_or_float8_where_weights_belong(tmp_path, dtype):
+    """An integer tensor of the right shape was cast to weights without a word (the first loss changed), and so
+    would a float8 one, whose scales are in other tensors."""
     from safetensors.torch import load_file, save_file
 
     write_model(tmp_path / "m", "llama")
     path = tmp_path / "m" / "model.safetensors"
     tensors = load_file(path)
     key = "model.layers.0.mlp.up_proj.weight"
-    tensors[key] = tensors[key].round().to(torch.int64)
+    tensors[key] = tensors[key].round().to(dtype)
     save_file(tensors, path, metadata={"format": "pt"})
     for kind in ("hf", "llama"):
         error = refused(tmp_path, tmp_path / "m", kind)
-        assert f"tensor '{key}' holds torch.int64 numbers, not floating-point weights" in error.what
+        assert f"tensor '{key}' holds {dtype} numbers, not bf16, fp16 or fp32 weights" in error.what
 
 
 @pytest.mark.parametrize("architecture, overrides, said", [

@@ -49,8 +49,9 @@ def stored_tensors(hf_dir: str | Path) -> dict[str, StoredTensor]:
 
 
 def check_shapes(expected: dict[str, tuple[int, ...]], hf_dir: str | Path) -> None:
-    """Every expected tensor is stored with its shape, as floating-point numbers (an integer tensor would be
-    cast to weights without a word); ConfigError naming the file, the tensor and the fix."""
+    """Every expected tensor is stored with its shape, as 16- or 32-bit floating-point numbers (an integer or
+    float8 tensor, whose scales live elsewhere, would be cast to weights without a word); ConfigError naming
+    the file, the tensor and the fix."""
     stored = stored_tensors(hf_dir)
     config = Path(hf_dir) / "config.json"
     for key, shape in expected.items():
@@ -63,8 +64,8 @@ def check_shapes(expected: dict[str, tuple[int, ...]], hf_dir: str | Path) -> No
             raise ConfigError(f"{file}: tensor {key!r} is {list(found)}, the model {config} describes needs "
                               f"{list(shape)}", where=WHERE,
                               fix="the weights belong to another config: put their own config.json beside them")
-        if not stored[key].dtype.is_floating_point:
-            raise ConfigError(f"{file}: tensor {key!r} holds {stored[key].dtype} numbers, not floating-point weights",
+        if not stored[key].dtype.is_floating_point or stored[key].dtype.itemsize < 2:
+            raise ConfigError(f"{file}: tensor {key!r} holds {stored[key].dtype} numbers, not bf16, fp16 or fp32 weights",
                               where=WHERE, fix="use the model's own safetensors files (quantized checkpoints are not "
                                                "read: take the bf16 or fp32 release)")
 
