@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from core.plan import AllReduce, Objective, Plan
+from core.plan import AllReduce, DataParallel, Objective, Plan
 
 WORKER_ROWS_MAX = 32
 """Plans with more workers print one row per (node kind, device, micro-batch) group instead."""
@@ -37,8 +37,10 @@ def _headline(plan: Plan) -> str:
     # has no DDP comm hook or buckets.
     on_mesh = plan.tensor_parallel_size > 1
     strategy = plan.data_parallel.value
+    if on_mesh and plan.data_parallel == DataParallel.DDP:
+        strategy += " as FSDP2 replicas"
     if on_mesh:
-        strategy += f"{' as FSDP2 replicas' * (strategy == 'ddp')}, tensor parallel {plan.tensor_parallel_size}"
+        strategy += f", tensor parallel {plan.tensor_parallel_size}"
     buckets = "" if on_mesh else ", ".join(f"{kind} {size / 2**20:.0f} MiB" for kind, size in plan.ddp_bucket_bytes.items())
     workers = f"{plan.world_size} worker{'s' * (plan.world_size != 1)}"
     reduction = {AllReduce.NONE: "no gradient reduction",

@@ -166,7 +166,7 @@ def _meta_int(meta: dict[bytes, bytes], key: bytes, path: Location, *, default: 
     try:
         return int(text)
     except (TypeError, ValueError):
-        found = "missing" if text is None else f"{text[:40]!r}, not a whole number"
+        found = "missing" if text is None else f"{text[:40].decode(errors='replace')!r}, not a whole number"
         raise DataError(f"manifest metadata {key.decode()} is {found}", where=str(path), fix=PREPARE_AGAIN) from None
 
 

@@ -47,6 +47,7 @@ class BatchAdapter:
         return schedule.lr_at(self.policy.progress(consumed_samples)) * self.policy.lr_multiplier(self.state)
 
     def finished(self, step: int, consumed_samples: int, steps: int) -> bool:
+        """Whether [train] steps are trained: by samples for an adaptive batch (BatchPolicy.finished)."""
         return self.policy.finished(step, consumed_samples, steps)
 
     def measured(self, rows: list[dict]) -> None:

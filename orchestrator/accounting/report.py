@@ -288,12 +288,13 @@ class _Spent:
     bf16_tflops_hours: float
 
     @classmethod
-    def of(cls, bill_rows: list[dict], this_run: int, wall_seconds: float, rates: Rates, scale: float) -> _Spent:
-        """this_run: the bill rows of this invocation, the last ones; rates × scale: the last group's."""
+    def of(cls, bill_rows: list[dict], rows_this_run: int, wall_seconds: float, rates: Rates, scale: float) -> _Spent:
+        """rows_this_run: how many of bill_rows (the last ones) this invocation billed; rates × scale: the last
+        group's."""
         last = bill_rows[-1] if bill_rows else {}
-        before = bill_rows[-this_run - 1] if this_run and len(bill_rows) > this_run else {}
-        metered_s = last.get("elapsed_s", 0.0) - before.get("elapsed_s", 0.0) if this_run else 0.0
-        metered_dollars = last.get("dollars", 0.0) - before.get("dollars", 0.0) if this_run else 0.0
+        before = bill_rows[-rows_this_run - 1] if rows_this_run and len(bill_rows) > rows_this_run else {}
+        metered_s = last.get("elapsed_s", 0.0) - before.get("elapsed_s", 0.0) if rows_this_run else 0.0
+        metered_dollars = last.get("dollars", 0.0) - before.get("dollars", 0.0) if rows_this_run else 0.0
         tail_h = max(0.0, wall_seconds - metered_s) / 3600 * scale  # hours of the whole plan's devices
         return cls(dollars=metered_dollars + rates.dollars_per_hour * tail_h,
                    run_dollars=last.get("dollars", 0.0) + rates.dollars_per_hour * tail_h,

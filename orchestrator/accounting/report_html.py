@@ -310,7 +310,7 @@ _COMPARED = (("status", "status", "s"), ("tokenizer", "tokenizer_identity", "s")
              ("tokens per dollar", "run_tokens_per_dollar", ",.0f"), ("device-hours", "device_hours", ".4g"),
              ("exposed communication share", "exposed_comm_share", ".0%"),
              ("data wait share", "data_wait_share", ".0%"),
-             ("wall time (s)", "wall_seconds", ".1f"))
+             ("wall time of the last invocation (s)", "wall_seconds", ".1f"))
 
 
 def _comparison(runs: list[LoadedRun]) -> str:

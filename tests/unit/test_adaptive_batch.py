@@ -73,6 +73,16 @@ def test_the_learning_rate_follows_the_batch_by_adascale_or_sqrt_and_the_schedul
     assert math.isclose(schedule.lr_at(4.5), 1e-3 * 5.5 / 10)
 
 
+def test_an_adaptive_run_is_finished_by_its_samples_and_a_fixed_one_by_its_steps():
+    """[train] steps = 50 of 8 samples: 400 samples, however many steps its batches take (what --resume and
+    the workers both ask)."""
+    adaptive = BatchPolicy(base_batch=8, min_batch=4, max_batch=32, lr_scaling="sqrt")
+    assert not adaptive.finished(60, 320, 50)  # smaller batches: past step 50, short of its samples
+    assert adaptive.finished(40, 400, 50)  # larger ones: done before step 50
+    fixed = BatchPolicy(8, 8, 8, "sqrt", adaptive=False)
+    assert fixed.finished(50, 320, 50) and not fixed.finished(49, 400, 50)
+
+
 def test_the_state_a_checkpoint_keeps_round_trips():
     state = state_with_noise(32, 12.0)
     state.changes = 3

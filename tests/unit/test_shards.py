@@ -144,8 +144,8 @@ def test_a_manifest_of_another_version_is_refused(dataset_dir, tmp_path):
 
 @pytest.mark.parametrize("key, value, problem", [
     (b"vocab_size", None, "manifest metadata vocab_size is missing"),
-    (b"vocab_size", b"lots", "manifest metadata vocab_size is b'lots', not a whole number"),
-    (b"format_version", b"one", "manifest metadata format_version is b'one', not a whole number"),
+    (b"vocab_size", b"lots", "manifest metadata vocab_size is 'lots', not a whole number"),
+    (b"format_version", b"one", "manifest metadata format_version is 'one', not a whole number"),
 ])
 def test_a_manifest_whose_metadata_is_missing_or_garbled_is_a_data_error(dataset_dir, tmp_path, key, value, problem):
     import shutil
