@@ -32,9 +32,12 @@ def bill_rows(run_dir):
 def test_the_report_holds_the_bill_of_the_run(run):
     report, rows = run["result"].report, bill_rows(run["dir"])
     assert [r["step"] for r in rows] == list(range(1, run["steps"] + 1))
-    assert report.final_step == run["steps"] and report.dollars > 0 and report.run_dollars == rows[-1]["dollars"]
-    # Dollars grow with the wall clock; the bill's rate is the plan's: 2 CPU workers × $0.05 per core-hour.
+    assert report.final_step == run["steps"]
+    # Dollars grow with the wall clock; the bill's rate is the plan's: 2 CPU workers × $0.05 per core-hour. One
+    # invocation of one worker group: the whole wall time at that rate, the meter's to the last step and the rest.
     assert report.dollars_per_hour == pytest.approx(0.10)
+    assert report.run_dollars == report.dollars == pytest.approx(0.10 * report.wall_seconds / 3600)
+    assert report.dollars > rows[-1]["dollars"] > 0
     assert all(b["dollars"] >= a["dollars"] for a, b in zip(rows, rows[1:]))
     assert rows[-1]["dollars"] == pytest.approx(0.10 * rows[-1]["elapsed_s"] / 3600)
     assert report.tokens_per_dollar == pytest.approx(report.tokens_this_run / report.dollars)
@@ -80,7 +83,7 @@ def test_two_runs_side_by_side(run, tmp_path):
     twin = tmp_path / "half-price"
     shutil.copytree(run["dir"], twin, ignore=shutil.ignore_patterns("step_*", "tensorboard"))
     saved = json.loads((twin / "report.json").read_text())
-    saved.update(name="half-price", dollars=saved["dollars"] / 2,
+    saved.update(name="half-price", dollars=saved["dollars"] / 2, run_dollars=saved["run_dollars"] / 2,
                  convergence=[{**c, "dollars": c["dollars"] and c["dollars"] / 2} for c in saved["convergence"]])
     (twin / "report.json").write_text(json.dumps(saved))
     (twin / "bill.jsonl").write_text("".join(json.dumps({**r, "dollars": r["dollars"] / 2}) + "\n"
@@ -88,7 +91,8 @@ def test_two_runs_side_by_side(run, tmp_path):
     rendered = render_report([run["dir"], twin], tmp_path / "compare")
     page = rendered.html.read_text()
     assert "straight vs half-price" in page and "half-price ÷ straight" in page
-    assert "<td>bill ($)</td>" in page and page.count("<td>0.5×</td>") >= 2  # the bill and $ to reach 5.0
+    assert "<td>bill, whole run ($)</td>" in page and page.count("<td>0.5×</td>") >= 2  # the bill and $ to reach 5.0
+    assert "<td>tokens per dollar</td>" in page and "<td>2×</td>" in page
     assert all(p.read_bytes().startswith(PNG_MAGIC) for p in rendered.plots)
 
 
