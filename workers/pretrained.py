@@ -20,12 +20,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from core.config import ModelConfig
+from core.errors import ConfigError
 from storage.readers import ReaderKind
 from storage.safetensors_io import SafetensorsStorageReader, TensorReads
 from workers.models.hf import PREFIX, expected_weights
@@ -45,7 +47,23 @@ def load_pretrained(model: torch.nn.Module, config: ModelConfig, *, process_grou
             _load_by_name(model, config.hf_dir, reads, process_group)
         else:
             _load_llama_rows(model, config, reads)
+        _check_finite(model, config.hf_dir, process_group)
         return reads.kind
+
+
+@torch.no_grad()
+def _check_finite(model: torch.nn.Module, hf_dir: str, process_group: Any) -> None:
+    """Collective: weights holding NaN or inf would train a run of NaN losses to its end."""
+    named = [(name, _local_part(param)[0]) for name, param in model.named_parameters()]
+    finite = torch.stack([torch.isfinite(local).all() for _, local in named])
+    bad = (~finite).int().max().reshape(1)  # one read of the device for every parameter
+    if dist.is_initialized():
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=process_group)
+    if bad.item():
+        first = next((name.removeprefix(PREFIX) for (name, _), ok in zip(named, finite.tolist()) if not ok),
+                     "one on another rank")
+        raise ConfigError(f"the pretrained weights hold NaN or infinity (first: {first})", where=f"[model] hf_dir = {hf_dir}",
+                          fix="download the weights again, or take a checkpoint saved before its run diverged")
 
 
 def _load_by_name(model: torch.nn.Module, hf_dir: str, reads: TensorReads, process_group: Any) -> None:

@@ -99,6 +99,25 @@ def test_the_built_in_llama_refuses_what_it_would_compute_otherwise(tmp_path, ar
     assert said in error.what and 'kind = "hf"' in error.what
 
 
+@pytest.mark.parametrize("kind, first", [("hf", "model.layers.0.mlp.up_proj.weight"),
+                                         ("llama", "layers.0.feed_forward.w13.weight")])
+def test_pretrained_weights_holding_nan_are_refused_naming_the_first(tmp_path, kind, first):
+    """They trained a run of NaN losses to its end, with an alert every step."""
+    from safetensors.torch import load_file, save_file
+
+    from workers.pretrained import load_pretrained
+
+    write_model(tmp_path, "llama")
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.layers.0.mlp.up_proj.weight"][3, 5] = float("nan")
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = JobConfig.from_dict({"model": {"kind": kind, "hf_dir": str(tmp_path), "seq_len": 32}}).model
+    with pytest.raises(ConfigError) as refused:
+        load_pretrained(make_workload(config).build(), config)
+    assert refused.value.what == f"the pretrained weights hold NaN or infinity (first: {first})"
+    assert refused.value.where == f"[model] hf_dir = {tmp_path}"
+
+
 def test_the_built_in_llama_computes_qwen2s_logits(tmp_path):
     """Qwen2's q, k and v biases stack into wqkv's bias in its rows' order (grouped, q and k turned
     to interleaved pairs): the built-in computes transformers' logits, and without the biases it does not."""
