@@ -8,8 +8,8 @@ GPUs, skips steps or recompiles.
 
 The driver feeds the bill rows as they arrive and prints what fires; the report replays the whole
 series through a fresh monitor, so it lists the same alerts. A condition that persists fires once
-and fires again only after it has cleared (skipped steps and recompilations fire for every window
-that adds some: each is new damage).
+and fires again only after it has cleared, a run of non-finite losses included (skipped steps and
+recompilations fire for every window that adds some: each is new damage).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class AlertMonitor:
         self.config = config
         self.gpu = gpu
         self.fired: list[Alert] = []
-        self._armed = {"cost_rise": True, "mfu_floor": True, "loss_rise": True}
+        self._armed = {"cost_rise": True, "mfu_floor": True, "loss_rise": True, "skipped_steps": True}
         self._dollars_at: dict[int, tuple[float, int]] = {}
         """Step -> (dollars, work of the committed path up to it: samples, or steps where the rows name no batch)."""
         self._first_step: int | None = None
@@ -141,8 +141,11 @@ class AlertMonitor:
     def _skipped_steps(self, row: dict) -> Alert | None:
         if not self.config.skipped_steps:
             return None
-        if not math.isfinite(row["loss"]):
-            return Alert("skipped_steps", row["step"], f"step {row['step']} reported a loss of {row['loss']}")
+        finite = math.isfinite(row["loss"])
+        # Non-finite losses in a row (weights gone NaN) are one alert, and again only after a finite one.
+        alert = self._edge("skipped_steps", not finite, row, f"step {row['step']} reported a loss of {row['loss']}")
+        if not finite:
+            return alert
         count = row.get("skipped_steps")
         if count is None:
             return None

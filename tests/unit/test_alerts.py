@@ -74,6 +74,9 @@ def test_steps_skipped_for_inf_or_nan():
     assert alert.kind == "skipped_steps" and alert.step == 150 and "2 step(s) skipped" in alert.message
     nan = fired(series(loss=lambda step: math.nan if step == 7 else 3.0))
     assert [(a.kind, a.step) for a in nan] == [("skipped_steps", 7)]
+    # Weights gone NaN: every later loss is NaN, one alert (not one a step); again if it recovers and falls back.
+    diverged = fired(series(loss=lambda step: math.nan if 7 <= step < 300 or step >= 350 else 3.0))
+    assert [(a.kind, a.step) for a in diverged] == [("skipped_steps", 7), ("skipped_steps", 350)]
     assert fired(skipping, skipped_steps=False) == []
 
 
