@@ -73,6 +73,17 @@ def test_safetensors_of_another_shape(tmp_path):
         assert "config.json" in error.fix
 
 
+def test_a_shard_the_index_names_but_the_directory_lacks_is_named(tmp_path):
+    write_model(tmp_path / "m", "llama")
+    (tmp_path / "m" / "model.safetensors").rename(tmp_path / "m" / "model-00001-of-00002.safetensors")
+    weight_map = {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+                  "lm_head.weight": "model-00002-of-00002.safetensors"}
+    (tmp_path / "m" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    error = refused(tmp_path, tmp_path / "m", "llama")
+    assert error.what.endswith(f"names model-00002-of-00002.safetensors, which is not in {tmp_path / 'm'}")
+    assert "download the missing safetensors files" in error.fix
+
+
 @pytest.mark.parametrize("dtype", [torch.int64, torch.float8_e4m3fn])
 def test_safetensors_holding_integers_or_float8_where_weights_belong(tmp_path, dtype):
     """An integer tensor of the right shape was cast to weights without a word (the first loss changed), and so

@@ -8,7 +8,8 @@ Llama's layout of a Hugging Face Llama's tensors.
 
 A directory holds `model.safetensors`, or shards `model-0000k-of-0000n.safetensors` with
 `model.safetensors.index.json`; every *.safetensors file is read (as torch.distributed.checkpoint's
-HuggingFaceStorageReader does), so the index is not needed to find a tensor. The bytes are read through
+HuggingFaceStorageReader does), so the index is not needed to find a tensor, only to name a file that
+is missing. The bytes are read through
 storage/safetensors_io.py: on GPUs with kvikio straight into GPU memory.
 
 The built-in Llama stacks q, k, v into one matrix (wqkv) and SwiGLU's gate and up into another
@@ -26,6 +27,7 @@ same groups, the same turns. Reading by rows lets a rank read only the rows of i
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +39,7 @@ from core.errors import ConfigError
 from storage.safetensors_io import StoredTensor, TensorReads, read_header
 
 WHERE = "[model] hf_dir"
+INDEX_FILE = "model.safetensors.index.json"
 
 
 def safetensors_files(hf_dir: str | Path) -> list[Path]:
@@ -48,10 +51,28 @@ def stored_tensors(hf_dir: str | Path) -> dict[str, StoredTensor]:
     return {name: tensor for file in safetensors_files(hf_dir) for name, tensor in read_header(file).items()}
 
 
+def _check_index(hf_dir: Path) -> None:
+    """A sharded checkpoint's index names every file of it: one missing is named as the file, not as the
+    first tensor that is not found."""
+    index = hf_dir / INDEX_FILE
+    if not index.is_file():
+        return
+    try:
+        files = set(json.loads(index.read_text())["weight_map"].values())
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"{index} is unreadable ({e})", where=WHERE, fix="download the checkpoint again") from None
+    missing = sorted(f for f in files if not (hf_dir / f).is_file())
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise ConfigError(f"{index} names {missing[0]}{more}, which is not in {hf_dir}", where=WHERE,
+                          fix="download the missing safetensors files of the checkpoint again")
+
+
 def check_shapes(expected: dict[str, tuple[int, ...]], hf_dir: str | Path) -> None:
     """Every expected tensor is stored with its shape, as 16- or 32-bit floating-point numbers (an integer or
     float8 tensor, whose scales live elsewhere, would be cast to weights without a word); ConfigError naming
     the file, the tensor and the fix."""
+    _check_index(Path(hf_dir))
     stored = stored_tensors(hf_dir)
     config = Path(hf_dir) / "config.json"
     for key, shape in expected.items():
