@@ -192,6 +192,9 @@ _COUNTED = ("step", "dollars", "device_hours", "tokens")
 """What a target's cost is given in."""
 MIN_EVALUATIONS_TO_PROJECT = 3
 """Evaluations a projection of the cost of a target needs; the fit takes the later half once there are twice as many."""
+PROJECTION_HORIZON = 100.0
+"""A projection further than this many times the dollars spent so far is not made: a power law fitted to a
+few evaluations (start-up and restarts jump the dollars between them) says nothing that far out."""
 
 @dataclass(frozen=True, slots=True)
 class TargetCost:
@@ -241,7 +244,7 @@ def project(evals: list[dict], target: float) -> TargetCost | None:
     MIN_EVALUATIONS_TO_PROJECT on (two points always make a line, and two noisy evaluations make any
     line), its slope drawn through the last evaluation, so that a target that evaluation missed is
     never projected to be reached before it. Optimistic near the loss floor, which a power law without
-    one cannot see; None while the fitted loss is not falling."""
+    one cannot see; None while the fitted loss is not falling, or beyond PROJECTION_HORIZON."""
     points = [(math.log(r["dollars"]), math.log(r["val_loss"]), r) for r in evals
               if r["dollars"] > 0 and r["val_loss"] > 0]
     if len(points) < MIN_EVALUATIONS_TO_PROJECT:
@@ -257,6 +260,8 @@ def project(evals: list[dict], target: float) -> TargetCost | None:
         return None
     first, last = points[0][2], points[-1][2]
     dollars = last["dollars"] * math.exp((math.log(target) - math.log(last["val_loss"])) / slope)
+    if dollars > PROJECTION_HORIZON * last["dollars"]:
+        return None
     # Steps, tokens and device-hours go on growing with the dollars at the rate between the fitted evaluations.
     spent = last["dollars"] - first["dollars"]
     per_dollar = {k: (last[k] - first[k]) / spent for k in ("step", "device_hours", "tokens")}

@@ -30,7 +30,8 @@ from core.config import AlertsConfig, BillConfig
 from core.errors import ArchipelagoError
 from core.plan import Plan
 from orchestrator.accounting.alerts import AlertMonitor
-from orchestrator.accounting.bill import MIN_EVALUATIONS_TO_PROJECT, BillMeter, Rates, cost_to_reach, mfu
+from orchestrator.accounting.bill import (MIN_EVALUATIONS_TO_PROJECT, PROJECTION_HORIZON, BillMeter, Rates, cost_to_reach,
+                                          mfu)
 from orchestrator.accounting.exporters import read_jsonl
 from orchestrator.accounting.live_bill import BILL_FILE
 
@@ -363,8 +364,8 @@ def _signed(share: float | None) -> str:
 def _target_line(cost: dict, projecting: bool) -> str:
     if cost["dollars"] is None:
         return ("not reached (the next target's projection is above)" if projecting
-                else f"not reached; no projection (fewer than {MIN_EVALUATIONS_TO_PROJECT} evaluations, or the "
-                     "validation loss is not falling)")
+                else f"not reached; no projection (fewer than {MIN_EVALUATIONS_TO_PROJECT} evaluations, the "
+                     f"validation loss is not falling, or the fit puts it beyond {PROJECTION_HORIZON:g}× what was spent)")
     verb = "projected to be reached" if cost["projected"] else "reached"
     return (f"{verb} at step {cost['step']:,.0f}: ${cost['dollars']:.4g}, {cost['device_hours']:,.4g} device-hours, "
             f"{cost['tokens']:,.0f} tokens")

@@ -156,6 +156,12 @@ def test_a_projection_never_lands_before_the_evaluation_that_missed_the_target()
     assert cost.dollars == pytest.approx(1.0374 * (2.9 / 2.935) ** (1 / slope), rel=1e-3)
 
 
+def test_a_projection_past_a_hundred_times_the_dollars_spent_is_not_made():
+    # loss = 4 · d^b falling by 1 % from $1 to $2: 2.0 would need 2^(ln 2 / ln(4 / 3.96)) ≈ $2^69.
+    (cost,) = cost_to_reach(evals((1.0, 4.0), (1.5, 3.977), (2.0, 3.96)), [2.0])
+    assert cost.dollars is None and not cost.projected
+
+
 def test_two_evaluations_project_nothing():
     (cost,) = cost_to_reach(evals((1.0, 4.0), (3.0, 2.0)), [1.0])
     assert cost.dollars is None and not cost.projected
