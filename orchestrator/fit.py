@@ -219,9 +219,22 @@ class Orchestrator:
                                "a checkpoint", markup=False, highlight=False)
             return
         self._committed()
+        if self._trained_to_the_end():  # what stopped fit came after the last step's checkpoint: nothing is missing
+            status = "completed"
         if any("loss" in row for row in self._rows) and self.run.plan_path.is_file():
             self._save_report(status, Plan.load(self.run.plan_path))
         self._end_mlflow(status)
+
+    def _trained_to_the_end(self) -> bool:
+        """Whether the newest committed checkpoint is the last step's (asked while leaving on an error: a
+        checkpoint it cannot read answers no, and the error that is leaving stays the one raised)."""
+        latest = self.run.latest_checkpoint()
+        try:
+            info = checkpoint.read_info(latest) if latest is not None else None
+        except ArchipelagoError:
+            return False
+        return info is not None and BatchPolicy.for_train(self.config.train).finished(
+            info.step, info.consumed_samples, self.config.train.steps)
 
     def _end_mlflow(self, status: str) -> None:
         # The error that stopped the run is the one to raise: a tracking server that is down too only gets a line.

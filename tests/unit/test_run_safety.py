@@ -154,6 +154,27 @@ def test_an_interrupted_run_writes_its_report_marked_interrupted_and_report_read
     assert len(rendered.plots) == len(PLOTS)
 
 
+def test_a_run_stopped_after_its_last_checkpoint_is_reported_completed(config, monkeypatch):
+    """Ctrl-C while the workers shut down, after the last step's checkpoint committed: nothing is missing."""
+    def trains_every_step_then_ctrl_c(self, *args):
+        spec = job_spec(self.config)
+        spec.plan.save(self.run.plan_path)
+        model, optimizer = trained(0, self.config)
+        checkpoint.save(self.run.checkpoints.step(STEPS), model, optimizer,
+                        checkpoint.CheckpointInfo.for_spec(spec, STEPS, STEPS * 8, 2)).result()
+        rows = [{"event": "start", "step": 0, "world_size": 2, "device": "cpu", "params": 1, "flops_per_token": 1.0},
+                *({"step": s, "loss": 5.0 - s / 10, "tokens_per_s": 1000.0, "consumed_samples": 8 * s}
+                  for s in range(1, STEPS + 1))]
+        self.run.append_metrics(rows)
+        self._rows += rows
+        raise KeyboardInterrupt
+    monkeypatch.setattr(Orchestrator, "_train_on_ray", trains_every_step_then_ctrl_c)
+    orchestrator = Orchestrator(config, console=quiet())
+    with pytest.raises(KeyboardInterrupt):
+        orchestrator.fit()
+    assert RunReport.load(orchestrator.run.path).status == "completed"
+
+
 def test_a_resume_that_trains_nothing_rewrites_no_report_and_no_bill(config, finished, monkeypatch):
     longer = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=STEPS + 4))
 
