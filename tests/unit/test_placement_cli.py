@@ -61,7 +61,7 @@ def test_a_placement_error_is_one_line_and_exit_2(capsys, tmp_path):
     path.write_text(JOB + "[placement]\ntensor_parallel_size = 2\n")
     code, out = run(capsys, "plan", "--topology", "examples/topologies/h200-single.json", "--config", str(path))
     assert code == 2 and "Traceback" not in out
-    assert "error: [placement] tensor_parallel_size: tensor_parallel_size 2 needs an NVLink island" in out
+    assert f"error: {path}: [placement] tensor_parallel_size: tensor_parallel_size 2 needs an NVLink island" in out
 
 
 def test_plan_and_fit_refuse_what_the_workers_could_not_run_with_the_same_line(capsys, tmp_path, monkeypatch):
