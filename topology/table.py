@@ -65,7 +65,7 @@ def _print_node(cluster: ClusterTopology, node: NodeTopology, console: Console) 
     if node.nics:
         console.print(_nic_table(node))
     if node.measured:
-        console.print(_measured_table(node))
+        _print_measured(node, console)
     for gpu in node.gpus:
         if gpu.error:
             console.print(f"  [red]GPU {gpu.index}:[/] {escape(gpu.error)}", highlight=False)
@@ -131,20 +131,24 @@ def _nic_table(node: NodeTopology) -> Table:
     return table
 
 
-def _measured_table(node: NodeTopology) -> Table:
+_MEASURED = ((Column("device"), "name"), (Column("bf16 TFLOP/s", "right"), "bf16_tflops"),
+             (Column("fp8", "right", drop=4), "fp8_tflops"), (Column("fp32", "right", drop=7), "fp32_tflops"),
+             (Column("fp32 block", "right", drop=6), "fp32_block_tflops"), (Column("memory GB/s", "right"), "memory_gb_per_s"),
+             (Column("host→device", "right", drop=5), "host_to_device_gb_per_s"),
+             (Column("device→host", "right", drop=3), "device_to_host_gb_per_s"), (Column("peer", "right", drop=2), "peer_gb_per_s"))
+"""The micro-benchmark's figures, each column with the order it is left out in on a narrow terminal."""
+
+
+def _print_measured(node: NodeTopology, console: Console) -> None:
     """The micro-benchmark's figures: per GPU, or per core for the CPUs (0 shown as -)."""
-    table = Table(box=None, pad_edge=False, padding=(0, 2, 0, 2), title="measured", title_justify="left")
-    columns = (("device", "name"), ("bf16 TFLOP/s", "bf16_tflops"), ("fp8", "fp8_tflops"), ("fp32", "fp32_tflops"),
-               ("fp32 block", "fp32_block_tflops"), ("memory GB/s", "memory_gb_per_s"), ("host→device", "host_to_device_gb_per_s"),
-               ("device→host", "device_to_host_gb_per_s"), ("peer", "peer_gb_per_s"))
-    for label, _ in columns:
-        table.add_column(label, justify="left" if label == "device" else "right")
-    table.add_column("under", justify="left")
+    rows = []
     for device in node.measured:
         name = f"cpu (per core of {device.cores})" if device.name == "cpu" else device.name
-        cells = [f"{getattr(device, key):.4g}" if getattr(device, key) else "-" for _, key in columns[1:]]
-        table.add_row(name, *cells, f"driver {device.driver_version}" if device.driver_version else "-")
-    return table
+        cells = [f"{getattr(device, key):.4g}" if getattr(device, key) else "-" for _, key in _MEASURED[1:]]
+        rows.append([name, *cells, f"driver {device.driver_version}" if device.driver_version else "-"])
+    columns = [column for column, _ in _MEASURED] + [Column("under", drop=1)]
+    print_fitted(console, columns, rows, box=None, pad_edge=False, padding=(0, 2, 0, 2), title="measured",
+                 title_justify="left")
 
 
 def _bf16(peak_tflops: dict[str, float]) -> str:

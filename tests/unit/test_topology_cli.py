@@ -131,6 +131,11 @@ def test_a_version_1_map_reads_and_measured_figures_print(capsys, tmp_path, monk
     assert code == 0
     assert re.search(r"NVIDIA H200\s+781\.4\s+-\s+-\s+-\s+4287\s+-\s+-\s+-\s+driver 580\.159\.04", text)
     assert re.search(r"cpu \(per core of 16\)\s+-\s+-\s+0\.0512\s+0\.0301", text)
+    monkeypatch.setenv("COLUMNS", "80")  # the figures stay whole; the least useful columns go, and it says which
+    code, text = run(capsys, "topology", "--from", str(path))
+    assert code == 0 and max(len(line) for line in text.splitlines()) <= 80 and "…" not in text
+    assert re.search(r"NVIDIA H200\s+781\.4\s.*\s4287\s", text) and "memory GB/s" in text
+    assert "(under, peer, device→host" in text
 
 
 def test_the_map_reads_at_80_columns_leaving_out_uuids_first(capsys, monkeypatch):
