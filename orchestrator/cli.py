@@ -181,26 +181,32 @@ def _report(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-_PRICE_COLUMNS = (Column("device"), Column("vendor", drop=1), Column("GiB", "right", drop=4),
-                  Column("bf16 TF/s", "right", drop=5), Column("fp8 TF/s", "right", drop=2), Column("$/h", "right"),
-                  Column("$/h spot", "right"), Column("$/TF·h", "right", drop=3), Column("$/TF·h spot", "right"))
+def _price_columns(spot: bool) -> tuple[Column, ...]:
+    """The prices table's columns; on a narrow terminal the $/TF·h column the rows are not ordered by goes first."""
+    return (Column("device"), Column("vendor", drop=1), Column("GiB", "right", drop=4),
+            Column("bf16 TF/s", "right", drop=5), Column("fp8 TF/s", "right", drop=2), Column("$/h", "right"),
+            Column("$/h spot", "right"), Column("$/TF·h", "right", drop=3 if spot else 0),
+            Column("$/TF·h spot", "right", drop=0 if spot else 3))
 
 
 def _prices(args: argparse.Namespace, console: Console) -> int:
-    prices = PriceTable.for_job(JobConfig.from_toml(args.config)) if args.config else PriceTable()
+    config = JobConfig.from_toml(args.config) if args.config else JobConfig()
+    prices = PriceTable.for_job(config) if args.config else PriceTable()
+    spot = config.placement.pricing == "spot"  # the column a plan pays, which the rows are ordered by
     money = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     rows = []
     for model in catalog.MODELS:
-        unit = prices.dollars_per_bf16_tflops_hour(model.key, spot=True)
+        unit = prices.dollars_per_bf16_tflops_hour(model.key, spot=spot)
         rows.append((unit if unit is not None else float("inf"), [
             model.key, model.vendor, f"{model.memory_gib:,.0f}",
             f"{catalog.device_peak_tflops(model.key, 'bf16'):,.0f}",
             money(model.peak_tflops.get("fp8"), ",.0f"), money(prices.dollars_per_hour(model.key, spot=False), ".2f"),
             money(prices.dollars_per_hour(model.key, spot=True), ".2f"),
-            money(prices.dollars_per_bf16_tflops_hour(model.key, spot=False), ".5f"), money(unit, ".5f")]))
-    print_fitted(console, _PRICE_COLUMNS, [row for _, row in sorted(rows, key=lambda r: r[0])],  # cheapest first
+            money(prices.dollars_per_bf16_tflops_hour(model.key, spot=False), ".5f"),
+            money(prices.dollars_per_bf16_tflops_hour(model.key, spot=True), ".5f")]))
+    print_fitted(console, _price_columns(spot), [row for _, row in sorted(rows, key=lambda r: r[0])],  # cheapest first
                  title="devices and prices: dense peaks (bf16 as fp16 on V100); $/h per device; $/TF·h = dollars "
-                       "per bf16 TFLOP/s held an hour")
+                       f"per bf16 TFLOP/s held an hour; cheapest {'spot' if spot else 'on-demand'} $/TF·h first")
     return 0
 
 

@@ -15,15 +15,18 @@ def test_prices_lists_devices_cheapest_compute_first(capsys, tmp_path, monkeypat
     monkeypatch.setenv("COLUMNS", "200")
     code, out = run(capsys, "prices")
     rows = [line for line in out.splitlines() if line.startswith("│")]
-    assert code == 0 and rows[0].split("│")[1].strip() == "MI300X"  # $1.30 spot ÷ 1,307 TFLOP/s = $0.00099
-    assert "0.00099" in rows[0] and "0.00302" in next(r for r in rows if "H100-SXM5-80GB" in r)
+    assert code == 0 and rows[0].split("│")[1].strip() == "MI300X"  # $2.49 on demand ÷ 1,307 TFLOP/s = $0.00190
+    assert "0.00190" in rows[0] and "0.00302" in next(r for r in rows if "H100-SXM5-80GB" in r)
+    on_demand = [float(r.split("│")[8]) for r in rows if r.split("│")[8].strip() != "-"]
+    assert on_demand == sorted(on_demand)  # the column a plan pays by default ([placement] pricing)
     prices = tmp_path / "prices.toml"
     prices.write_text('"A10G" = { spot = 0.01 }\n')
     job = tmp_path / "job.toml"
-    job.write_text(f'[bill]\nprices_file = "{prices}"\n')
+    job.write_text(f'[placement]\npricing = "spot"\n[bill]\nprices_file = "{prices}"\n')
     code, out = run(capsys, "prices", "--config", str(job))
     first = [line for line in out.splitlines() if line.startswith("│")][0]
-    assert code == 0 and "A10G" in first and "0.00014" in first  # $0.01 ÷ 70 TFLOP/s
+    assert code == 0 and "A10G" in first and "0.00014" in first  # $0.01 spot ÷ 70 TFLOP/s
+    assert "cheapest spot $/TF·h first" in out
 
 
 def test_report_takes_one_or_two_runs(capsys, tmp_path):
@@ -46,4 +49,4 @@ def test_prices_read_at_80_columns_with_every_device_name_whole(capsys, monkeypa
     assert code == 0 and max(len(line) for line in lines) <= 80 and "…" not in out
     names = {line.split("│")[1].strip() for line in lines if line.startswith("│")}
     assert names == {model.key for model in catalog.MODELS}
-    assert "$/TF·h spot" in out and "left out at 80 columns" in out  # the sort key stays, the least useful go
+    assert "┃  $/TF·h ┃" in out and "left out at 80 columns" in out  # the sort key stays, the least useful go
