@@ -134,19 +134,30 @@ def test_a_replacement_stopped_without_a_word_leaves_the_earlier_run_aside_and_a
     assert run.checkpoint_to_resume() == (run.checkpoints.step(STEPS).local_path, [])
 
 
-def test_an_interrupted_run_writes_its_report_marked_interrupted_and_report_reads_it(config, monkeypatch):
-    def trains_four_steps_then_ctrl_c(self, *args):
-        job_spec(self.config).plan.save(self.run.plan_path)
+def ctrl_c_after(config, monkeypatch, steps: int, *, committed: bool) -> Orchestrator:
+    """A fit whose workers train `steps` steps (and commit the last one's checkpoint, when `committed`)
+    before Ctrl-C reaches the driver; the Orchestrator after it left."""
+    def trains_then_ctrl_c(self, *args):
+        spec = job_spec(self.config)
+        spec.plan.save(self.run.plan_path)
+        if committed:
+            checkpoint.save(self.run.checkpoints.step(steps), *trained(0, self.config),
+                            checkpoint.CheckpointInfo.for_spec(spec, steps, steps * 8, 2)).result()
         rows = [{"event": "start", "step": 0, "world_size": 2, "device": "cpu", "params": 1, "flops_per_token": 1.0},
                 *({"step": s, "loss": 5.0 - s / 10, "tokens_per_s": 1000.0, "consumed_samples": 8 * s}
-                  for s in range(1, 5))]
+                  for s in range(1, steps + 1))]
         self.run.append_metrics(rows)  # as fit's _collect does with what the workers send
         self._rows += rows
         raise KeyboardInterrupt
-    monkeypatch.setattr(Orchestrator, "_train_on_ray", trains_four_steps_then_ctrl_c)
+    monkeypatch.setattr(Orchestrator, "_train_on_ray", trains_then_ctrl_c)
     orchestrator = Orchestrator(config, console=quiet())
     with pytest.raises(KeyboardInterrupt):
         orchestrator.fit()
+    return orchestrator
+
+
+def test_an_interrupted_run_writes_its_report_marked_interrupted_and_report_reads_it(config, monkeypatch):
+    orchestrator = ctrl_c_after(config, monkeypatch, 4, committed=False)
     report = RunReport.load(orchestrator.run.path)
     assert (report.status, report.final_step, report.final_train_loss) == ("interrupted", 4, pytest.approx(4.6))
     rendered = render_report([orchestrator.run.path], orchestrator.run.path)
@@ -156,22 +167,7 @@ def test_an_interrupted_run_writes_its_report_marked_interrupted_and_report_read
 
 def test_a_run_stopped_after_its_last_checkpoint_is_reported_completed(config, monkeypatch):
     """Ctrl-C while the workers shut down, after the last step's checkpoint committed: nothing is missing."""
-    def trains_every_step_then_ctrl_c(self, *args):
-        spec = job_spec(self.config)
-        spec.plan.save(self.run.plan_path)
-        model, optimizer = trained(0, self.config)
-        checkpoint.save(self.run.checkpoints.step(STEPS), model, optimizer,
-                        checkpoint.CheckpointInfo.for_spec(spec, STEPS, STEPS * 8, 2)).result()
-        rows = [{"event": "start", "step": 0, "world_size": 2, "device": "cpu", "params": 1, "flops_per_token": 1.0},
-                *({"step": s, "loss": 5.0 - s / 10, "tokens_per_s": 1000.0, "consumed_samples": 8 * s}
-                  for s in range(1, STEPS + 1))]
-        self.run.append_metrics(rows)
-        self._rows += rows
-        raise KeyboardInterrupt
-    monkeypatch.setattr(Orchestrator, "_train_on_ray", trains_every_step_then_ctrl_c)
-    orchestrator = Orchestrator(config, console=quiet())
-    with pytest.raises(KeyboardInterrupt):
-        orchestrator.fit()
+    orchestrator = ctrl_c_after(config, monkeypatch, STEPS, committed=True)
     assert RunReport.load(orchestrator.run.path).status == "completed"
 
 
