@@ -20,9 +20,20 @@ from core.config import JobConfig
 from storage.prepare import prepare_dataset
 
 
+_SESSION_CACHE: list[str] = []
+"""The cache directory this session made (none when ARCHIPELAGO_CACHE_DIR was set already): removed at its end."""
+
+
 def pytest_configure(config) -> None:
-    os.environ.setdefault("ARCHIPELAGO_CACHE_DIR", tempfile.mkdtemp(prefix="archipelago-test-cache-"))
+    if "ARCHIPELAGO_CACHE_DIR" not in os.environ:
+        _SESSION_CACHE.append(tempfile.mkdtemp(prefix="archipelago-test-cache-"))
+        os.environ["ARCHIPELAGO_CACHE_DIR"] = _SESSION_CACHE[-1]
     os.environ.setdefault("ARCHIPELAGO_DEVICE_BENCH_S", "0.05")
+
+
+def pytest_unconfigure(config) -> None:
+    for directory in _SESSION_CACHE:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.hookimpl(hookwrapper=True)
