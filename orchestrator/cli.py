@@ -191,7 +191,7 @@ def _price_columns(spot: bool) -> tuple[Column, ...]:
 
 def _prices(args: argparse.Namespace, console: Console) -> int:
     config = JobConfig.from_toml(args.config) if args.config else JobConfig()
-    prices = PriceTable.for_job(config) if args.config else PriceTable()
+    prices = PriceTable.for_job(config)
     spot = config.placement.pricing == "spot"  # the column a plan pays, which the rows are ordered by
     money = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     rows = []

@@ -147,8 +147,7 @@ class Orchestrator:
             check_takes_loss_masks(self.workload)
         self._tokenizer = dataset.tokenizer
         resume_from = self._resume_point(dataset)
-        if resume_from is not None and BatchPolicy.for_train(self.config.train).finished(
-                resume_from[1].step, resume_from[1].consumed_samples, self.config.train.steps):
+        if resume_from is not None and self._finished(resume_from[1]):
             return self._already_trained(*resume_from)
         start = self._open_run(resume_from)
         try:
@@ -233,8 +232,11 @@ class Orchestrator:
             info = checkpoint.read_info(latest) if latest is not None else None
         except ArchipelagoError:
             return False
-        return info is not None and BatchPolicy.for_train(self.config.train).finished(
-            info.step, info.consumed_samples, self.config.train.steps)
+        return info is not None and self._finished(info)
+
+    def _finished(self, info: checkpoint.CheckpointInfo) -> bool:
+        """Whether the checkpoint `info` describes has trained what [train] asks (the workers' own rule)."""
+        return BatchPolicy.for_train(self.config.train).finished(info.step, info.consumed_samples, self.config.train.steps)
 
     def _end_mlflow(self, status: str) -> None:
         # The error that stopped the run is the one to raise: a tracking server that is down too only gets a line.

@@ -141,7 +141,7 @@ class RunReport:
         rates = Rates.from_plan(plan)
         bill_rows = _bill_rows(Path(fields["run_dir"]), rows, rates)
         this_run = bill_rows[-len(steps):] if steps else []
-        bill = _BillSummary.of(bill_rows, rates, start)
+        bill = _BillSummary.of(rates, start)
         spent = _Spent.of(bill_rows, len(this_run), fields["wall_seconds"], rates, bill.scale)
         step_seconds = _median_step_seconds(group_steps, plan, tokens_per_second)
         predicted = plan.predicted.step_seconds
@@ -293,9 +293,12 @@ class _Spent:
         """rows_this_run: how many of bill_rows (the last ones) this invocation billed; rates × scale: the last
         group's."""
         last = bill_rows[-1] if bill_rows else {}
-        before = bill_rows[-rows_this_run - 1] if rows_this_run and len(bill_rows) > rows_this_run else {}
-        metered_s = last.get("elapsed_s", 0.0) - before.get("elapsed_s", 0.0) if rows_this_run else 0.0
-        metered_dollars = last.get("dollars", 0.0) - before.get("dollars", 0.0) if rows_this_run else 0.0
+        # The meter's totals when this invocation began: the row before its own (none for a first invocation),
+        # or, when it billed no step, where they still stand.
+        before = bill_rows[-rows_this_run - 1] if len(bill_rows) > rows_this_run else {}
+        before = before if rows_this_run else last
+        metered_s = last.get("elapsed_s", 0.0) - before.get("elapsed_s", 0.0)
+        metered_dollars = last.get("dollars", 0.0) - before.get("dollars", 0.0)
         tail_h = max(0.0, wall_seconds - metered_s) / 3600 * scale  # hours of the whole plan's devices
         return cls(dollars=metered_dollars + rates.dollars_per_hour * tail_h,
                    run_dollars=last.get("dollars", 0.0) + rates.dollars_per_hour * tail_h,
@@ -305,20 +308,20 @@ class _Spent:
 
 @dataclass(frozen=True, slots=True)
 class _BillSummary:
-    last: dict
+    """The peak MFU divides by and the device share of the last worker group, from its start row."""
+
     peak_tflops: float
     peak_basis: str
     scale: float
     """The share of the plan's devices the last worker group holds (BillMeter.scale)."""
 
     @classmethod
-    def of(cls, bill_rows: list[dict], rates: Rates, start: dict) -> _BillSummary:
+    def of(cls, rates: Rates, start: dict) -> _BillSummary:
         meter = BillMeter(rates)
         meter.observe([start] if start else [])
         basis = ("nominal CPU peak, 0.1 TFLOP/s per core" if rates.nominal_peak
                  else f"dense {meter.precision} peak from the device catalog")
-        return cls(last=bill_rows[-1] if bill_rows else {}, peak_tflops=meter.peak_tflops(), peak_basis=basis,
-                   scale=meter.scale)
+        return cls(peak_tflops=meter.peak_tflops(), peak_basis=basis, scale=meter.scale)
 
 
 def _bill_rows(run_dir: Path, rows: list[dict], rates: Rates) -> list[dict]:
