@@ -46,7 +46,7 @@ def _headline(plan: Plan) -> str:
     reduction = {AllReduce.NONE: "no gradient reduction",
                  AllReduce.ALL_GATHER: f"all-gather of compressed gradients over {plan.backend}"}.get(
         plan.allreduce, f"{plan.allreduce.value} all-reduce over {plan.backend}")
-    if plan.comm_hook and plan.allreduce != AllReduce.NONE and plan.data_parallel.value == "ddp" and not on_mesh:
+    if plan.comm_hook and plan.allreduce != AllReduce.NONE and plan.data_parallel == DataParallel.DDP and not on_mesh:
         reduction += f" (comm hook {plan.comm_hook})"
     return (f"[bold]plan '{escape(plan.job_name)}'[/] ({plan.objective.value}): {workers}, "
             f"{strategy}, {reduction}, global batch {plan.global_batch_size} = "
