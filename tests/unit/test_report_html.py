@@ -134,3 +134,22 @@ def test_an_adaptive_run_is_reported_at_the_batches_it_trained(tmp_path):
     rendered = render_report([run], run)
     assert (run / "batch_and_noise.png").stat().st_size > 10_000
     assert "<td>batch_change</td>" in rendered.html.read_text()
+
+
+def test_a_resumed_invocation_pays_its_own_span_and_the_run_every_invocation(tmp_path):
+    """bill.jsonl holds an earlier invocation ($1.00 by 100 s) and this one's steps 5–8 (to $1.40, 140 s on
+    the meter); this invocation ran 50 s in all, the 10 s after its last step at the plan's $5.98/h."""
+    run = tmp_path / "resumed"
+    run.mkdir()
+    earlier = [{"step": s, "elapsed_s": 25.0 * s, "dollars": 0.25 * s, "loss": 3.0} for s in range(1, 5)]
+    ours = [{"step": s, "elapsed_s": 100.0 + 10 * (s - 4), "dollars": 1.0 + 0.1 * (s - 4), "loss": 3.0}
+            for s in range(5, 9)]
+    (run / "bill.jsonl").write_text("".join(json.dumps(r) + "\n" for r in earlier + ours))
+    rows = [{**START, "step": 4}, *steps(5, 8)]
+    report = RunReport.from_rows(rows, plan=plan(), name="resumed", status="completed", run_dir=str(run),
+                                 started_at="2026-12-05T10:00:00+00:00", wall_seconds=50.0, checkpoint_path=None,
+                                 checkpoint_step=None, metrics_path=str(run / "metrics.jsonl"),
+                                 config=JobConfig.from_dict({"name": "resumed"}).to_dict())
+    tail = 5.98 * 10 / 3600
+    assert report.dollars == pytest.approx(0.4 + tail)
+    assert report.run_dollars == pytest.approx(1.4 + tail)
