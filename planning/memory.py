@@ -198,7 +198,7 @@ def _measure(spec: StepSpec, micro_batch_sizes: tuple[int, ...]) -> list[StepMem
         compute = Bf16ComputeCopy(model, _bf16_model(workload)) if spec.bf16_weights else None
         trained = compute.model if compute is not None else model  # the one whose gradients backward makes
         set_activation_checkpointing(workload.blocks(trained), spec.activation_checkpointing)
-        params = list(trained.parameters())
+        params = [p for p in trained.parameters() if p.requires_grad]  # those a gradient reaches
         step = functools.partial(_train_step, workload, model, optimizer, spec=spec, dtype=dtype, compute=compute)
         step(_batch(spec, 1), one_pass=False)  # makes AdamW's states
         sizes = _parameter_sizes(trained, workload.blocks(trained), round_to)
@@ -236,10 +236,10 @@ def _batch(spec: StepSpec, micro_batch_size: int) -> torch.Tensor:
 def _parameter_sizes(model, blocks, round_to: int) -> tuple[int, int, int]:
     """(all gradients, the largest block's parameters, the parameters outside the blocks), in bytes."""
     size = lambda p: math.ceil(p.untyped_storage().nbytes() / round_to) * round_to  # noqa: E731
-    total = sum(size(p) for p in model.parameters())
+    gradients = sum(size(p) for p in model.parameters() if p.requires_grad)  # a frozen parameter has none
     largest_block = max((sum(size(p) for p in block.parameters()) for block in blocks), default=0)
-    root = total - sum(size(p) for block in blocks for p in block.parameters())
-    return total, largest_block, root
+    root = sum(size(p) for p in model.parameters()) - sum(size(p) for block in blocks for p in block.parameters())
+    return gradients, largest_block, root
 
 
 def _train_step(workload: Workload, model, optimizer, batch: torch.Tensor, *, spec: StepSpec,

@@ -68,3 +68,40 @@ class _DetachedLogits(LstmLanguageModel):
 
 def detached_logits(table: dict) -> nn.Module:
     return _DetachedLogits(table["vocab_size"], 8, 1)
+
+
+def partly_frozen(table: dict) -> nn.Module:
+    """The embedding frozen (as fine-tuning a pretrained model's upper layers does), the rest trained."""
+    model = LstmLanguageModel(table["vocab_size"], 16, 1)
+    model.embed.weight.requires_grad_(False)
+    return model
+
+
+class ResidualStack(nn.Module):
+    """Residual MLP blocks in an nn.ModuleList: blocks the engine finds without a workload."""
+
+    def __init__(self, vocab_size: int, width: int, layers: list[nn.Module]):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, width)
+        self.layers = nn.ModuleList(layers)
+        self.out = nn.Linear(width, vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(tokens)
+        for layer in self.layers:
+            hidden = hidden + layer(hidden)
+        return self.out(hidden)
+
+
+def _block(width: int, dropout: float = 0.0) -> nn.Module:
+    return nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Dropout(dropout))
+
+
+def shared_layers(table: dict) -> nn.Module:
+    """One block applied three times (weights shared across depth, as ALBERT does)."""
+    return ResidualStack(table["vocab_size"], 16, [_block(16)] * 3)
+
+
+def with_dropout(table: dict) -> nn.Module:
+    """Its own dropout layers in its blocks ([model] dropout is the built-in GPT's, not this model's)."""
+    return ResidualStack(table["vocab_size"], 16, [_block(16, dropout=0.3) for _ in range(3)])

@@ -78,3 +78,58 @@ def test_a_factory_may_return_its_own_workload_and_the_engine_trains_it_with_its
     assert losses[0] == pytest.approx(float(smoothed), rel=1e-6) and abs(float(smoothed) - float(plain)) > 1e-4
     assert all(torch.isfinite(torch.tensor(losses))) and losses[2] < losses[0] - 0.01
 
+
+
+def test_a_partly_frozen_model_is_planned_with_gradients_and_adamw_states_for_its_trained_part_only():
+    job = config("tests.custom_models:partly_frozen")
+    model = make_workload(job.model).build()
+    trained = [p.numel() for p in model.parameters() if p.requires_grad]
+    everything = sum(p.numel() for p in model.parameters())
+    step = memory.measure_step(memory.StepSpec.for_job(job, device_type="cpu"), 4)
+    assert sum(trained) < everything
+    assert step.parameter_bytes == everything * 4 and step.gradient_bytes == sum(trained) * 4
+    assert step.optimizer_bytes == sum(trained) * 8 + len(trained) * 4  # exp_avg, exp_avg_sq; a step count each
+
+
+def losses_on_each_rank(rank: int, world: int, factories: list[str]) -> dict:
+    """Each factory under DDP and FSDP2, rank r training on its half of a fixed batch: the global loss per step."""
+    said = {}
+    for factory in factories:
+        for strategy in ("ddp", "fsdp"):
+            job = JobConfig.from_dict({**config(factory).to_dict(), "parallel": {"strategy": strategy}})
+            engine = Engine(engine_spec(job, world, 4, 1), rank, torch.device("cpu"))
+            said[f"{factory} {strategy}"] = [_global(engine(_halves(world)[rank:rank + 1], 1e-2)[0], world)
+                                            for _ in range(4)]
+    return said
+
+
+def _halves(world: int) -> list[torch.Tensor]:
+    return list(torch.randint(0, 257, (8, 17), generator=torch.Generator().manual_seed(3)).split(8 // world))
+
+
+def _global(loss: torch.Tensor, world: int) -> float:
+    total = loss.detach().clone()
+    if world > 1:
+        torch.distributed.all_reduce(total)
+    return float(total) / world
+
+
+FROZEN_AND_SHARED = ["tests.custom_models:partly_frozen", "tests.custom_models:shared_layers"]
+
+
+@pytest.fixture(scope="module")
+def frozen_and_shared_runs() -> dict:
+    return run_ranks(2, losses_on_each_rank, FROZEN_AND_SHARED)
+
+
+@pytest.mark.parametrize("factory", FROZEN_AND_SHARED)
+def test_a_partly_frozen_model_and_one_sharing_a_block_across_depth_train_under_ddp_and_fsdp2(
+        factory, frozen_and_shared_runs):
+    single = Engine(engine_spec(config(factory), 1, 4, 2), 0, torch.device("cpu"))
+    embedding_before = single.model.embed.weight.detach().clone()
+    alone = [float(single(_halves(2), 1e-2)[0]) for _ in range(4)]
+    assert alone[-1] < alone[0] - 0.05
+    for strategy in ("ddp", "fsdp"):
+        assert frozen_and_shared_runs[f"{factory} {strategy}"] == pytest.approx(alone, rel=1e-5), strategy
+    frozen = not single.model.embed.weight.requires_grad
+    assert torch.equal(single.model.embed.weight, embedding_before) == frozen

@@ -7,7 +7,10 @@ import torch.nn as nn
 
 def repeated_layers(model: nn.Module) -> list[nn.Module]:
     """The largest (by parameters) nn.ModuleList whose layers are all of one type: a transformer's
-    decoder layers; none for a model without such a list (FSDP2 then shards it whole)."""
+    decoder layers; none for a model without such a list (FSDP2 then shards it whole). A layer the list
+    holds more than once (weights shared across depth, as ALBERT does) is one block: FSDP2 shards a
+    module once."""
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)
              and len({type(layer) for layer in m}) == 1]
-    return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=[]))
+    largest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=[])
+    return list({id(layer): layer for layer in largest}.values())
