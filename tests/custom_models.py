@@ -11,20 +11,22 @@ import torch.nn as nn
 
 
 class LstmLanguageModel(nn.Module):
-    def __init__(self, vocab_size: int, width: int, layers: int):
+    def __init__(self, vocab_size: int, width: int, layers: int, dropout: float = 0.0):
         super().__init__()
         self.embed = nn.Embedding(vocab_size, width)
         self.lstm = nn.LSTM(width, width, num_layers=layers, batch_first=True)
+        self.drop = nn.Dropout(dropout)
         self.out = nn.Linear(width, vocab_size)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         hidden, _ = self.lstm(self.embed(tokens))
-        return self.out(hidden)
+        return self.out(self.drop(hidden))
 
 
 def lstm(table: dict) -> nn.Module:
-    """The factory: [model] vocab_size, and the table's own keys `width` and `lstm_layers`."""
-    return LstmLanguageModel(table["vocab_size"], table.get("width", 32), table.get("lstm_layers", 1))
+    """The factory: [model] vocab_size, and the table's own keys `width`, `lstm_layers` and `output_dropout`."""
+    return LstmLanguageModel(table["vocab_size"], table.get("width", 32), table.get("lstm_layers", 1),
+                             table.get("output_dropout", 0.0))
 
 
 def not_a_module(table: dict) -> dict:
@@ -105,3 +107,17 @@ def shared_layers(table: dict) -> nn.Module:
 def with_dropout(table: dict) -> nn.Module:
     """Its own dropout layers in its blocks ([model] dropout is the built-in GPT's, not this model's)."""
     return ResidualStack(table["vocab_size"], 16, [_block(16, dropout=0.3) for _ in range(3)])
+
+
+class _FailsWhereItTrains(LstmLanguageModel):
+    """Indexes past its sequence once it trains on the workers (the driver's checks run it on the meta device,
+    outside any process group): a bug every restart meets again."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if torch.distributed.is_initialized():
+            return super().forward(tokens)[:, tokens.shape[1] + 3]
+        return super().forward(tokens)
+
+
+def fails_where_it_trains(table: dict) -> nn.Module:
+    return _FailsWhereItTrains(table["vocab_size"], 8, 1)

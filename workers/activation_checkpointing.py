@@ -35,7 +35,9 @@ def _recomputed(forward, mode: str, *args, **kwargs):
         return forward(*args, **kwargs)
     context = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _save_matmuls)} \
         if mode == "selective" else {}
-    return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **context, **kwargs)
+    # The recomputed forward draws the random numbers the first one drew (a model's dropout masks): without the
+    # generator's state kept, backward would differentiate through other masks than the loss was made with.
+    return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **context, **kwargs)
 
 
 def set_activation_checkpointing(blocks: Iterable[torch.nn.Module], mode: str) -> None:

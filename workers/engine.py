@@ -16,6 +16,7 @@ import contextlib
 import functools
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -30,6 +31,7 @@ from workers.comm.stats import CommStats
 from workers.compile_check import CompileCheck
 from workers.compiler import compile_stats
 from workers.compute_copy import Bf16ComputeCopy
+from workers.models.layers import draws_random_numbers
 from workers.optim import build_optimizer, set_lr
 from workers.parallel import attach_overlap, wrap
 from workers.precision import LossScaler, convert_to_float8, precision_on
@@ -97,7 +99,8 @@ class Engine:
                                              gradient_tolerance=compile_config.gradient_tolerance,
                                              compare_gradients=self.wrapped.ddp is None and not self.wrapped.fsdp)
                                 if compile_config.enable and compile_config.check_tolerance > 0
-                                and spec.model.dropout == 0 and self.precision.name != "fp8"
+                                and not draws_random_numbers(trained, spec.model.dropout)
+                                and self.precision.name != "fp8"
                                 # its eager rerun reads whole losses; under TP they are DTensors on shards
                                 and not self.wrapped.tensor_parallel else None)
 
@@ -112,6 +115,13 @@ class Engine:
         self._measures_noise = on
         if self.wrapped.local_norm is not None:
             self.wrapped.local_norm.enabled = on
+
+    def seed_step(self, step: int) -> None:
+        """Seeds the random numbers step `step` draws (dropout masks) from [train] seed, the step and this worker's
+        replica: a resumed run draws what the uninterrupted one drew, and replicas draw apart (from the seed every
+        rank builds the model with, they would all draw the same masks)."""
+        entropy = [self.spec.train.seed, step, self.worker.data_parallel_rank]
+        torch.manual_seed(int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0] >> 1))
 
     def replan(self, plan: Plan) -> None:
         """Takes another split of the batch over the same workers (an adaptive batch's change), between steps."""

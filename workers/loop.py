@@ -177,6 +177,7 @@ def train(job: WorkerJob, ctx, started_at: float) -> dict:
         batches = next(steps)
         data_wait_s = time.perf_counter() - waiting
         lr = adapter.lr(spec.lr_schedule, progress.step, progress.consumed_samples)
+        engine.seed_step(progress.step)
         loss, grad_norm = engine(batches, lr)
         progress.step += 1
         progress.consumed_samples += layout.global_batch

@@ -12,7 +12,8 @@ from tests.integration.conftest import job
 pytestmark = pytest.mark.integration
 
 LLAMA = {"kind": "llama", "n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 32, "rope_scaling": 8.0}
-LSTM = {"kind": "custom", "factory": "tests.custom_models:lstm", "width": 32}
+LSTM = {"kind": "custom", "factory": "tests.custom_models:lstm", "width": 32, "output_dropout": 0.2}
+"""Dropout: a resumed run must draw the masks the uninterrupted one drew at each step."""
 STEPS, CUT = 6, 3
 
 

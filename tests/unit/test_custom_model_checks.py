@@ -14,6 +14,7 @@ from planning import memory
 from planning.model_size import model_facts
 from tests.engine_support import engine_spec, run_ranks
 from tests.custom_workloads import LabelSmoothedLstm
+from workers.activation_checkpointing import set_activation_checkpointing
 from workers.engine import Engine
 from workers.models import make_workload
 
@@ -92,8 +93,14 @@ def test_a_partly_frozen_model_is_planned_with_gradients_and_adamw_states_for_it
 
 
 def losses_on_each_rank(rank: int, world: int, factories: list[str]) -> dict:
-    """Each factory under DDP and FSDP2, rank r training on its half of a fixed batch: the global loss per step."""
-    said = {}
+    """Each factory under DDP and FSDP2, rank r training on its half of a fixed batch: the global loss per step;
+    and each rank's loss of a model with dropout on one batch, the same for both."""
+    engine = Engine(engine_spec(config("tests.custom_models:with_dropout"), world, 4, 1), rank, torch.device("cpu"))
+    engine.seed_step(0)
+    local = engine(_halves(world)[:1], 1e-2)[0].detach().reshape(1)
+    gathered = [torch.zeros(1) for _ in range(world)]
+    torch.distributed.all_gather(gathered, local)
+    said = {"dropout": [float(t) for t in gathered]}
     for factory in factories:
         for strategy in ("ddp", "fsdp"):
             job = JobConfig.from_dict({**config(factory).to_dict(), "parallel": {"strategy": strategy}})
@@ -133,3 +140,40 @@ def test_a_partly_frozen_model_and_one_sharing_a_block_across_depth_train_under_
         assert frozen_and_shared_runs[f"{factory} {strategy}"] == pytest.approx(alone, rel=1e-5), strategy
     frozen = not single.model.embed.weight.requires_grad
     assert torch.equal(single.model.embed.weight, embedding_before) == frozen
+
+
+def test_replicas_draw_their_own_dropout_masks(frozen_and_shared_runs):
+    first, second = frozen_and_shared_runs["dropout"]  # one batch, one model: only the masks differ
+    assert abs(first - second) > 1e-4
+
+
+def test_a_step_draws_the_same_dropout_masks_again_when_resumed():
+    engine = Engine(engine_spec(config("tests.custom_models:with_dropout"), 1, 4, 1), 0, torch.device("cpu"))
+    batch = _halves(2)[:1]
+    losses = {}
+    for step in (5, 6, 5):
+        engine.seed_step(step)
+        losses.setdefault(step, []).append(float(engine(batch, 0.0)[0]))  # lr 0: the weights stay
+    assert losses[5][0] == losses[5][1] and abs(losses[5][0] - losses[6][0]) > 1e-4
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_recomputes_a_block_with_the_masks_its_forward_drew(mode):
+    model = make_workload(config("tests.custom_models:with_dropout").model).build()
+    batch = _halves(2)[0]
+    gradients = {}
+    for checkpointing in ("off", mode):
+        set_activation_checkpointing(model.layers, checkpointing)
+        model.zero_grad()
+        torch.manual_seed(7)
+        torch.nn.functional.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten()).backward()
+        gradients[checkpointing] = [p.grad.clone() for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(gradients["off"], gradients[mode]))
+
+
+def test_the_compile_check_stays_off_for_a_model_with_its_own_dropout():
+    compiled = {"compile": {"enable": True}}
+    with_dropout = JobConfig.from_dict({**config("tests.custom_models:with_dropout").to_dict(), **compiled})
+    without = JobConfig.from_dict({**config("tests.custom_models:shared_layers").to_dict(), **compiled})
+    engines = [Engine(engine_spec(job, 1, 4, 1), 0, torch.device("cpu")) for job in (with_dropout, without)]
+    assert engines[0].compile_checker is None and engines[1].compile_checker is not None

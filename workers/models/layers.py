@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch.nn as nn
+from torch.nn.modules.dropout import _DropoutNd
 
 
 def repeated_layers(model: nn.Module) -> list[nn.Module]:
@@ -14,3 +15,9 @@ def repeated_layers(model: nn.Module) -> list[nn.Module]:
              and len({type(layer) for layer in m}) == 1]
     largest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=[])
     return list({id(layer): layer for layer in largest}.values())
+
+
+def draws_random_numbers(model: nn.Module, dropout: float) -> bool:
+    """Whether training `model` draws random numbers: [model] dropout (the built-in GPT's) or a dropout layer
+    of its own. A compiled step then cannot equal an eager one (Inductor draws its own masks)."""
+    return dropout > 0 or any(isinstance(m, _DropoutNd) and m.p > 0 for m in model.modules())
