@@ -112,7 +112,7 @@ class ModelConfig:
                   seq_len=self.seq_len, vocab_size=self.vocab_size, norm_eps=self.norm_eps)
         _check(not self.preset or self.preset in MODEL_PRESETS, "[model] preset", f"{self.preset!r} is not a preset",
                f"use one of {', '.join(MODEL_PRESETS)}, or size the model with n_layer, n_embd, …")
-        _check(self.kind == "hf" or self.n_embd % self.n_head == 0, "[model] n_head",
+        _check(self.kind in ("hf", "custom") or self.n_embd % self.n_head == 0, "[model] n_head",  # a factory's own
                f"n_embd = {self.n_embd} is not divisible by n_head = {self.n_head}",
                "pick n_head so that n_embd / n_head is a whole number (e.g. 64 per head)")
         _check(0.0 <= self.dropout < 1.0, "[model] dropout", f"must be in [0, 1), got {self.dropout}",

@@ -52,7 +52,7 @@ from planning.resolve import resolve_precision
 from workers.activation_checkpointing import set_activation_checkpointing
 from workers.compute_copy import Bf16ComputeCopy
 from workers.models import make_workload
-from workers.models.workloads import fake_tensors
+from workers.models.factory_checks import fake_tensors
 from workers.optim import build_optimizer
 
 DeviceType = Literal["cuda", "cpu"]

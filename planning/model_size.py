@@ -21,7 +21,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from core.workload import Workload
-from workers.models.workloads import fake_tensors
+from workers.models.factory_checks import fake_tensors
 
 
 @dataclass(frozen=True, slots=True)

@@ -121,3 +121,21 @@ class _FailsWhereItTrains(LstmLanguageModel):
 
 def fails_where_it_trains(table: dict) -> nn.Module:
     return _FailsWhereItTrains(table["vocab_size"], 8, 1)
+
+
+def in_bf16(table: dict) -> nn.Module:
+    return LstmLanguageModel(table["vocab_size"], 8, 1).to(torch.bfloat16)
+
+
+def moved_to_a_device(table: dict) -> nn.Module:
+    return LstmLanguageModel(table["vocab_size"], 8, 1).to("cpu")
+
+
+class _WithAnUnusedLayer(LstmLanguageModel):
+    def __init__(self, vocab_size: int):
+        super().__init__(vocab_size, 8, 1)
+        self.spare = nn.Linear(8, 8)  # never called in forward
+
+
+def with_an_unused_layer(table: dict) -> nn.Module:
+    return _WithAnUnusedLayer(table["vocab_size"])

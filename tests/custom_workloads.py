@@ -81,3 +81,48 @@ class CpuWeightedLstm(LabelSmoothedLstm):
 
 def cpu_weighted(table: dict) -> CpuWeightedLstm:
     return CpuWeightedLstm(table)
+
+
+class _PerTokenLoss(LabelSmoothedLstm):
+    def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, **_) -> torch.Tensor:
+        return nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(), reduction="none")
+
+
+def per_token_loss(table: dict) -> _PerTokenLoss:
+    return _PerTokenLoss(table)
+
+
+class _BuildsNothing(LabelSmoothedLstm):
+    def build(self) -> None:
+        return None
+
+
+def builds_nothing(table: dict) -> _BuildsNothing:
+    return _BuildsNothing(table)
+
+
+class _BlocksOfAnotherModel(LabelSmoothedLstm):
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        return [nn.Linear(8, 8)]
+
+
+def blocks_of_another_model(table: dict) -> _BlocksOfAnotherModel:
+    return _BlocksOfAnotherModel(table)
+
+
+class TokenWeightedLstm(LabelSmoothedLstm):
+    """Keeps a tensor made in __init__ (a weight per vocabulary entry) and moves it to the batch's device."""
+
+    name = "token-weighted-lstm"
+
+    def __init__(self, table: dict):
+        super().__init__(table)
+        self.weights = torch.linspace(0.5, 1.5, table["vocab_size"])
+
+    def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, **_) -> torch.Tensor:
+        return nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(),
+                                           weight=self.weights.to(inputs.device))
+
+
+def token_weighted(table: dict) -> TokenWeightedLstm:
+    return TokenWeightedLstm(table)

@@ -12,6 +12,7 @@ from planning.model_size import model_facts
 from tests.engine_support import engine_spec
 from workers.engine import Engine
 from workers.models import make_workload, register_factory
+from workers.models.factory_checks import factory_table
 
 CUSTOM = {"kind": "custom", "factory": "tests.custom_models:lstm", "seq_len": 16, "vocab_size": 257, "width": 24}
 
@@ -30,6 +31,11 @@ def test_a_factory_gets_the_model_table_and_its_own_keys():
     facts = model_facts(workload, 16)
     assert facts.parameters == sum(p.numel() for p in model.parameters()) and facts.blocks == 0
     assert facts.counted and facts.flops_per_token > 6 * facts.parameters * 0.5  # the LSTM's matmuls, counted
+
+
+def test_the_built_in_models_sizing_rules_do_not_bind_a_factory_s_table():
+    table = factory_table(config(n_embd=90, n_head=4).model)  # 90 / 4 heads: a GPT's refusal, a GRU's width
+    assert (table["n_embd"], table["n_head"]) == (90, 4)
 
 
 def test_the_engine_trains_a_model_that_is_not_a_transformer():
@@ -59,6 +65,14 @@ def test_the_python_api_takes_the_factory_itself():
     ("tests.custom_models:frozen", "has nothing to train: none of its 7 parameters requires a gradient"),
     ("tests.custom_models:integer_logits", "returns torch.int64 logits"),
     ("tests.custom_models:detached_logits", "do not depend on its trainable parameters"),
+    ("tests.custom_models:in_bf16", "is not in fp32 (embed.weight is torch.bfloat16) — build it in fp32, without .to"),
+    ("tests.custom_models:moved_to_a_device", "moves the model it builds to a device (on the meta device torch "
+                                              "cannot copy it) — build the model on torch's current device"),
+    ("tests.custom_models:with_an_unused_layer", "trainable parameters its forward does not use (spare.weight, "
+                                                 "spare.bias): no gradient reaches them — freeze them"),
+    ("tests.custom_workloads:per_token_loss", "its loss is a [16] torch.float32 tensor, not a scalar to differentiate"),
+    ("tests.custom_workloads:builds_nothing", "its build() made a NoneType, not an nn.Module"),
+    ("tests.custom_workloads:blocks_of_another_model", "block 0 of its blocks(model) is not a module of the model"),
 ])
 def test_a_bad_factory_is_one_line_from_plan_and_fit_before_ray_starts(factory, said, tmp_path, capsys, monkeypatch):
     path = tmp_path / "job.toml"

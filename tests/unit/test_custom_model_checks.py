@@ -177,3 +177,17 @@ def test_the_compile_check_stays_off_for_a_model_with_its_own_dropout():
     without = JobConfig.from_dict({**config("tests.custom_models:shared_layers").to_dict(), **compiled})
     engines = [Engine(engine_spec(job, 1, 4, 1), 0, torch.device("cpu")) for job in (with_dropout, without)]
     assert engines[0].compile_checker is None and engines[1].compile_checker is not None
+
+
+def test_a_workload_keeping_a_tensor_of_its_own_is_planned_and_trains_with_it():
+    job = config("tests.custom_workloads:token_weighted")
+    workload = make_workload(job.model)
+    assert workload.weights.device.type == "cpu"  # made off the meta device: the workers get its values
+    step = memory.measure_step(memory.StepSpec.for_job(job, device_type="cpu"), 4)  # fake tensors meet a real one
+    assert step.activation_bytes > 0 and model_facts(workload, 16).counted
+    engine = Engine(engine_spec(job, 1, 4, 2), 0, torch.device("cpu"))
+    batch = _halves(2)
+    with torch.no_grad():
+        logits = engine.model(batch[0][:, :-1]).flatten(0, 1)
+        weighted = torch.nn.functional.cross_entropy(logits, batch[0][:, 1:].flatten(), weight=workload.weights)
+    assert float(engine([batch[0], batch[0]], 0.0)[0]) == pytest.approx(float(weighted), rel=1e-6)

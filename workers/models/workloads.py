@@ -24,14 +24,13 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor.parallel import ParallelStyle
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from core.config import ModelConfig
 from core.errors import ConfigError
 from core.workload import Workload
 from kernels.loss import ignore_masked, plain_cross_entropy
+from workers.models.factory_checks import FACTORY, call_factory, check_model, check_workload, factory_table
 from workers.models.gpt import GPT
 from workers.models.hf import HFWorkload
 from workers.models.hf_weights import check_shapes, expected_shapes, llama_layout, safetensors_files
@@ -50,10 +49,6 @@ STACKED_ROWS = "by head"
 """How the stacked projections order their rows (qkv and wqkv head by head or key/value group by group,
 w13 gate and up interleaved): checkpoints from before, whose rows ran q, k, v and gate, up in blocks,
 hold the same shapes with other meanings, and are refused instead of loaded."""
-FACTORY = "[model] factory"
-DETERMINISM_CHECKED_UP_TO = 50_000_000
-"""Parameters up to which the driver builds a custom model twice to see that one seed gives one model
-(larger ones the workers compare among themselves when they start)."""
 
 
 class BuiltinWorkload:
@@ -188,13 +183,6 @@ def check_takes_loss_masks(workload: Workload) -> None:
                               "(core/workload.py says what they hold), or return an nn.Module from the factory")
 
 
-def factory_table(config: ModelConfig) -> dict[str, Any]:
-    """What a factory is called with: the [model] table, the user's own keys among archipelago's."""
-    table = dataclasses.asdict(config)
-    options = table.pop("options")
-    return {**table, **options}
-
-
 def import_factory(reference: str) -> Callable[[dict], Any]:
     """The function "package.module:function" names; ConfigError when it cannot be had."""
     module_name, _, attribute = reference.partition(":")
@@ -229,94 +217,15 @@ def _import(module_name: str) -> ModuleType:
 
 
 def checked(config: ModelConfig, factory: Callable[[dict], Any]) -> Workload:
-    """The factory's workload once what it builds is seen to be a model of the table's vocabulary: built
-    on the meta device and run on a meta batch (no weights are made), so a large model costs nothing."""
-    with torch.device("meta"):
-        try:
-            built = factory(factory_table(config))
-        except Exception as e:
-            raise ConfigError(f"{config.factory} raised {type(e).__name__}: {e}", where=FACTORY,
-                              fix="make the factory build its model from the [model] table it is given") from None
+    """The factory's workload once what it builds is seen to train: built on the meta device and run on a meta
+    batch (no weights are made), so a large model costs nothing (workers/models/factory_checks.py)."""
+    built = call_factory(config, factory)
     if isinstance(built, Workload) and not isinstance(built, nn.Module):
-        return built
-    if not isinstance(built, nn.Module):
-        raise ConfigError(f"{config.factory} returned a {type(built).__name__}, not an nn.Module", where=FACTORY,
-                          fix="return the model (an nn.Module mapping token ids to logits), or a workload with "
-                              "build, loss, blocks and identity")
-    if not any(p.requires_grad for p in built.parameters()):
-        count = sum(1 for _ in built.parameters())
-        raise ConfigError(f"the model {config.factory} built has nothing to train: "
-                          + (f"none of its {count} parameters requires a gradient" if count else "it has no parameters"),
-                          where=FACTORY, fix="return a model with trainable parameters (nn.Parameter, requires_grad "
-                                             "left on); freeze only part of it")
-    _check_output(built, config, factory)
-    if sum(p.numel() for p in built.parameters()) <= DETERMINISM_CHECKED_UP_TO:
-        _check_same_weights(config, factory)
+        check_workload(config, built)
+        # Called again off the meta device: the workload travels to the workers with what its __init__ made.
+        return factory(factory_table(config))
+    check_model(config, factory, built)
     return ModuleWorkload(config, factory)
-
-
-def _check_same_weights(config: ModelConfig, factory: Callable[[dict], Any]) -> None:
-    """Every worker builds the model from the same torch seed: the factory must then build the same
-    weights (FSDP2 shards whatever each rank built)."""
-    first, second = (_seeded_weights(config, factory) for _ in range(2))
-    differ = [name for name in first if not torch.equal(first[name], second.get(name, first[name] + 1))]
-    if differ or first.keys() != second.keys():
-        names = ", ".join(differ[:3]) or "different parameter names"
-        raise ConfigError(f"{config.factory} builds different weights from the same torch seed ({names}), so the "
-                          "workers would start from different models", where=FACTORY,
-                          fix="draw the initial weights from torch's random generator (archipelago seeds it with "
-                              "[train] seed on every worker), not random or numpy")
-
-
-def _seeded_weights(config: ModelConfig, factory: Callable[[dict], Any]) -> dict[str, torch.Tensor]:
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        return {name: value.detach().clone() for name, value in factory(factory_table(config)).state_dict().items()}
-
-
-def _check_output(model: nn.Module, config: ModelConfig, factory: Callable[[dict], Any]) -> None:
-    """The model maps a batch of token ids to logits of the table's vocabulary: run on the meta device,
-    and where that cannot run it (a forward that reads a value, .item()), built again on fake tensors."""
-    tokens = (2, min(config.seq_len, 8))
-    try:
-        logits = _forward(model, tokens)
-    except Exception:  # noqa: BLE001 - an op the meta device cannot run: fake tensors decide
-        try:
-            with fake_tensors():
-                with torch.device("meta"):
-                    logits = _forward(factory(factory_table(config)), tokens)
-        except Exception as e:
-            said = (str(e).strip().splitlines() or [""])[0]  # torch's guard errors run on for lines
-            raise ConfigError(f"the model {config.factory} built fails on a batch of token ids (batch 2, seq "
-                              f"{tokens[1]}): {type(e).__name__}: {said}", where=FACTORY,
-                              fix="its forward takes token ids (batch, seq) and returns logits (batch, seq, vocab), "
-                                  "with no branch on a tensor's value") from None
-    expected = (*tokens, config.vocab_size)
-    if not isinstance(logits, torch.Tensor) or tuple(logits.shape) != expected:
-        got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
-        raise ConfigError(f"the model {config.factory} built returns {got} for token ids of shape "
-                          f"{tokens}, not logits of shape {expected}", where=FACTORY,
-                          fix="return logits (batch, seq, [model] vocab_size) from forward, or a workload whose "
-                              "loss reads your model's output")
-    if not logits.is_floating_point():
-        raise ConfigError(f"the model {config.factory} built returns {logits.dtype} logits", where=FACTORY,
-                          fix="return floating-point logits (fp32, or what autocast makes): the loss is taken "
-                              "from them and differentiated")
-    if torch.is_grad_enabled() and not logits.requires_grad:
-        raise ConfigError(f"the logits the model {config.factory} built returns do not depend on its trainable "
-                          "parameters: no gradient would reach them", where=FACTORY,
-                          fix="compute the logits from the parameters, with no torch.no_grad(), detach() or "
-                              "integer cast in forward")
-
-
-def _forward(model: nn.Module, tokens: tuple[int, int]) -> Any:
-    return model(torch.zeros(tokens, dtype=torch.long, device="meta"))
-
-
-def fake_tensors() -> FakeTensorMode:
-    """Tensors with shapes and dtypes but no values, for a model the meta device cannot run: a value it
-    reads (.item()) is an unknown number, as torch.compile traces it; a branch on one still fails."""
-    return FakeTensorMode(allow_non_fake_inputs=False, shape_env=ShapeEnv())
 
 
 def _reference(factory: Callable) -> str:
