@@ -59,6 +59,12 @@ class PlacementError(ArchipelagoError):
     """A job cannot be placed on the cluster: which constraint failed and what would make it fit."""
 
 
+class RepeatedFailureError(ArchipelagoError):
+    """The workers failed with the same error at the same step after a restart: a fault in the model, the data
+    or the training code, which every further restart would meet again (a lost node does not come back at the
+    same step with the same words)."""
+
+
 class FailureBudgetError(ClusterError):
     """Workers failed (or were preempted) more often than `[elastic] max_failures`
     (`max_preemption_failures`) allows; the message lists each failure, and the run's last

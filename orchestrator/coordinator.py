@@ -21,6 +21,7 @@ thin actor around it.
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -32,7 +33,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import planning
 from core.config import JobConfig
-from core.errors import ArchipelagoError, ClusterError, ConfigError, PlacementError
+from core.errors import ArchipelagoError, ClusterError, ConfigError, PlacementError, RepeatedFailureError
 from core.plan import Plan
 from core.spec import WorkerSpec
 from orchestrator.accounting.bill import Rates
@@ -50,6 +51,8 @@ WORKER_DEATHS = ("ActorDiedError", "WorkerHealthCheckFailedError", "WorkerHealth
                  "ActorUnavailableError", "NodeDiedError", "RayActorError", "OutOfMemoryError")
 """How Ray reports a worker process or node that is gone, or frozen past [elastic] health_check_timeout_s
 (FailureRecorder prefixes the type's name)."""
+COLLECTIVE_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError")
+"""torch.distributed's errors: a peer's failure seen from a survivor, never the fault itself."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +165,10 @@ class ElasticState:
         """The group that last had a preemption notice."""
         self._lost: Failure | None = None
         """The failure that ended the current group, until the next group starts."""
+        self._raised: tuple[int, set[str]] | None = None
+        """The last failure's step and the errors its workers raised (none when a worker died)."""
+        self.tracebacks: dict[int, str] = {}
+        """The traceback each rank sent as it raised (Ray hands the controller the error without it)."""
         self._recovery: dict | None = None
 
     @property
@@ -187,9 +194,25 @@ class ElasticState:
         self._lost = Failure(self.attempt, self._clock(), ranks, nodes, errors[ranks[0]].strip().splitlines()[0][:300],
                              preempted=self.noticed_in == self.attempt)
         self.failures.append(self._lost)
+        self._stop_if_repeated(errors, died=bool(dead) or self._lost.preempted)
         return [{"event": "worker_lost", "time": self._lost.time, "attempt": self.attempt, "step": self.last_step,
                  "ranks": list(ranks), "nodes": list(nodes), "error": self._lost.error,
                  "preempted": self._lost.preempted, "failures": len(self.failures)}]
+
+    def _stop_if_repeated(self, errors: dict[int, str], *, died: bool) -> None:
+        """Gives up (`fatal`) when the workers raise an error again at the step where the last group raised it:
+        a restart met the same fault, so Ray's next retry would too (an index out of range in the model, a
+        parameter DDP never sees a gradient for)."""
+        raised = set() if died else {_error_line(e) for e in errors.values()} - {""}
+        previous, self._raised = self._raised, (self.last_step, raised)
+        again = sorted(raised & previous[1]) if previous is not None and previous[0] == self.last_step else []
+        if again:
+            rank = min(r for r, e in errors.items() if _error_line(e) == again[0])
+            at = _raised_at(self.tracebacks.get(rank, errors[rank]))
+            self.fatal = RepeatedFailureError(
+                f"the workers failed twice with the same error, so restarting cannot fix it: {again[0]}"
+                + (f" (raised at {at})" if at else ""), where=f"step {self.last_step + 1}, rank {rank}",
+                fix="fix what raised it (each worker's traceback is in the Ray worker logs), then run again with --resume")
 
     def group_started(self, reports: list[WorkerReport]) -> tuple[WorkerSpec, list[dict]]:
         """A new group's workers (every rank's report): the spec they run, and the event rows."""
@@ -264,6 +287,20 @@ class ElasticState:
                                  fix=e.fix or "narrow the [elastic] worker range") from None
 
 
+def _error_line(error: str) -> str:
+    """The line that says what was raised (a traceback's last), "" for a collective's error: a survivor's view of
+    a peer that failed, whose words name addresses and ports that change from one group to the next."""
+    lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
+    line = lines[-1] if lines else ""
+    return "" if line.startswith(COLLECTIVE_ERRORS) or error.startswith(COLLECTIVE_ERRORS) else line
+
+
+def _raised_at(error: str) -> str:
+    """Where a traceback's innermost frame is ("file.py:12 in forward"), "" when the error carries none."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', error)
+    return f"{frames[-1][0]}:{frames[-1][1]} in {frames[-1][2]}" if frames else ""
+
+
 def _node_name(report: WorkerReport) -> str:
     return f"{report.address} ({report.ray_node_id[:8]})"
 
@@ -278,11 +315,14 @@ class PlanCoordinator:
         adopt_workload(config.model, spec.workload)  # a factory from the driver's script is not importable here
         self.state = ElasticState(config, spec, topology.nodes, plan_for=self._plan_for, discover=_discover)
         self.events: list[dict] = []
+        self.controller = None
         # Now, not during a recovery: the exact memory of every micro-batch a re-plan can hand out (the
         # planner checks its choice with them), and the planner's imports (torch and all).
         measure_steps(memory.spec, tuple(range(1, config.train.micro_batch_size + 1)))
 
-    def group_started(self, reports: list[WorkerReport]) -> WorkerSpec:
+    def group_started(self, reports: list[WorkerReport], controller=None) -> WorkerSpec:
+        """controller: Ray Train's controller actor, which the driver asks to stop the workers on Ctrl-C."""
+        self.controller = controller
         try:
             spec, rows = self.state.group_started(reports)
         except ArchipelagoError as e:  # a group that cannot be planned for: later groups stop at once too
@@ -295,6 +335,14 @@ class PlanCoordinator:
 
     def reached(self, step: int, at: float, noise_scale: float | None = None) -> None:
         self.state.reached(step, at, noise_scale)
+
+    def raised(self, rank: int, traceback: str) -> None:
+        """A worker's error, with its traceback, as it leaves the train function."""
+        self.state.tracebacks[rank] = traceback
+
+    def train_controller(self):
+        """The handle group_started was given (None before the first group starts)."""
+        return self.controller
 
     def failed(self, errors: dict[int, str]) -> None:
         self.record(self.state.failed(errors))

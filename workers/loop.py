@@ -24,6 +24,7 @@ import contextlib
 import math
 import socket
 import time
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,10 +126,14 @@ class MetricsWindow:
 def train_loop(loop_config: dict) -> dict:
     started_at = time.time()
     job: WorkerJob = loop_config["job"]
+    ctx = ray.train.get_context()
     try:
-        return train(job, ray.train.get_context(), started_at)
+        return train(job, ctx, started_at)
     except ArchipelagoError as e:  # the user's to fix: Ray Train retries any error, so later groups stop at once
         ray.get(job.coordinator.give_up.remote(e))
+        raise
+    except Exception:  # where it was raised: the coordinator names it if a restart meets it again
+        job.coordinator.raised.remote(ctx.get_world_rank(), traceback.format_exc())
         raise
 
 

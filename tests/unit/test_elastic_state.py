@@ -142,3 +142,43 @@ def test_config_for_world_pins_the_device_range():
     assert config_for_world(job(), 2).cluster.num_workers == 2
     gpu = config_for_world(job(cluster={"num_workers": 3, "use_gpu": True}), 5)
     assert (gpu.placement.min_gpus, gpu.placement.max_gpus) == (5, 5)
+
+
+TRACEBACK = ('Traceback (most recent call last):\n  File "/job/my_models.py", line 41, in forward\n'
+             '    return self.out(hidden[:, index])\nIndexError: index 300 is out of bounds for dimension 1 with size 32')
+
+
+def test_the_same_error_at_the_same_step_after_a_restart_stops_the_run(state_and_nodes):
+    state, (a, b, c) = state_and_nodes
+    state.group_started(reports(a, b, c))
+    state.reached(5, at=1990.0)
+    state.failed({0: TRACEBACK, 1: "RuntimeError: [gloo] Connection closed by peer [10.0.0.7]:41234"})
+    assert state.fatal is None  # once may be a node: Ray restarts the group
+    state.group_started(reports(a, b, c))
+    state.reached(4, at=1995.0)
+    state.reached(5, at=1996.0)
+    state.tracebacks[0] = TRACEBACK  # what rank 0 sent as it raised: Ray hands the controller the last line only
+    state.failed({1: "RuntimeError: [gloo] Connection closed by peer [10.0.0.8]:51000", 0: TRACEBACK.splitlines()[-1]})
+    error = state.fatal
+    assert type(error).__name__ == "RepeatedFailureError" and error.where == "step 6, rank 0"
+    assert error.what == ("the workers failed twice with the same error, so restarting cannot fix it: IndexError: "
+                          "index 300 is out of bounds for dimension 1 with size 32 (raised at /job/my_models.py:41 "
+                          "in forward)")
+    with pytest.raises(type(error)):  # the group Ray starts next stops at once
+        state.group_started(reports(a, b, c))
+
+
+@pytest.mark.parametrize("first, second, second_step", [
+    (TRACEBACK, TRACEBACK, 9),  # the restart got further: a fault it met later, not the same one
+    ("ActorDiedError: The actor died unexpectedly", "ActorDiedError: The actor died unexpectedly", 5),  # a node
+    ("DistBackendError: NCCL error: remote process exited", "DistBackendError: NCCL error: remote process exited", 5),
+])
+def test_a_failure_a_restart_may_fix_is_retried(state_and_nodes, first, second, second_step):
+    state, (a, b, c) = state_and_nodes
+    state.group_started(reports(a, b, c))
+    state.reached(5, at=1990.0)
+    state.failed({1: first})
+    state.group_started(reports(a, b, c))
+    state.reached(second_step, at=1995.0)
+    state.failed({1: second})
+    assert state.fatal is None
