@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import datetime
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -400,9 +401,16 @@ class Orchestrator:
         with ProgressDisplay.for_run(self.console, plan, cfg, self.run.path, first_step,
                                      started=self._clock.started) as display, _environ(_controller_settings(cfg)):
             thread.start()
-            while thread.is_alive():
-                thread.join(timeout=0.5)
-                self._collect(sink, display)
+            try:
+                with _sigterm_as_interrupt():
+                    while thread.is_alive():
+                        thread.join(timeout=0.5)
+                        self._collect(sink, display)
+            except BaseException:  # Ctrl-C or SIGTERM: the workers stop before Ray does, what they sent is kept
+                _stop_workers(job.coordinator, thread)
+                with contextlib.suppress(Exception):
+                    self._collect(sink, display)
+                raise
             self._collect(sink, display)
         if "error" in outcome:
             error = outcome["error"]
@@ -447,6 +455,35 @@ def scaling_config(plan: Plan, cfg: JobConfig) -> ScalingConfig:
     if cfg.elastic.min_workers and not cfg.cluster.use_gpu:
         scaling["num_workers"] = (cfg.elastic.min_workers, cfg.cluster.num_workers)
     return ScalingConfig(**scaling, elastic_resize_monitor_interval_s=cfg.elastic.resize_check_s)
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM (a scheduler stopping the job, `kill`) ends fit as Ctrl-C does: the workers stopped, their rows
+    kept, the report written and the --resume line printed. Without it Ray's core worker aborts the process."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _stop_workers(plan_coordinator, thread: threading.Thread, timeout_s: float = 60.0) -> None:
+    """Asks Ray Train's controller to abort the worker group and waits for trainer.fit() to return: workers that
+    trained on would commit checkpoints whose rows never reach metrics.jsonl, and the fit thread would call into
+    Ray after the driver shut it down (the core worker then kills the process)."""
+    try:
+        controller = ray.get(plan_coordinator.train_controller.remote(), timeout=10)
+        if controller is not None:
+            ray.get(controller.abort.remote(), timeout=timeout_s)
+    except Exception:  # noqa: BLE001 - abort ends the controller's actor: its reply is an actor error
+        pass
+    thread.join(timeout=timeout_s)
 
 
 def _fit_into(trainer: TorchTrainer, outcome: dict) -> None:

@@ -23,6 +23,7 @@ import ray.train
 import torch
 import torch.distributed as dist
 from ray import cloudpickle
+from ray.train.v2._internal.execution.context import get_train_context  # the controller's handle: no public API
 
 from core.errors import ArchipelagoError
 from core.spec import WorkerSpec
@@ -64,7 +65,7 @@ def join_group(coordinator, ctx, *, use_gpu: bool, started_at: float) -> tuple[W
     answer: list[Any] = [None]
     if ctx.get_world_rank() == 0:
         try:
-            answer[0] = ray.get(coordinator.group_started.remote(reports))
+            answer[0] = ray.get(coordinator.group_started.remote(reports, get_train_context().controller_actor))
         except ray.exceptions.RayTaskError as e:
             answer[0] = e.cause if isinstance(e.cause, ArchipelagoError) else RuntimeError(str(e))
     if dist.is_initialized():

@@ -173,3 +173,29 @@ def test_no_ray_process_outlives_fit(killed_and_resumed):
     """The resumed fit started its embedded Ray cluster (GCS, raylet, the controller, the workers); when it exits,
     every one of them is gone."""
     assert killed_and_resumed[-1] == []
+
+
+def test_sigterm_stops_the_workers_and_keeps_the_rows_of_every_committed_step(small_dataset, tmp_path_factory):
+    """A scheduler's SIGTERM ends fit as Ctrl-C does: Ray Train's controller aborts the workers before Ray shuts
+    down, the rows they sent reach metrics.jsonl (every step up to the last committed one), the report says
+    interrupted, the --resume line is printed, and no Ray process is left."""
+    work = tmp_path_factory.mktemp("sigterm")
+    run_dir = work / "runs" / "sigterm"
+    config = job(small_dataset, work / "runs", "sigterm", 400, checkpoint={"every_steps": EVERY, "keep_last": 2})
+    path = write_job(work / "job.toml", config)
+    marker = f"sigterm-{os.getpid()}-{time.monotonic_ns()}"
+    proc = fit(path, marker=marker)
+    deadline = time.monotonic() + 300
+    while (reported_checkpoint(run_dir) or 0) < 2 * EVERY and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 130, out[-3000:]
+    assert f"interrupted; `archipelago fit {path} --resume` continues from the last committed checkpoint" in out
+    committed = max(int(p.parent.name.split("_")[1]) for p in run_dir.glob("step_*/.metadata"))
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = {r["step"] for r in rows if "loss" in r}
+    assert set(range(1, committed + 1)) <= steps, (committed, sorted(steps))
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["status"] == "interrupted" and report["checkpoint_step"] == committed
+    assert processes_marked(marker) == []
