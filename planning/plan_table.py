@@ -9,8 +9,8 @@ from collections import Counter
 
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
+from core.columns import Column, print_fitted
 from core.plan import AllReduce, DataParallel, Objective, Plan
 
 WORKER_ROWS_MAX = 32
@@ -20,9 +20,9 @@ WORKER_ROWS_MAX = 32
 def print_plan(plan: Plan, naive: Plan | None, console: Console, *, naive_reason: str = "") -> None:
     console.print(_headline(plan), highlight=False)
     console.print(f"  mesh {mesh_text(plan)}", highlight=False)
-    console.print(_models(plan))
-    console.print(_workers(plan))
-    console.print(_comparison(plan, naive))
+    _print_models(plan, console)
+    _print_workers(plan, console)
+    _print_comparison(plan, naive, console)
     if naive is None:
         console.print(f"  [dim]naive plan: {escape(naive_reason or 'none')}[/]", highlight=False)
     for note in plan.notes:
@@ -69,50 +69,62 @@ def _micro_batches(plan: Plan) -> str:
     return f"({' + '.join(f'{count} × {size}' for size, count in groups)})"
 
 
-def _workers(plan: Plan) -> Table:
-    table = Table(box=None, pad_edge=False, padding=(0, 1, 0, 1))
-    if plan.world_size <= WORKER_ROWS_MAX:
-        nics = any(w.environment for w in plan.workers)
-        columns = ("rank", "island or node", "device", "micro-batch", "peak GiB", "device UUID", *(("NCCL NICs",) * nics))
-        for column in columns:
-            table.add_column(column, no_wrap=True,
-                             justify="right" if column in ("rank", "micro-batch", "peak GiB") else "left")
-        for w in plan.workers:
-            uuid = w.device_uuid[:13] + "…" if w.device_uuid and len(w.device_uuid) > 14 else (w.device_uuid or "-")
-            nic_names = " ".join(f"{key.removeprefix('NCCL_')}{value}" for key, value in w.environment.items())
-            table.add_row(str(w.rank), w.island_id or w.node_id, w.device_model, str(w.micro_batch_size),
-                          f"{w.predicted_peak_memory_bytes / 2**30:.2f}", uuid, *((nic_names or "-",) * nics))
-        return table
-    for column in ("workers", "nodes", "device", "micro-batch", "peak GiB", "compute s"):
-        table.add_column(column, justify="left" if column == "device" else "right")
+_WORKER_COLUMNS = (Column("rank", "right"), Column("island or node"), Column("device"),
+                   Column("micro-batch", "right"), Column("peak GiB", "right"), Column("device UUID", drop=1))
+_NIC_COLUMN = Column("NCCL NICs", drop=2)
+"""Shown where the plan sets workers' NICs; kept over the UUIDs, as it is what the plan chose."""
+_GROUP_COLUMNS = (Column("workers", "right"), Column("nodes", "right"), Column("device"),
+                  Column("micro-batch", "right"), Column("peak GiB", "right"), Column("compute s", "right", drop=1))
+_TABLE = {"box": None, "pad_edge": False, "padding": (0, 1, 0, 1)}
+
+
+def _print_workers(plan: Plan, console: Console) -> None:
+    if plan.world_size > WORKER_ROWS_MAX:
+        print_fitted(console, _GROUP_COLUMNS, _worker_groups(plan), **_TABLE)
+        return
+    nics = any(w.environment for w in plan.workers)
+    rows = []
+    for w in plan.workers:
+        nic_names = " ".join(f"{key.removeprefix('NCCL_')}{value}" for key, value in w.environment.items())
+        rows.append([str(w.rank), w.island_id or w.node_id, w.device_model, str(w.micro_batch_size),
+                     f"{w.predicted_peak_memory_bytes / 2**30:.2f}", w.device_uuid or "-", *((nic_names or "-",) * nics)])
+    print_fitted(console, (*_WORKER_COLUMNS, *((_NIC_COLUMN,) * nics)), rows, **_TABLE)
+
+
+def _worker_groups(plan: Plan) -> list[list[str]]:
+    """One row per (device, micro-batch) group, largest micro-batch first."""
     groups = Counter((w.device_model, w.micro_batch_size) for w in plan.workers)
+    rows = []
     for (model, micro_batch), count in sorted(groups.items(), key=lambda item: (-item[0][1], item[0][0])):
         members = [w for w in plan.workers if w.device_model == model and w.micro_batch_size == micro_batch]
-        table.add_row(f"{count:,}", f"{len({w.node_id for w in members}):,}", model, str(micro_batch),
-                      f"{max(w.predicted_peak_memory_bytes for w in members) / 2**30:.2f}",
-                      f"{max(w.predicted_compute_seconds for w in members):.4f}")
-    return table
+        rows.append([f"{count:,}", f"{len({w.node_id for w in members}):,}", model, str(micro_batch),
+                     f"{max(w.predicted_peak_memory_bytes for w in members) / 2**30:.2f}",
+                     f"{max(w.predicted_compute_seconds for w in members):.4f}"])
+    return rows
 
 
-def _models(plan: Plan) -> Table:
+_MODEL_COLUMNS = (Column("device"), Column("workers", "right"), Column("figures", drop=1),
+                  Column("TFLOP/s", "right", drop=2), Column("micro-batch"), Column("share of samples", "right"),
+                  Column("compute s", "right", drop=3))
+
+
+def _print_models(plan: Plan, console: Console) -> None:
     """Per device model: its workers, where its figures come from, its micro-batches, and the share of
     each step's samples it trains on (with its predicted compute a step)."""
-    table = Table(box=None, pad_edge=False, padding=(0, 1, 0, 1), title="devices", title_justify="left")
-    for column in ("device", "workers", "figures", "TFLOP/s", "micro-batch", "share of samples", "compute s"):
-        table.add_column(column, justify="left" if column in ("device", "figures", "micro-batch") else "right")
     bases = {basis.device_model: basis for basis in plan.device_bases}
     replicas = {w.data_parallel_rank: w for w in plan.workers}  # a tensor-parallel group trains as one replica
+    rows = []
     for model in dict.fromkeys(w.device_model for w in plan.workers):
         members = [w for w in plan.workers if w.device_model == model]
         samples = sum(w.micro_batch_size for w in replicas.values() if w.device_model == model) * plan.grad_accum_steps
         basis = bases.get(model)
         figures = "-" if basis is None else basis.source + (
             f", calibrated ×{basis.compute_efficiency:.3g}" if basis.compute_efficiency != 1 else "")
-        table.add_row(model, f"{len(members):,}", figures, f"{basis.tflops:,.4g}" if basis else "-",
-                      "/".join(map(str, sorted({w.micro_batch_size for w in members}, reverse=True))),
-                      f"{samples / plan.global_batch_size:.1%}",
-                      f"{max(w.predicted_compute_seconds for w in members):.4f}")
-    return table
+        rows.append([model, f"{len(members):,}", figures, f"{basis.tflops:,.4g}" if basis else "-",
+                     "/".join(map(str, sorted({w.micro_batch_size for w in members}, reverse=True))),
+                     f"{samples / plan.global_batch_size:.1%}",
+                     f"{max(w.predicted_compute_seconds for w in members):.4f}"])
+    print_fitted(console, _MODEL_COLUMNS, rows, **_TABLE, title="devices", title_justify="left")
 
 
 _ROWS = (("step s", "step_seconds", "{:.4f}"), ("compute s", "compute_seconds", "{:.4f}"),
@@ -128,25 +140,24 @@ _TARGET_ROW = ("$ to target", "dollars_to_target", "{:,.2f}")
 """Shown where the plan was made with [placement] tokens_to_target."""
 
 
-def _comparison(plan: Plan, naive: Plan | None) -> Table:
-    table = Table(box=None, pad_edge=False, padding=(0, 2, 0, 2), title="predicted per step", title_justify="left")
-    table.add_column("")
-    table.add_column("planned", justify="right")
-    table.add_column("naive (Ray PACK, uniform)", justify="right")
-    table.add_column("naive / planned", justify="right")
-    table.add_row("workers", str(plan.world_size), str(naive.world_size) if naive else "-", "")
-    table.add_row("global batch", str(plan.global_batch_size), str(naive.global_batch_size) if naive else "-", "")
-    rows = _ROWS
+_COMPARISON_COLUMNS = (Column(""), Column("planned", "right"), Column("naive (Ray PACK, uniform)", "right"),
+                       Column("naive / planned", "right", drop=1))
+
+
+def _print_comparison(plan: Plan, naive: Plan | None, console: Console) -> None:
+    rows = [["workers", str(plan.world_size), str(naive.world_size) if naive else "-", ""],
+            ["global batch", str(plan.global_batch_size), str(naive.global_batch_size) if naive else "-", ""]]
+    predictions = _ROWS
     if plan.objective in (Objective.GOODPUT, Objective.CHEAPEST_TO_TARGET):
-        rows += _GOODPUT_ROWS
+        predictions += _GOODPUT_ROWS
     if plan.predicted.dollars_to_target > 0:
-        rows += (_TARGET_ROW,)
-    for label, name, form in rows:
+        predictions += (_TARGET_ROW,)
+    for label, name, form in predictions:
         mine = getattr(plan.predicted, name)
         theirs = getattr(naive.predicted, name) if naive else None
-        table.add_row(label, form.format(mine), form.format(theirs) if theirs is not None else "-",
-                      _ratio(mine, theirs))
-    return table
+        rows.append([label, form.format(mine), form.format(theirs) if theirs is not None else "-", _ratio(mine, theirs)])
+    print_fitted(console, _COMPARISON_COLUMNS, rows, box=None, pad_edge=False, padding=(0, 2, 0, 2),
+                 title="predicted per step", title_justify="left")
 
 
 def _ratio(mine: float, theirs: float | None) -> str:
