@@ -63,6 +63,7 @@ from planning.memory import MemoryProfile, measure_steps, profile, usable_bytes
 from planning.model_size import model_facts
 from planning.prices import PriceTable
 from planning.resolve import plan_choices
+from planning.split import feasible_accum_steps
 from topology import catalog
 from topology.cluster import ClusterTopology
 from topology.nccl_env import nccl_environment
@@ -594,8 +595,7 @@ class Planner:
             notes.append(f"left out {', '.join(unused)}: adding them made the plan {reason}")
         notes.extend(self._no_fast_path_notes({self.pool.domains[i].type.model for i, _ in best.selection}))
         if best.split.grad_accum_steps > 1:
-            notes.append(f"{best.split.grad_accum_steps} accumulation steps: larger micro-batches do not fit "
-                         f"(or exceed [train] micro_batch_size = {self.job.micro_batch_limit})")
+            notes.append(self._accumulation_note(best, costing))
         if choice.note:
             notes.append(choice.note)
         if self.job.objective in GOODPUT_OBJECTIVES:
@@ -615,6 +615,40 @@ class Planner:
             notes.append("several MIG slices of one GPU: NCCL runs one rank per GPU, so gradients are reduced "
                          "with gloo through host memory")
         return notes
+
+    def _accumulation_note(self, best: Outcome, costing: Costing) -> str:
+        """Why the plan runs several micro-steps, from what the search could cost on its devices and strategy:
+        fewer need micro-batches above the memory or [train] micro_batch_size caps, or they fit and were slower."""
+        steps = best.split.grad_accum_steps
+        fewer = [a for a in range(1, steps) if self._accumulation_fits(best, costing, a)]
+        if fewer:  # the search costs the fewest steps that fit, so this one lost on its predicted step
+            one = "one step" if fewer[0] == 1 else f"{fewer[0]} steps"
+            return f"{steps} accumulation steps: predicted faster than {one} of larger micro-batches, which fit too"
+        nearest = max(a for a in range(1, steps) if self.job.global_batch_size % a == 0)
+        caps = self._micro_batch_caps(best, costing, accumulating=nearest > 1)
+        limit = self.job.micro_batch_limit
+        memory = [f"{cap} on {device.label}" for device, cap in caps.items() if cap < limit]
+        capped = [device.label for device, cap in caps.items() if cap >= limit]
+        reasons = [f"memory allows ({', '.join(memory)})"] if memory else []
+        if capped:
+            reasons.append(f"[train] micro_batch_size = {limit}" + (f" (on {', '.join(capped)})" if memory else ""))
+        return f"{steps} accumulation steps: fewer would need micro-batches larger than {' and '.join(reasons)}"
+
+    def _accumulation_fits(self, best: Outcome, costing: Costing, steps: int) -> bool:
+        """Whether `steps` micro-steps split the global batch within every replica's cap, as the search's split does."""
+        caps = self._micro_batch_caps(best, costing, accumulating=steps > 1)
+        if min(caps.values()) < 1:
+            return False
+        footprint = best.footprint
+        groups = [costing.replica_group(device, footprint.replicas[device], cap, footprint.tp_hop)
+                  for device, cap in caps.items()]
+        return steps in feasible_accum_steps(groups, self.job.global_batch_size)
+
+    @staticmethod
+    def _micro_batch_caps(best: Outcome, costing: Costing, *, accumulating: bool) -> dict[DeviceType, int]:
+        """Each device type's largest micro-batch under the plan's strategy: its memory's, or micro_batch_size."""
+        world = costing.sharded_over(best)
+        return {device: costing.micro_batch_cap(device, best.data_parallel, world, accumulating) for device in best.types}
 
     def _no_fast_path_notes(self, models: set[str]) -> list[str]:
         """GPU models of the plan the catalog gives no 16-bit tensor rate: costed at fp32, which a bf16

@@ -156,3 +156,21 @@ def test_the_plan_headline_under_tensor_parallelism_names_fsdp2_replicas_and_no_
     tp = headline({"tensor_parallel_size": 2})
     assert "ddp as FSDP2 replicas, tensor parallel 2, ring all-reduce" in tp, tp
     assert "comm hook" not in tp and "buckets" not in tp
+
+
+GPT2_124M = {"n_layer": 12, "n_head": 12, "n_embd": 768, "seq_len": 1024, "vocab_size": 320}
+
+
+@pytest.mark.parametrize("model, parameters, gpus, micro_batch_size, activation_gib, reason", [
+    (TINY, 1e6, 4, 8, 0.1, "fewer would need micro-batches larger than [train] micro_batch_size = 8"),
+    (TINY, 1e6, 4, 32, 5.0, "fewer would need micro-batches larger than memory allows (14 on H100-SXM5-80GB)"),
+    # Micro-batch 32 fits twice over; only the last micro-step runs beside DDP's all-reduce, so two of 16 win.
+    (GPT2_124M, 124e6, 2, 32, 0.1, "predicted faster than one step of larger micro-batches, which fit too"),
+])
+def test_the_accumulation_note_gives_the_reason_the_search_had(model, parameters, gpus, micro_batch_size,
+                                                               activation_gib, reason):
+    config = job(model, placement={"min_gpus": gpus, "max_gpus": gpus},
+                 train={"global_batch_size": 64, "micro_batch_size": micro_batch_size})
+    plan = plan_of("8xH100-SXM:1", config, parameters=parameters, activation_gib_per_sample=activation_gib)
+    assert plan.grad_accum_steps == 2
+    assert f"2 accumulation steps: {reason}" in plan.notes, plan.notes
