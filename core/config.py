@@ -557,7 +557,8 @@ class PlacementConfig:
     prices: dict[str, float] = field(default_factory=dict)
     """Dollars per device-hour in the chosen pricing column, by GPU model as the topology names it
     (e.g. "H100-SXM5-80GB" = 2.10), or per core-hour for "cpu"; overrides planning/prices.py's table.
-    A MIG slice costs its parent's price times its share of the SMs."""
+    A MIG slice costs its parent's price times its share of the SMs. The planner refuses a name that is
+    neither a catalog key nor a device of the cluster (it would price nothing)."""
     calibration_file: str = ""
     """A JSON table of measured collective costs by link class, {"nvswitch": {"alpha_us": 30.1,
     "bus_gb_per_s": 323.1}}, as benchmarks/multigpu.py writes it (calibration.json) from an all-reduce
@@ -722,7 +723,8 @@ class BillConfig:
     prices_file: str = ""
     """A TOML or JSON file of device prices per hour that replaces rows of planning/prices.py's table:
     "H100-SXM5-80GB" = { on_demand = 2.49, spot = 1.25 } (a column left out keeps the default);
-    `[placement] prices` override it in turn. Relative paths are from the working directory."""
+    `[placement] prices` override it in turn; a row naming neither a catalog key nor a device of the
+    cluster is refused, as a price there is. Relative paths are from the working directory."""
     tensorboard: bool = True
     """Write the bill's per-step numbers as TensorBoard events into <run>/tensorboard/."""
     prometheus: bool = True

@@ -140,7 +140,8 @@ class Planner:
             self.pool = DevicePool.cpus(topology, self.collectives, cores_per_worker=self.job.cpus_per_worker,
                                         dtype=self.job.compute_dtype,
                                         nominal_gflops_per_core=self.compute.cpu_gflops_per_core)
-        prices = (prices or PriceTable.for_job(config)).with_overrides(figures.prices, spot=self.job.spot)
+        priced_as = {gpu.model or gpu.name for _, gpu in topology.gpus()}  # the names the table is asked for
+        prices = (prices or PriceTable.for_job(config, devices=priced_as)).with_overrides(figures.prices, spot=self.job.spot)
         self.prices = prices.with_overrides(config.placement.prices, spot=self.job.spot)  # [placement] prices last
         self._check_feasible()
         self.memory = memory or profile(config, device_type="cuda" if self.job.use_gpu else "cpu")

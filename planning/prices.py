@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import tomllib
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,12 +56,16 @@ class PriceTable:
     prices: dict[str, tuple[float, float]] = field(default_factory=lambda: dict(DEFAULT_PRICES))
 
     @classmethod
-    def for_job(cls, config) -> PriceTable:
+    def for_job(cls, config, *, devices: Collection[str] | None = None) -> PriceTable:
         """The table a job's dollars come from: the defaults, the rows of `[bill] prices_file`, then
-        `[placement] prices` for the column in use."""
+        `[placement] prices` for the column in use. Given the cluster's `devices` (the names its GPUs are
+        priced by), a row or price that names neither one of them nor a catalog device is refused."""
         table = cls()
         if config.bill.prices_file:
-            table = table.with_rows(load_price_rows(config.bill.prices_file))
+            rows = load_price_rows(config.bill.prices_file)
+            _check_priced(rows, devices, where=f"[bill] prices_file {config.bill.prices_file}: ", remove="the row")
+            table = table.with_rows(rows)
+        _check_priced(config.placement.prices, devices, where="[placement] prices.", remove="the key")
         return table.with_overrides(config.placement.prices, spot=config.placement.pricing == "spot")
 
     def with_rows(self, rows: dict[str, dict[str, float]]) -> PriceTable:
@@ -90,6 +96,25 @@ class PriceTable:
         any size and vendor (an H100 SXM at $2.99 is $0.0030; None without a price or a bf16 peak)."""
         price, peak = self.dollars_per_hour(model, spot=spot), catalog.device_peak_tflops(model, "bf16")
         return price / peak if price is not None and peak else None
+
+
+def _check_priced(names: Iterable[str], devices: Collection[str] | None, *, where: str, remove: str) -> None:
+    """A price for a name neither the catalog nor the cluster has would price nothing, and the device it
+    was meant for would be paid at the table's price without a word. A catalog device the cluster lacks
+    is fine: a config serves several clusters. None: no cluster to check against (`archipelago prices`)."""
+    if devices is None:
+        return
+    known = {*DEFAULT_PRICES, *(model.key for model in catalog.MODELS), *devices}
+    for name in names:
+        if name in known:
+            continue
+        named = catalog.lookup(name)  # an NVML name, or part of one, is priced by its catalog key
+        close = dict.fromkeys(([named.key] if named else []) + difflib.get_close_matches(name, sorted(known), n=2))
+        guess = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+        raise ConfigError(f"{name!r} is no device of the catalog or of this cluster, so its price would apply to "
+                          "nothing", where=f"{where}{name}",
+                          fix=f"{guess}name the device by its catalog key (`archipelago prices` lists them) or as "
+                              f"the cluster's map names it (`archipelago topology`), or remove {remove}")
 
 
 def load_price_rows(path: str | Path) -> dict[str, dict[str, float]]:

@@ -218,6 +218,34 @@ def test_a_missing_price_file_says_where_it_was_looked_for(tmp_path):
     assert "nope.toml" in str(refused.value)
 
 
+def test_a_price_naming_no_device_of_the_catalog_or_the_cluster_is_refused_with_the_closest_names(tmp_path):
+    from planning.planner import Planner
+    from topology import machines
+    config = job(tmp_path, prices={"H200-SXM": 1.0})
+    with pytest.raises(ConfigError) as refused:  # before the memory profile: the config is refused at once
+        Planner(machines.cluster("8xH200:1"), config)
+    assert refused.value.where == "[placement] prices.H200-SXM"
+    assert "did you mean 'H200-SXM5-141GB'" in refused.value.fix and "remove the key" in refused.value.fix
+
+
+@pytest.mark.parametrize("prices, devices", [
+    ({"L4": 0.5, "cpu": 0.01}, {"H100-SXM5-80GB"}),  # in the catalog, not in this cluster: a config serves several
+    ({"NVIDIA GeForce RTX 3090": 0.3}, {"NVIDIA GeForce RTX 3090"}),  # the cluster's own name for a GPU the catalog lacks
+])
+def test_a_price_for_a_catalog_or_cluster_device_is_taken(tmp_path, prices, devices):
+    table = PriceTable.for_job(job(tmp_path, prices=prices), devices=devices)
+    assert all(table.dollars_per_hour(name, spot=False) == price for name, price in prices.items())
+
+
+def test_a_price_file_row_naming_no_device_is_refused_as_a_placement_price_is(tmp_path):
+    path = tmp_path / "prices.toml"
+    path.write_text('"H100-SXM5-80GB" = { on_demand = 2.10 }\n"NVIDIA H100 80GB HBM3" = { on_demand = 2.0 }\n')
+    with pytest.raises(ConfigError) as refused:
+        PriceTable.for_job(job(tmp_path, str(path)), devices={"H100-SXM5-80GB"})
+    assert refused.value.where == f"[bill] prices_file {path}: NVIDIA H100 80GB HBM3"
+    assert "did you mean 'H100-SXM5-80GB'" in refused.value.fix and "remove the row" in refused.value.fix
+
+
 def test_a_mig_slice_is_priced_and_peaked_as_its_share_of_the_card():
     from planning.devices import DevicePool
     from planning.figures import FigureBook
