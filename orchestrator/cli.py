@@ -407,7 +407,7 @@ def _load(args: argparse.Namespace) -> ClusterTopology:
         return ClusterTopology(nodes=[probe_local_node(bench=DeviceBench.from_environment())])
     if args.from_files:
         return load_files(args.from_files)
-    if args.generate:
+    if args.generate is not None:  # an empty spec is refused, not taken for no flag (which maps the live cluster)
         return machines.cluster(args.generate)
     return discover_cluster(address=args.address or "", timeout_s=args.timeout, connect_timeout_s=args.connect_timeout)
 
