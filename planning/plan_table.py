@@ -53,6 +53,12 @@ def _headline(plan: Plan) -> str:
             f"{_micro_batches(plan)} × {plan.grad_accum_steps} accumulation" + (f"; buckets {buckets}" if buckets else ""))
 
 
+def significant(value: float) -> str:
+    """Three significant figures below 100, so a small step, price or job stays readable ("0.00183", not
+    "0.00"); two decimals from 100 on ("1,234.50")."""
+    return f"{value:,.2f}" if abs(value) >= 100 else f"{value:#.3g}"
+
+
 def mesh_text(plan: Plan) -> str:
     """The device mesh in one line: "dp_replicate 2 × dp_shard 4 × tp 2 (16 ranks, tp innermost)"."""
     dims = " × ".join(f"{name} {size}" for name, size in zip(plan.mesh_dim_names, plan.mesh_shape))
@@ -99,7 +105,7 @@ def _worker_groups(plan: Plan) -> list[list[str]]:
         members = [w for w in plan.workers if w.device_model == model and w.micro_batch_size == micro_batch]
         rows.append([f"{count:,}", f"{len({w.node_id for w in members}):,}", model, str(micro_batch),
                      f"{max(w.predicted_peak_memory_bytes for w in members) / 2**30:.2f}",
-                     f"{max(w.predicted_compute_seconds for w in members):.4f}"])
+                     significant(max(w.predicted_compute_seconds for w in members))])
     return rows
 
 
@@ -123,20 +129,21 @@ def _print_models(plan: Plan, console: Console) -> None:
         rows.append([model, f"{len(members):,}", figures, f"{basis.tflops:,.4g}" if basis else "-",
                      "/".join(map(str, sorted({w.micro_batch_size for w in members}, reverse=True))),
                      f"{samples / plan.global_batch_size:.1%}",
-                     f"{max(w.predicted_compute_seconds for w in members):.4f}"])
+                     significant(max(w.predicted_compute_seconds for w in members))])
     print_fitted(console, _MODEL_COLUMNS, rows, **_TABLE, title="devices", title_justify="left")
 
 
-_ROWS = (("step s", "step_seconds", "{:.4f}"), ("compute s", "compute_seconds", "{:.4f}"),
-         ("exposed comm s", "exposed_communication_seconds", "{:.4f}"),
-         ("all comm s", "communication_seconds", "{:.4f}"), ("tokens/s", "tokens_per_second", "{:,.0f}"),
-         ("$/hour", "dollars_per_hour", "{:,.2f}"), ("$/step", "dollars_per_step", "{:.5f}"),
-         ("$/M tokens", "dollars_per_million_tokens", "{:.4f}"), ("job hours", "job_hours", "{:,.2f}"),
-         ("job $", "job_dollars", "{:,.2f}"))
-_GOODPUT_ROWS = (("batch efficiency", "statistical_efficiency", "{:.3f}"),
-                 ("goodput tokens/s", "goodput_tokens_per_second", "{:,.0f}"))
+_WHOLE = "{:,.0f}".format
+_ROWS = (("step s", "step_seconds", significant), ("compute s", "compute_seconds", significant),
+         ("exposed comm s", "exposed_communication_seconds", significant),
+         ("all comm s", "communication_seconds", significant), ("tokens/s", "tokens_per_second", _WHOLE),
+         ("$/hour", "dollars_per_hour", significant), ("$/step", "dollars_per_step", significant),
+         ("$/M tokens", "dollars_per_million_tokens", significant), ("job hours", "job_hours", significant),
+         ("job $", "job_dollars", significant))
+_GOODPUT_ROWS = (("batch efficiency", "statistical_efficiency", "{:.3f}".format),
+                 ("goodput tokens/s", "goodput_tokens_per_second", _WHOLE))
 """Shown under the goodput objectives: what the plan's global batch is worth at the noise scale."""
-_TARGET_ROW = ("$ to target", "dollars_to_target", "{:,.2f}")
+_TARGET_ROW = ("$ to target", "dollars_to_target", significant)
 """Shown where the plan was made with [placement] tokens_to_target."""
 
 
@@ -155,7 +162,7 @@ def _print_comparison(plan: Plan, naive: Plan | None, console: Console) -> None:
     for label, name, form in predictions:
         mine = getattr(plan.predicted, name)
         theirs = getattr(naive.predicted, name) if naive else None
-        rows.append([label, form.format(mine), form.format(theirs) if theirs is not None else "-", _ratio(mine, theirs)])
+        rows.append([label, form(mine), form(theirs) if theirs is not None else "-", _ratio(mine, theirs)])
     print_fitted(console, _COMPARISON_COLUMNS, rows, box=None, pad_edge=False, padding=(0, 2, 0, 2),
                  title="predicted per step", title_justify="left")
 

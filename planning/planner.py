@@ -61,6 +61,7 @@ from planning.goodput import GOODPUT_OBJECTIVES, Throughput, dollars_to_target, 
 from planning.hook_costs import COMPRESSING_HOOKS, CommHookCost
 from planning.memory import MemoryProfile, measure_steps, profile, usable_bytes
 from planning.model_size import model_facts
+from planning.plan_table import significant
 from planning.prices import PriceTable
 from planning.resolve import plan_choices
 from planning.split import feasible_accum_steps
@@ -232,7 +233,7 @@ class Planner:
             return (f"{_dollars(predicted.dollars_to_target)} to the target "
                     f"(efficiency {predicted.statistical_efficiency:.2f}), {predicted.step_seconds * 1e3:.1f} ms a step")
         return (f"{predicted.step_seconds * 1e3:.1f} ms a step, "
-                f"${predicted.dollars_per_million_tokens:.2f} per million tokens")
+                f"{_dollars(predicted.dollars_per_million_tokens)} per million tokens")
 
     def _plan_at_batch(self) -> Plan:
         for _ in range(EXACT_MEMORY_RETRIES):
@@ -861,7 +862,7 @@ def _workers(plan: Plan) -> str:
 
 def _dollars(amount: float) -> str:
     """Cents where they matter, three figures where a sum is small: "$1,234.50", "$0.0123"."""
-    return f"${amount:,.2f}" if amount >= 100 else f"${amount:.3g}"
+    return f"${significant(amount)}"
 
 
 def _plan_score(plan: Plan, job: PlanningJob) -> tuple:

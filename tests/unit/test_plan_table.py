@@ -4,7 +4,7 @@ import pytest
 from rich.console import Console
 
 from core.config import JobConfig
-from planning.plan_table import print_plan
+from planning.plan_table import print_plan, significant
 from planning.planner import Planner
 from topology import machines
 
@@ -37,3 +37,15 @@ def test_on_a_wide_terminal_every_uuid_is_whole(plan):
     text = printed(plan, 250)
     assert all(w.device_uuid in text for w in plan.workers), text
     assert "left out" not in text
+
+
+def test_small_predictions_keep_three_significant_figures(plan):
+    """A tiny model's job is hours' and dollars' hundredths: two decimals printed it as 0.00."""
+    text = printed(plan, 250)
+    predicted = plan.predicted
+    for label, value in (("job hours", predicted.job_hours), ("job $", predicted.job_dollars),
+                         ("$/M tokens", predicted.dollars_per_million_tokens)):
+        assert 0 < value < 0.005, (label, value)
+        row = next(line for line in text.splitlines() if line.startswith(label))
+        assert row.removeprefix(label).split()[0] == significant(value) != "0.00", row
+    assert (significant(0.001834), significant(7.0), significant(1234.5)) == ("0.00183", "7.00", "1,234.50")
