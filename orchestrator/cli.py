@@ -38,6 +38,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from core.columns import Column, print_fitted
 from core.config import JobConfig
 from core.errors import ArchipelagoError, ConfigError, PlacementError
+from core.plan import DeviceKind, Plan
 from orchestrator.accounting import calibrate
 from planning import calibration_fit
 from orchestrator.accounting.report import RunReport
@@ -444,15 +445,24 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     planner = Planner(topology, config, calibration=Calibration.for_job(config))
     plan = planner.plan()
     naive = planner.naive(plan.world_size, plan.global_batch_size)
-    reason = "" if naive else (f"no single micro-batch divides {plan.global_batch_size} samples over "
-                               f"{plan.world_size} whole GPUs in PACK order and fits them all")
-    print_plan(plan, naive, console, naive_reason=reason)
+    print_plan(plan, naive, console, naive_reason="" if naive else _no_naive_reason(planner, plan))
     if args.json:
         console.print(f"saved {plan.save(args.json)}")
     if args.png:
         from planning.plan_drawing import draw_plan_png
         console.print(f"drew {draw_plan_png(plan, topology, args.png, naive=naive)}")
     return 0
+
+
+def _no_naive_reason(planner: Planner, plan: Plan) -> str:
+    """Why Planner.naive found nothing to compare with: Ray's PACK order takes whole devices (never MIG
+    slices), so there may be too few of them, else no one micro-batch divides the batch and fits them all."""
+    what = "whole GPUs" if planner.job.use_gpu else "CPU slots"
+    whole = sum(domain.size for domain in planner.pool.domains if domain.type.kind != DeviceKind.MIG)
+    if whole < plan.world_size:
+        return f"Ray's PACK order takes {what} only, and the cluster has {whole} for the plan's {plan.world_size} workers"
+    return (f"no single micro-batch divides {plan.global_batch_size} samples over {plan.world_size} {what} in PACK "
+            "order and fits them all")
 
 
 

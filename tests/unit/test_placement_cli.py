@@ -97,3 +97,14 @@ def test_a_plan_on_several_gpu_models_prints_each_models_share_and_where_its_fig
         assert rows[model][1:3] == [str(len(workers)), source] and rows[model][5] == f"{share:.1%}"
     assert rows["L40S"][3] == "300" and rows["H100-SXM5-80GB"][3] == "989.4"
     assert float(rows["L40S"][5][:-1]) + float(rows["H100-SXM5-80GB"][5][:-1]) == pytest.approx(100, abs=0.11)
+
+
+def test_without_enough_whole_gpus_for_ray_pack_the_naive_plan_says_so_not_that_no_micro_batch_fits(capsys, tmp_path):
+    """Ray's PACK order takes whole GPUs; the plan's two workers include a MIG slice, and there is one whole GPU."""
+    path = tmp_path / "job.toml"
+    path.write_text(JOB + "[placement]\nmin_gpus = 2\n")
+    code, out = run(capsys, "plan", "--generate", "1xH100-MIG7:1,1xH200:1", "--config", str(path))
+    assert code == 0, out
+    assert "naive plan: Ray's PACK order takes whole GPUs only, and the cluster has 1 for the plan's 2 workers" in \
+        out.replace("\n", " ").replace("  ", " "), out
+    assert "no single micro-batch" not in out
