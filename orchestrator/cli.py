@@ -253,8 +253,9 @@ def _parser() -> argparse.ArgumentParser:
     fit = commands.add_parser("fit", help="train a job config on a Ray cluster")
     fit.add_argument("config", help="job config (TOML), e.g. examples/cpu-tiny.toml")
     fit.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else an embedded cluster)")
-    fit.add_argument("--resume", action="store_true", help="continue from the run's latest committed checkpoint")
-    fit.add_argument("--overwrite", action="store_true",
+    start = fit.add_mutually_exclusive_group()
+    start.add_argument("--resume", action="store_true", help="continue from the run's latest committed checkpoint")
+    start.add_argument("--overwrite", action="store_true",
                      help="replace an earlier run of the same name: it is set aside, and deleted once this run "
                           "commits its first checkpoint (put back if this run stops before)")
     add_connect_timeout_argument(fit, default=None)

@@ -111,9 +111,9 @@ class Orchestrator:
         """model: the user's model factory, as [model] factory names one (kind = "custom"): a function of
         the [model] table returning an nn.Module (token ids to logits) or a workload. address and
         connect_timeout_s: as --address and --connect-timeout say (None: [cluster] connect_timeout_s)."""
-        if resume and overwrite:
-            raise ConfigError("--resume and --overwrite contradict each other", where="command line",
-                              fix="pass --resume to continue the run, or --overwrite to start it over")
+        if resume and overwrite:  # the command line's parser refuses --resume with --overwrite in its own words
+            raise ConfigError("resume=True and overwrite=True contradict each other", where="Orchestrator(...)",
+                              fix="pass resume=True to continue the run, or overwrite=True to start it over")
         if model is not None:
             factory = dataclasses.replace(config.model, kind="custom", factory=register_factory(model))
             config = dataclasses.replace(config, model=factory)

@@ -28,7 +28,7 @@ CASES = [
     (["fit"], "the following arguments are required: config"),
     (["fit", "{dir}/missing.toml"], "missing.toml: config file not found"),
     (["fit", "{job}", "--address", REFUSED], "cannot connect (Connection refused)"),
-    (["fit", "{job}", "--resume", "--overwrite"], "--resume and --overwrite contradict each other"),
+    (["fit", "{job}", "--resume", "--overwrite"], "argument --overwrite: not allowed with argument --resume"),
     (["fit", "{job}", "--connect-timeout", "0"], "--connect-timeout: must be a number of seconds above 0, got 0"),
     (["fit", "{job}", "--connect-timeout", "soon"], "argument --connect-timeout: invalid seconds value: 'soon'"),
     (["prepare", "--out", "{out}"], "the following arguments are required: --source"),
