@@ -104,16 +104,31 @@ class _Start:
     lr_schedule: LrSchedule
 
 
+def _job_config(config: JobConfig | str | Path | dict[str, Any]) -> JobConfig:
+    """The job Orchestrator was given, as a JobConfig; anything else is refused (no attribute error from deep inside)."""
+    if isinstance(config, JobConfig):
+        return config
+    if isinstance(config, (str, Path)):
+        return JobConfig.from_toml(config)
+    if isinstance(config, dict):
+        return JobConfig.from_dict(config)
+    raise ConfigError(f"config is a {type(config).__name__}, not a job", where="Orchestrator(config)",
+                      fix='pass a JobConfig, the path of a TOML job file ("examples/cpu-tiny.toml") or a dict of its '
+                          "tables")
+
+
 class Orchestrator:
-    def __init__(self, config: JobConfig, *, model: Callable[[dict], Any] | None = None, address: str = "",
-                 connect_timeout_s: float | None = None, resume: bool = False, overwrite: bool = False,
+    def __init__(self, config: JobConfig | str | Path | dict[str, Any], *, model: Callable[[dict], Any] | None = None,
+                 address: str = "", connect_timeout_s: float | None = None, resume: bool = False, overwrite: bool = False,
                  console: Console | None = None, verbose: bool = False):
-        """model: the user's model factory, as [model] factory names one (kind = "custom"): a function of
+        """config: a JobConfig, a TOML file's path (read as `archipelago fit` reads it) or a dict of its tables.
+        model: the user's model factory, as [model] factory names one (kind = "custom"): a function of
         the [model] table returning an nn.Module (token ids to logits) or a workload. address and
         connect_timeout_s: as --address and --connect-timeout say (None: [cluster] connect_timeout_s)."""
         if resume and overwrite:  # the command line's parser refuses --resume with --overwrite in its own words
             raise ConfigError("resume=True and overwrite=True contradict each other", where="Orchestrator(...)",
                               fix="pass resume=True to continue the run, or overwrite=True to start it over")
+        config = _job_config(config)
         if model is not None:
             factory = dataclasses.replace(config.model, kind="custom", factory=register_factory(model))
             config = dataclasses.replace(config, model=factory)
