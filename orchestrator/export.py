@@ -18,6 +18,7 @@ renamed into place, so an interrupted export leaves nothing half-written.
 from __future__ import annotations
 
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,21 +92,23 @@ def write_hf(model: torch.nn.Module, config: JobConfig, out: str | Path, *, quan
     trained weights), config.json names the quantization (transformers' TorchAoConfig) and the weights
     go to pytorch_model.bin (torchao's tensors do not go into safetensors)."""
     out = check_exportable(config, out, quantized=quantized)
-    staging = out.with_name(out.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # A directory of this export's own, so a name the user gave something beside OUT is never touched; the
+    # model directory inside it is made with the usual permissions (mkdtemp's are the owner's alone).
+    holder = Path(tempfile.mkdtemp(dir=out.parent, prefix=f"{out.name}.partial-"))
     try:
+        staging = holder / out.name
         hf = _hf_model(model, config.model)
         if quantized:
             _save_quantized(hf, config, staging)
         else:
             hf.save_pretrained(staging)
         _copy_tokenizer(config, staging)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    if out.exists():
-        out.rmdir()
-    staging.rename(out)
+        if out.exists():
+            out.rmdir()
+        staging.rename(out)
+    finally:
+        shutil.rmtree(holder, ignore_errors=True)
     return out
 
 

@@ -31,14 +31,20 @@ def committed(run: RunDirectory, config: JobConfig, step: int) -> torch.nn.Modul
     return model
 
 
+def started(config: JobConfig) -> RunDirectory:
+    """The run directory of `config` with the report.json fit writes when it starts (export reads its config)."""
+    run = RunDirectory(config.runs_dir, config.name)
+    run.create(overwrite=False)
+    report = {f.name: None for f in dataclasses.fields(RunReport)} | {"config": config.to_dict()}
+    (run.path / "report.json").write_text(json.dumps(report))
+    return run
+
+
 def test_export_skips_a_damaged_newest_step_and_moves_nothing(tmp_path):
     from transformers import AutoModelForCausalLM
 
     config = JobConfig.from_dict({**CONFIG, "runs_dir": str(tmp_path / "runs")})
-    run = RunDirectory(config.runs_dir, config.name)
-    run.create(overwrite=False)
-    report = {f.name: None for f in dataclasses.fields(RunReport)} | {"config": config.to_dict()}
-    (run.path / "report.json").write_text(json.dumps(report))  # export reads the config alone
+    run = started(config)
     older, _ = committed(run, config, 4), committed(run, config, 8)
     damaged = next(run.checkpoints.step(8).local_path.glob("*.distcp"))
     damaged.write_bytes(damaged.read_bytes()[:-1] + b"\x7f")
@@ -52,3 +58,16 @@ def test_export_skips_a_damaged_newest_step_and_moves_nothing(tmp_path):
         torch.testing.assert_close(logits, older(tokens), rtol=1e-4, atol=1e-5)
     with pytest.raises(ConfigError, match="is not an empty directory"):
         export_run(run.path, tmp_path / "out")
+
+
+def test_export_leaves_what_the_user_keeps_beside_out_and_nothing_of_its_own(tmp_path):
+    config = JobConfig.from_dict({**CONFIG, "runs_dir": str(tmp_path / "runs")})
+    run = started(config)
+    committed(run, config, 4)
+    notes = tmp_path / "exported" / "keep.partial" / "notes.txt"
+    notes.parent.mkdir(parents=True)
+    notes.write_text("mine")
+
+    export_run(run.path, tmp_path / "exported" / "keep")
+    assert notes.read_text() == "mine"
+    assert sorted(p.name for p in (tmp_path / "exported").iterdir()) == ["keep", "keep.partial"]
