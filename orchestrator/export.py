@@ -11,8 +11,9 @@ transformers model itself; kind = "llama" (built-in) is cut back into the archit
 (LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM), or without one a LlamaForCausalLM (a
 Qwen2ForCausalLM with [model] qkv_bias): q/k rows and biases turned back from interleaved pairs to
 halves (workers/models/hf_weights.py). The model is rebuilt from the config in the run's report.json and
-loaded from the newest intact checkpoint on this machine's CPU; OUT is written beside itself and
-renamed into place, so an interrupted export leaves nothing half-written.
+loaded from the newest intact checkpoint on this machine's CPU (of a run still training, the newest again
+when [checkpoint] keep_last deletes the one being read); OUT is written beside itself and renamed into place,
+so an interrupted export leaves nothing half-written.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from workers.qat import base_config, quantize_ptq
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 WHERE = "archipelago export --hf"
+ATTEMPTS = 3
+"""Times export looks for the newest step of a run that keeps deleting the one being read (load_newest_intact)."""
 
 
 def export_run(run: str | Path, out: str | Path, *, quantized: bool = False) -> Exported:
@@ -47,12 +50,8 @@ def export_run(run: str | Path, out: str | Path, *, quantized: bool = False) -> 
     config = run_config(run)
     check_exportable(config, out, quantized=quantized)
     directory = RunDirectory(Path(run).resolve().parent, Path(run).resolve().name, config.checkpoint.storage)
-    step, latest, skipped = newest_intact(directory)
-    workload = make_workload(config.model)
-    model = workload.build()
-    state = {"model": get_model_state_dict(model)}
-    load_checkpoint(state, latest, reader="posix")
-    set_model_state_dict(model, state["model"])
+    model = make_workload(config.model).build()
+    step, skipped = load_newest_intact(directory, model)
     return Exported(write_hf(model, config, out, quantized=quantized), step, skipped)
 
 
@@ -68,6 +67,34 @@ class Exported:
 def run_config(run: str | Path) -> JobConfig:
     """The job as fit ran it: the config in the run's report.json (written when the run starts)."""
     return JobConfig.from_dict(RunReport.load(run).config)
+
+
+def load_newest_intact(directory: RunDirectory, model: torch.nn.Module) -> tuple[int, list[str]]:
+    """Loads the newest intact committed step into `model`: its step, and what is wrong with the newer ones.
+
+    A run still training may commit a newer step meanwhile and [checkpoint] keep_last delete the one being read:
+    a step that fails once a newer one has been committed was deleted, not damaged, and the newest is looked for
+    again."""
+    for _ in range(ATTEMPTS):
+        newest = _newest_step(directory)
+        try:
+            step, where, skipped = newest_intact(directory)
+            state = {"model": get_model_state_dict(model)}
+            load_checkpoint(state, where, reader="posix")
+        except CheckpointError:
+            if _newest_step(directory) == newest:
+                raise
+            continue
+        set_model_state_dict(model, state["model"])
+        return step, skipped
+    raise CheckpointError(f"the run committed a newer step and deleted the one being read, {ATTEMPTS} times over",
+                          where=str(directory.checkpoints.root),
+                          fix="export again, or once the run has stopped (or keep more steps: [checkpoint] keep_last)")
+
+
+def _newest_step(directory: RunDirectory) -> int | None:
+    committed = directory.checkpoints.committed()
+    return committed[-1][0] if committed else None
 
 
 def newest_intact(directory: RunDirectory) -> tuple[int, Location, list[str]]:

@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from core.config import JobConfig
-from core.errors import ConfigError
+from core.errors import CheckpointError, ConfigError
+from orchestrator import export
 from orchestrator.accounting.report import RunReport
 from orchestrator.export import export_run
 from orchestrator.run_dir import RunDirectory
+from storage.checkpoint_io import load_checkpoint
 from tests.engine_support import job_spec
 from workers import checkpoint
 from workers.models import make_workload
@@ -71,3 +73,43 @@ def test_export_leaves_what_the_user_keeps_beside_out_and_nothing_of_its_own(tmp
     export_run(run.path, tmp_path / "exported" / "keep")
     assert notes.read_text() == "mine"
     assert sorted(p.name for p in (tmp_path / "exported").iterdir()) == ["keep", "keep.partial"]
+
+
+def test_export_of_a_live_run_goes_on_to_the_step_committed_after_keep_last_deleted_the_one_being_read(
+        tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    config = JobConfig.from_dict({**CONFIG, "runs_dir": str(tmp_path / "runs")})
+    run = started(config)
+    committed(run, config, 4)
+    newer = []
+
+    def live_run_moves_on(state, where, **kwargs):  # the run commits step 8 and keep_last = 1 deletes step 4
+        if not newer:
+            newer.append(committed(run, config, 8))
+            run.checkpoints.prune(1)
+        return load_checkpoint(state, where, **kwargs)
+
+    monkeypatch.setattr(export, "load_checkpoint", live_run_moves_on)
+    exported = export_run(run.path, tmp_path / "out")
+    assert (exported.step, exported.skipped) == (8, [])
+    tokens = torch.randint(0, 257, (2, 16))
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(tmp_path / "out")(input_ids=tokens).logits
+        torch.testing.assert_close(logits, newer[0](tokens), rtol=1e-4, atol=1e-5)
+
+
+def test_export_of_a_run_that_keeps_deleting_the_step_being_read_says_to_export_again(tmp_path, monkeypatch):
+    config = JobConfig.from_dict({**CONFIG, "runs_dir": str(tmp_path / "runs")})
+    run = started(config)
+    committed(run, config, 1)
+
+    def live_run_moves_on(state, where, **kwargs):
+        committed(run, config, run.checkpoints.committed()[-1][0] + 1)
+        run.checkpoints.prune(1)
+        return load_checkpoint(state, where, **kwargs)
+
+    monkeypatch.setattr(export, "load_checkpoint", live_run_moves_on)
+    with pytest.raises(CheckpointError, match="deleted the one being read, 3 times over — export again"):
+        export_run(run.path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
