@@ -141,6 +141,8 @@ def _export(args: argparse.Namespace, console: Console) -> int:
         console.print(f"left out the damaged {skipped}", markup=False, highlight=False)
     files = ", ".join(sorted(p.name for p in exported.out.iterdir()))
     console.print(f"wrote step {exported.step} to {exported.out} ({files})", markup=False, highlight=False)
+    if exported.tokenizer_note:
+        console.print(exported.tokenizer_note, markup=False, highlight=False)
     return 0
 
 

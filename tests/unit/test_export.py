@@ -3,6 +3,7 @@ where it is, and the step before it is what transformers loads."""
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,9 +12,11 @@ from core.config import JobConfig
 from core.errors import CheckpointError, ConfigError
 from orchestrator import export
 from orchestrator.accounting.report import RunReport
+from orchestrator.cli import main
 from orchestrator.export import export_run
 from orchestrator.run_dir import RunDirectory
 from storage.checkpoint_io import load_checkpoint
+from storage.tokenizers import load_tokenizer
 from tests.engine_support import job_spec
 from workers import checkpoint
 from workers.models import make_workload
@@ -33,11 +36,13 @@ def committed(run: RunDirectory, config: JobConfig, step: int) -> torch.nn.Modul
     return model
 
 
-def started(config: JobConfig) -> RunDirectory:
-    """The run directory of `config` with the report.json fit writes when it starts (export reads its config)."""
+def started(config: JobConfig, tokenizer: str = "bytes") -> RunDirectory:
+    """The run directory of `config` with the report.json fit writes when it starts (export reads its config and
+    `tokenizer`, the identity the dataset's manifest gave)."""
     run = RunDirectory(config.runs_dir, config.name)
     run.create(overwrite=False)
-    report = {f.name: None for f in dataclasses.fields(RunReport)} | {"config": config.to_dict()}
+    report = {f.name: None for f in dataclasses.fields(RunReport)} | {"config": config.to_dict(),
+                                                                      "tokenizer": tokenizer}
     (run.path / "report.json").write_text(json.dumps(report))
     return run
 
@@ -113,3 +118,61 @@ def test_export_of_a_run_that_keeps_deleting_the_step_being_read_says_to_export_
     with pytest.raises(CheckpointError, match="deleted the one being read, 3 times over — export again"):
         export_run(run.path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def tokenizers_file(path: Path) -> Path:
+    """A word-level tokenizers file whose end-of-document token is 5: neither the bytes' 256 nor the 2 of
+    transformers' Llama defaults."""
+    from tokenizers import Tokenizer, models
+
+    words = ["<unk>", "the", "cat", "sat", "mat", "<|endoftext|>"]
+    tokenizer = Tokenizer(models.WordLevel({word: i for i, word in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.add_special_tokens(["<|endoftext|>"])
+    tokenizer.save(str(path))
+    return path
+
+
+def token_ids(out: Path) -> list[tuple]:
+    """(bos_token_id, eos_token_id) of config.json and of generation_config.json (None where absent)."""
+    files = (json.loads((out / name).read_text()) for name in ("config.json", "generation_config.json"))
+    return [(values.get("bos_token_id"), values.get("eos_token_id")) for values in files]
+
+
+def test_export_of_byte_level_data_ends_generation_on_its_end_of_document_token_and_says_it_has_no_tokenizer(
+        tmp_path, capsys):
+    config = JobConfig.from_dict({**CONFIG, "runs_dir": str(tmp_path / "runs")})
+    run = started(config)
+    committed(run, config, 4)
+
+    assert main(["export", str(run.path), "--hf", str(tmp_path / "out")]) == 0
+    assert token_ids(tmp_path / "out") == [(None, 256), (None, 256)]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "generation_config.json",
+                                                                   "model.safetensors"]
+    assert "byte-level (token i is byte i, 256 ends a document): there is no tokenizer file to copy" in \
+        " ".join(capsys.readouterr().out.split())
+
+
+def test_export_of_tokenizers_file_data_copies_the_file_and_ends_generation_on_its_end_of_document_token(tmp_path):
+    from transformers import AutoTokenizer
+
+    file = tokenizers_file(tmp_path / "tok.json")
+    config = JobConfig.from_dict({**CONFIG, "runs_dir": str(tmp_path / "runs"), "data": {"tokenizer": f"hf:{file}"}})
+    run = started(config, tokenizer=load_tokenizer(f"hf:{file}").name)
+    committed(run, config, 4)
+
+    exported = export_run(run.path, tmp_path / "out")
+    assert token_ids(tmp_path / "out") == [(None, 5), (None, 5)]
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == file.read_bytes()
+    assert AutoTokenizer.from_pretrained(tmp_path / "out").eos_token_id == 5
+    assert exported.tokenizer_note == ""
+
+
+def test_export_says_when_the_data_tokenizers_file_is_not_found_and_writes_no_end_of_document_id(tmp_path):
+    file = tokenizers_file(tmp_path / "tok.json")
+    config = JobConfig.from_dict({**CONFIG, "runs_dir": str(tmp_path / "runs")})  # [data] path alone names no file
+    run = started(config, tokenizer=load_tokenizer(f"hf:{file}").name)
+    committed(run, config, 4)
+
+    exported = export_run(run.path, tmp_path / "out")
+    assert token_ids(tmp_path / "out") == [(None, None), (None, None)]
+    assert "(hf-json:" in exported.tokenizer_note and "has no tokenizer and no eos_token_id" in exported.tokenizer_note
