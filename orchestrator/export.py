@@ -6,8 +6,9 @@
 
 Writes config.json and model.safetensors (transformers' own save_pretrained), and the tokenizer files
 the run had: those beside [model] hf_dir (tokenizer.json, tokenizer_config.json,
-special_tokens_map.json) or the tokenizers file its data was prepared with (found by the identity the
-dataset's manifest gave, which report.json records; byte-level data has none). kind = "hf" saves the trained
+special_tokens_map.json) or the tokenizers file its data was prepared with (the copy the dataset keeps, or
+[data] tokenizer's file, with the identity the dataset's manifest gave, which report.json records; byte-level
+data has none). kind = "hf" saves the trained
 transformers model itself; kind = "llama" (built-in) is cut back into the architecture of its hf_dir
 (LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM), or without one a LlamaForCausalLM (a
 Qwen2ForCausalLM with [model] qkv_bias): q/k rows and biases turned back from interleaved pairs to
@@ -35,7 +36,7 @@ from orchestrator.accounting.report import RunReport
 from orchestrator.run_dir import RunDirectory
 from storage.checkpoint_io import load_checkpoint, step_damage
 from storage.fs import Location
-from storage.tokenizers import ByteTokenizer, HFJsonTokenizer, load_tokenizer
+from storage.tokenizers import DATASET_COPY, ByteTokenizer, HFJsonTokenizer, load_tokenizer
 from workers.models import make_workload
 from workers.models.hf_weights import llama_layout, stack_for_export
 from workers.models.layers import repeated_layers
@@ -86,8 +87,10 @@ class DataTokenizer:
 
 def data_tokenizer(config: JobConfig, identity: str) -> DataTokenizer:
     """The tokenizer of `identity` (an identity, or a [data] tokenizer as the config gives it: "bytes", "hf:PATH")
-    among those the run names: the bytes tokenizer, or [data] tokenizer's file if its content is that one."""
-    looked_in = [config.data.tokenizer.removeprefix("hf:")] if config.data.tokenizer.startswith("hf:") else []
+    among those the run names: the bytes tokenizer, or the file the dataset keeps, or [data] tokenizer's, whichever
+    has that content."""
+    named = [config.data.tokenizer.removeprefix("hf:")] if config.data.tokenizer.startswith("hf:") else []
+    looked_in = [str(Path(config.data.path) / DATASET_COPY), *named]
     for spec in ["bytes", *(f"hf:{path}" for path in looked_in if Path(path).is_file())]:
         tokenizer = load_tokenizer(spec)
         if identity in (tokenizer.name, spec):

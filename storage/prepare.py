@@ -42,7 +42,7 @@ from core.config import check_prepare_settings
 from core.errors import ConfigError, DataError
 from storage import chat
 from storage.shards import ShardInfo, has_dataset, write_manifest, write_shard
-from storage.tokenizers import Tokenizer, load_tokenizer
+from storage.tokenizers import DATASET_COPY, HFJsonTokenizer, Tokenizer, load_tokenizer
 
 SourceFormat = Literal["text", "jsonl", "parquet", "arrow", "chat", "instruction"]
 DEFAULT_PATTERNS = {"text": "*.py", "jsonl": "*.jsonl", "parquet": "*.parquet", "arrow": "*.arrow",
@@ -382,6 +382,8 @@ def prepare_dataset(source: str, out: str | Path, *, pattern: str | None = None,
             if fine_tuning:
                 _check_trained_tokens(split, sinks[split], source_format, root)
         shards = writers["train"].shards + writers["val"].shards
+        if isinstance(tok, HFJsonTokenizer):
+            shutil.copy(tok.path, staging / DATASET_COPY)
         write_manifest(staging, shards, tok.vocab_size, token_flags=fine_tuning, packed_seq_len=packing)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -1,9 +1,10 @@
 """The token shard format, its manifest, and `TokenDataset`: one split cut into fixed-length samples.
 
 A dataset directory (local or any pyarrow.fs URI) holds `manifest.parquet` and shard files
-`<split>-<index>.tokens`. A shard file is a 4 KiB header (magic, then JSON: dtype, token count,
-tokenizer, format version) followed by the tokens as raw little-endian integers. The payload
-starts on a 4 KiB boundary because GPUDirect Storage reads need aligned offsets.
+`<split>-<index>.tokens` (and, prepared with a tokenizers file, a copy of it: storage/tokenizers.DATASET_COPY).
+A shard file is a 4 KiB header (magic, then JSON: dtype, token count, tokenizer, format version) followed by
+the tokens as raw little-endian integers. The payload starts on a 4 KiB boundary because GPUDirect Storage
+reads need aligned offsets.
 
 The manifest has one row per shard: split, path (relative), dtype, num_tokens, doc_offsets
 (start of every document within the shard), crc32 of the payload, tokenizer. Its schema

@@ -19,6 +19,9 @@ import numpy as np
 
 from core.errors import DataError
 
+DATASET_COPY = "tokenizer.json"
+"""The copy of its "hf:PATH" tokenizers file a prepared dataset keeps beside its manifest: what made the tokens
+travels with them (`archipelago export` gives it to the exported model)."""
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|eos|>", "[EOS]", "<|end_of_text|>")
 """Special tokens taken as end-of-document, in this order, from a tokenizers file."""
 

@@ -16,6 +16,7 @@ from orchestrator.cli import main
 from orchestrator.export import export_run
 from orchestrator.run_dir import RunDirectory
 from storage.checkpoint_io import load_checkpoint
+from storage.prepare import prepare_dataset
 from storage.tokenizers import load_tokenizer
 from tests.engine_support import job_spec
 from workers import checkpoint
@@ -167,9 +168,26 @@ def test_export_of_tokenizers_file_data_copies_the_file_and_ends_generation_on_i
     assert exported.tokenizer_note == ""
 
 
+def test_export_of_a_run_on_a_prepared_dataset_copies_the_tokenizers_file_the_dataset_keeps(tmp_path, corpus_dir):
+    """`prepare --tokenizer hf:tok.json --out data/bpe`, then a run with [data] path = "data/bpe" alone."""
+    file = tokenizers_file(tmp_path / "tok.json")
+    summary = prepare_dataset(str(corpus_dir), tmp_path / "bpe", tokenizer=f"hf:{file}", val_percent=25, workers=1)
+    original = file.read_bytes()
+    file.unlink()  # the dataset's own copy is what export finds
+    data = {"path": str(summary.directory)}
+    config = JobConfig.from_dict({**CONFIG, "runs_dir": str(tmp_path / "runs"), "data": data})
+    run = started(config, tokenizer=summary.tokenizer)
+    committed(run, config, 4)
+
+    exported = export_run(run.path, tmp_path / "out")
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == original
+    assert token_ids(tmp_path / "out") == [(None, 5), (None, 5)] and exported.tokenizer_note == ""
+
+
 def test_export_says_when_the_data_tokenizers_file_is_not_found_and_writes_no_end_of_document_id(tmp_path):
     file = tokenizers_file(tmp_path / "tok.json")
-    config = JobConfig.from_dict({**CONFIG, "runs_dir": str(tmp_path / "runs")})  # [data] path alone names no file
+    data = {"path": str(tmp_path / "gone")}  # [data] path alone names no tokenizers file, and holds none now
+    config = JobConfig.from_dict({**CONFIG, "runs_dir": str(tmp_path / "runs"), "data": data})
     run = started(config, tokenizer=load_tokenizer(f"hf:{file}").name)
     committed(run, config, 4)
 

@@ -13,7 +13,7 @@ from core.errors import DataError
 from orchestrator.cli import main
 from storage.prepare import prepare_dataset, split_of
 from storage.shards import HEADER_BYTES, TokenDataset, read_manifest
-from storage.tokenizers import load_tokenizer
+from storage.tokenizers import DATASET_COPY, load_tokenizer
 from storage.verify import verify_dataset
 
 DOCS = [f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * (i % 7 + 1) for i in range(120)]
@@ -100,6 +100,7 @@ def test_bpe_tokenizer_from_a_tokenizers_file(tmp_path, bpe_file, corpus_dir):
     assert summary.tokenizer == tokenizer.name and tokenizer.name.startswith("hf-json:")
     manifest = read_manifest(tmp_path / "bpe")
     assert manifest.vocab_size == tokenizer.vocab_size and {s.tokenizer for s in manifest.shards} == {tokenizer.name}
+    assert (tmp_path / "bpe" / DATASET_COPY).read_bytes() == bpe_file.read_bytes()  # what made the tokens
     train_files = sorted(p for p in corpus_dir.rglob("*.py") if split_of(p.relative_to(corpus_dir).as_posix(), 25) == "train")
     first = decoded_documents(tmp_path / "bpe", "train", tokenizer)[0]
     assert first == train_files[0].read_text()
