@@ -259,8 +259,11 @@ class RawWriter(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # Runs on the coordinator only, after every rank planned and before any writes: a clean
         # directory, then the extra files, so `.metadata` (written last) implies all of them.
-        self.location.remove()
-        self.location.mkdir()
+        try:
+            self.location.remove()
+            self.location.mkdir()
+        except OSError as e:
+            raise _write_error(e, self.location) from None
         for name, data in self.extra.items():
             with _output(self.location / name) as out:
                 out.write(data)
@@ -378,8 +381,13 @@ class _output:
 
 
 def _write_error(e: OSError, target: Location) -> Exception:
-    """What a failed checkpoint write says: a full disk or a failed upload as a CheckpointError."""
+    """What a failed checkpoint write says: a full disk, a place it may not write, or a failed upload as a
+    CheckpointError (a retry on other workers would fail the same way); an error a retry may not meet (EIO) as is."""
     kept = "the step was not committed and the last committed one is intact"
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return CheckpointError(f"cannot write a checkpoint there ({e.strerror}); {kept}", where=str(target),
+                               fix="make [checkpoint] storage writable for the workers (its permissions, a read-only "
+                                   "mount) or point it elsewhere, then run again with --resume")
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return CheckpointError(f"no space left to write a checkpoint ({e.strerror}); {kept}", where=str(target),
                                fix="free space there, lower [checkpoint] keep_last or move [checkpoint] storage to "

@@ -126,3 +126,36 @@ def test_a_full_disk_stops_the_save_with_a_checkpoint_error_and_commits_nothing_
         failed_in = {row["file"] for row in mode if "error" in row}
         assert {"archipelago.json", "__0_0.distcp", ".metadata"} <= failed_in, (async_save, failed_in)
         assert "error" not in mode[-1] and "error" in mode[0]  # it fits once enough is free
+
+
+READ_ONLY = r"""
+import json, subprocess, sys
+import torch
+from core.errors import CheckpointError
+from storage.checkpoint_io import CheckpointStore, save_checkpoint
+root = sys.argv[1]
+subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", root], check=True)
+store, extra = CheckpointStore(root), {"archipelago.json": b'{"step": 0}'}
+save_checkpoint({"w": torch.ones(1000)}, store.step(1), extra=extra).result()
+subprocess.run(["mount", "-o", "remount,ro", root], check=True)
+try:
+    save_checkpoint({"w": torch.ones(1000)}, store.step(2), extra=extra).result()
+    print(json.dumps({"saved": True}))
+except CheckpointError as e:
+    print(json.dumps({"what": e.what, "where": e.where, "fix": e.fix, "committed": [s for s, _ in store.committed()]}))
+"""
+
+
+def test_storage_the_workers_may_not_write_is_a_checkpoint_error_naming_it(tmp_path):
+    """A read-only mount (EROFS; a directory without write permission is EACCES, the same way): no retry on other
+    workers would write there, so the save says where and what to change instead of raising torch's error."""
+    root = tmp_path / "read-only"
+    root.mkdir()
+    child = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", sys.executable, "-c", READ_ONLY,
+                            str(root)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                           text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    said = json.loads(child.stdout.strip().splitlines()[-1])
+    assert said["what"].startswith("cannot write a checkpoint there (") and "Read-only file system" in said["what"], said
+    assert said["where"] == str(root / "step_00000002") and said["committed"] == [1]
+    assert "make [checkpoint] storage writable" in said["fix"]
