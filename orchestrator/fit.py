@@ -46,6 +46,7 @@ from orchestrator.shipping import modules_to_ship
 from planning.calibration import Calibration
 from planning.memory import MemoryProfile, profile
 from planning.model_size import model_facts
+from planning.plan_table import significant
 from storage.fs import Location
 from storage.prepare import prepare_dataset
 from storage.shards import TokenDataset, check_files, has_dataset
@@ -290,7 +291,7 @@ class Orchestrator:
         self.console.print(f"plan: {plan.world_size} × {plan.workers[0].device_model} workers, "
                            f"{plan.data_parallel.value}, micro-batches {list(plan.replica_micro_batch_sizes())} "
                            f"× {plan.grad_accum_steps} accumulation; predicted {predicted.step_seconds * 1000:,.1f} ms a step, "
-                           f"{predicted.tokens_per_second:,.0f} tokens/s, ${predicted.dollars_per_million_tokens:.4f} "
+                           f"{predicted.tokens_per_second:,.0f} tokens/s, ${significant(predicted.dollars_per_million_tokens)} "
                            f"per million tokens "
                            f"({self.run.plan_path})", markup=False)
         for note in plan.notes:
