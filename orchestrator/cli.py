@@ -215,7 +215,12 @@ def _prices(args: argparse.Namespace, console: Console) -> int:
 
 def _calibrate(args: argparse.Namespace, console: Console) -> int:
     sweeps = calibrate.load_sweeps(args.sweep or [])  # small files first: a bad one answers before the runs load
-    runs = [calibrate.load_run(run) for run in args.runs]
+    runs, left_out = calibrate.load_runs(args.runs)
+    for name, why in left_out:
+        console.print(f"left out {name}: {why}", markup=False, highlight=False)
+    if not runs:
+        raise ConfigError("no run is left to fit (each is left out above)", where="calibrate",
+                          fix="calibrate on runs fit has finished")
     if len(runs) > 1:
         _print_checks(calibration_fit.leave_one_out(runs, sweeps), console)
     else:

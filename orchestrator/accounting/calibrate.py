@@ -4,7 +4,7 @@ prediction, and what each link class's reduction cost, with the prediction error
     archipelago calibrate runs/a runs/b runs/c          # writes runs/calibration.json (fit and plan read it)
     archipelago calibrate runs/a --sweep out/multigpu    # with a benchmarks/multigpu.py sweep's link rows
 
-    runs = [load_run(d) for d in dirs]                   # planning.calibration_fit.FinishedRun
+    runs, left_out = load_runs(dirs)                     # planning.calibration_fit.FinishedRun; (name, why)
     calibration = calibration_fit.fit(runs, sweeps)      # a planning.calibration.Calibration
     check = calibration_fit.leave_one_out(runs, sweeps)  # per run: the plan's error, and the error after
 
@@ -36,10 +36,31 @@ SWEEP_FILES = ("multigpu.json", "calibration.json")
 """What benchmarks/multigpu.py writes into its --out folder: the sweep's calibration is in either."""
 
 
+class UnfinishedRunError(ConfigError):
+    """A run fit has not finished: its report.json is the one written at each checkpoint while it trains."""
+
+
+def load_runs(dirs: list[str | Path]) -> tuple[list[FinishedRun], list[tuple[str, str]]]:
+    """The finished runs among `dirs`, and (name, why) for each one left out because fit had not finished it."""
+    runs, left_out = [], []
+    for run_dir in map(Path, dirs):
+        try:
+            runs.append(load_run(run_dir))
+        except UnfinishedRunError as e:
+            left_out.append((run_dir.name, f"{e.what} — {e.fix}"))
+    return runs, left_out
+
+
 def load_run(run_dir: str | Path) -> FinishedRun:
     """A finished run from its folder: plan.json and the medians report.json took from its bill rows."""
     run_dir = Path(run_dir)
     report = RunReport.load(run_dir)
+    # Written while fit trains: its medians are of part of the run, and fit may still be adding to them. An
+    # interrupted or failed run's report is final (fit ended it), of the windows it trained.
+    if report.status == "running":
+        raise UnfinishedRunError("fit has not finished it (report.json says running: written at each checkpoint)",
+                                 where=str(run_dir), fix="calibrate it once fit ends; if fit was killed, "
+                                                         "`archipelago fit CONFIG --resume` finishes it")
     plan = Plan.load(run_dir / "plan.json")
     if not plan.device_bases:
         raise ConfigError("its plan.json records no device figures (planned by an older archipelago)",

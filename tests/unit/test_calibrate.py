@@ -32,12 +32,12 @@ def plan_on(cluster: str, gpus: int = 1, calibration: Calibration | None = None,
     return Planner(machines.cluster(cluster), config, exact_memory=False, calibration=calibration).plan()
 
 
-def finished(run_dir: Path, plan: Plan, step_s: float, exposed_s: float = 0.0) -> Path:
+def finished(run_dir: Path, plan: Plan, step_s: float, exposed_s: float = 0.0, status: str = "completed") -> Path:
     """A run directory as fit leaves it, with `step_s` measured, `exposed_s` of it waiting on communication."""
     run_dir.mkdir(parents=True)
     plan.save(run_dir / "plan.json")
     report = {f.name: None for f in dataclasses.fields(RunReport)}
-    report.update(step_seconds=step_s, exposed_comm_share=exposed_s / step_s, name=run_dir.name)
+    report.update(step_seconds=step_s, exposed_comm_share=exposed_s / step_s, name=run_dir.name, status=status)
     (run_dir / "report.json").write_text(json.dumps(report))
     return run_dir
 
@@ -116,6 +116,20 @@ def test_the_command_writes_the_runs_directorys_calibration_and_reports_the_erro
     assert written.compute_efficiency == {"cpu": 0.9, "H200-SXM5-141GB": pytest.approx(1.1)}
     assert main(["calibrate", dirs[0], "--dry-run", "--out", str(tmp_path / "other.json")]) == 0
     assert "one run: nothing is left to check" in capsys.readouterr().out and not (tmp_path / "other.json").exists()
+
+
+def test_a_run_fit_has_not_finished_is_left_out_by_name(capsys, tmp_path):
+    """report.json says running while fit trains (and after fit was killed): its medians are of part of the run."""
+    h200 = plan_on("1xH200:1")
+    done = [str(finished(tmp_path / "runs" / f"done{i}", h200, h200.predicted.step_seconds / 1.1)) for i in range(2)]
+    running = str(finished(tmp_path / "runs" / "training", h200, h200.predicted.step_seconds * 3, status="running"))
+    assert main(["calibrate", *done, running]) == 0
+    out = capsys.readouterr().out
+    assert "left out training: fit has not finished it (report.json says running" in out
+    fitted = Calibration.load(tmp_path / "runs" / "calibration.json")
+    assert fitted.compute_efficiency == {"H200-SXM5-141GB": pytest.approx(1.1)}  # the running run's 1/3 is not in it
+    assert main(["calibrate", running, "--dry-run"]) == 2
+    assert "no run is left to fit" in capsys.readouterr().out
 
 
 def test_a_run_that_cannot_be_calibrated_on_is_one_line(capsys, tmp_path):
