@@ -215,12 +215,13 @@ def _prices(args: argparse.Namespace, console: Console) -> int:
 
 def _calibrate(args: argparse.Namespace, console: Console) -> int:
     sweeps = calibrate.load_sweeps(args.sweep or [])  # small files first: a bad one answers before the runs load
-    runs, left_out = calibrate.load_runs(args.runs)
-    for name, why in left_out:
+    runs, unfinished = calibrate.load_runs(args.runs)
+    runs, implausible = calibration_fit.plausible(runs, sweeps)
+    for name, why in unfinished + implausible:
         console.print(f"left out {name}: {why}", markup=False, highlight=False)
     if not runs:
         raise ConfigError("no run is left to fit (each is left out above)", where="calibrate",
-                          fix="calibrate on runs fit has finished")
+                          fix="calibrate on runs fit has finished, of models whose steps its figures explain")
     if len(runs) > 1:
         _print_checks(calibration_fit.leave_one_out(runs, sweeps), console)
     else:

@@ -2,7 +2,8 @@
 compute efficiency of each device model, each link class's bandwidth, and each run predicted again
 under a calibration fitted without it. orchestrator/accounting/calibrate.py reads the runs from their
 folders (`archipelago calibrate`); benchmarks/device_probe.py builds them from steps it timed on a GPU
-machine without Ray.
+machine without Ray. A run whose step only a figure far from its plan's would explain is left out first
+(`plausible`): it measured something the cost model does not price, not the device's or the link's speed.
 """
 
 from __future__ import annotations
@@ -12,13 +13,25 @@ import statistics
 from dataclasses import dataclass
 
 from core.plan import Plan
-from planning.calibration import Calibration
+from planning.calibration import MAX_EFFICIENCY, Calibration
 from planning.collectives import DEFAULT_CALIBRATION, LinkCalibration, LinkClass
 
 LINK_SHARE_MIN = 0.05
 """A run tells about its link only when its plan had it wait at least this share of the step on the
 wire: below, what DDP's timers call exposed is mostly ranks waiting for a slower rank (on the CPU
 demo, a core another process took), and the ratio would scale the link by noise."""
+SLOWER_AT_MOST = 30.0
+"""A run whose compute or exposed communication took more than this many times what its plan's figures
+give is left out of the fit, and so no fitted figure lands further below them. The slowest steps of a
+model the cost model prices ran 1/11 of the CPUs' figure (test_fit's one-block, 32-wide GPT at
+micro-batch 2 on a busy two-core machine; its fits have read 1/25 too): still a speed calibrate learns.
+A GRU 16 wide ran 1/57, 4 wide 1/128 and an audit's 1/800: steps bound by per-step latency the cost model
+does not price. Fitted, such a run moves every other plan on its device or link as far (the audit's set
+loopback from 2 to 0.0026 GB/s, and every later CPU plan then waited on the wire)."""
+FASTER_AT_MOST = MAX_EFFICIENCY
+"""The same above the figures, tighter: what the cost model leaves out (per-op latency, small matrices,
+ranks waiting for each other) only adds time, so a step far faster than its figures means a wrong figure,
+or communication that hid behind backward, not a speed to learn. It is what a calibration file may hold."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +61,13 @@ class FinishedRun:
     @property
     def applied_efficiency(self) -> dict[str, float]:
         return {basis.model: basis.compute_efficiency for basis in self.plan.device_bases}
+
+    @property
+    def compute_at_figures_seconds(self) -> float:
+        """Its plan's compute with every device at its own figures (efficiency 1), whatever calibration
+        the plan was made under (its devices together for a heterogeneous run, as `predict` splits it)."""
+        applied = self.applied_efficiency
+        return self.plan.predicted.compute_seconds / sum(share / applied[m] for m, share in self.models.items())
 
     @property
     def link(self) -> LinkClass | None:
@@ -80,21 +100,73 @@ class Check:
         return self.measured_s / self.after_s - 1
 
 
+def plausible(runs: list[FinishedRun], sweeps: dict[LinkClass, LinkCalibration]
+              ) -> tuple[list[FinishedRun], list[tuple[str, str]]]:
+    """The runs a calibration may learn from, and (name, why) for each one left out: its compute, or the
+    communication it told its link by, is further from its plan's figures than SLOWER_AT_MOST or
+    FASTER_AT_MOST allow. The fit's figures are geometric means of the runs', so they stay in range too."""
+    kept, left_out = [], []
+    for run in runs:
+        why = _implausible(run, sweeps)
+        if why is None:
+            kept.append(run)
+        else:
+            left_out.append((run.name, why))
+    return kept, left_out
+
+
+def _implausible(run: FinishedRun, sweeps: dict[LinkClass, LinkCalibration]) -> str | None:
+    measured, at_figures = run.measured_compute_seconds, run.compute_at_figures_seconds
+    models = ", ".join(run.models)
+    if measured > 0 and not _in_range(at_figures / measured):
+        return (f"its compute took {measured * 1e3:,.3g} ms a step against {at_figures * 1e3:,.3g} ms predicted at the "
+                f"{models} figures, {_times(measured / at_figures)}: something the cost model does not price bound "
+                f"the step (a recurrent or tiny model's per-step latency, a busy machine), and a figure fitted to it "
+                f"would move every plan on {models} as far")
+    scale = _link_scale(run, sweeps)
+    if scale is not None and not _in_range(scale):
+        predicted = run.plan.predicted.exposed_communication_seconds
+        return (f"it waited {run.exposed_seconds * 1e3:,.3g} ms a step on gradient communication against "
+                f"{predicted * 1e3:,.3g} ms predicted at its plan's {run.link.value} figure of "
+                f"{run.plan.bottleneck_gb_per_s:.3g} GB/s, {_times(1 / scale)}: more likely ranks waiting for each "
+                f"other than the link's speed; measure the link with `python3 benchmarks/multigpu.py --only sweep "
+                f"--out DIR` and pass --sweep DIR")
+    return None
+
+
+def _in_range(speed: float) -> bool:
+    """Whether a run `speed` times as fast as its plan's figures is one to learn from."""
+    return 1 / SLOWER_AT_MOST <= speed <= FASTER_AT_MOST
+
+
+def _times(slowdown: float) -> str:
+    took = f"{slowdown:,.3g}x as long" if slowdown >= 1 else f"1/{1 / slowdown:,.3g} as long"
+    return f"{took} (a fit learns from 1/{FASTER_AT_MOST:g} to {SLOWER_AT_MOST:g}x)"
+
+
+def _link_scale(run: FinishedRun, sweeps: dict[LinkClass, LinkCalibration]) -> float | None:
+    """How much faster than its plan's figure the run's link reduced: its exposed communication predicted over
+    measured; None when the run tells nothing of its link (see LINK_SHARE_MIN), or a sweep measured it."""
+    predicted = run.plan.predicted
+    waits = predicted.exposed_communication_seconds >= LINK_SHARE_MIN * predicted.step_seconds
+    if run.link is None or run.link in sweeps or run.exposed_seconds <= 0 or not waits:
+        return None
+    return predicted.exposed_communication_seconds / run.exposed_seconds
+
+
 def fit(runs: list[FinishedRun], sweeps: dict[LinkClass, LinkCalibration]) -> Calibration:
     """Compute efficiency per device model from the runs that ran on one model; link rows from the
-    sweeps, and from the runs for the link classes no sweep measured."""
+    sweeps, and from the runs for the link classes no sweep measured. `plausible` says which runs to give it."""
     ratios: dict[str, list[float]] = {}
     for run in runs:
         if len(run.models) == 1 and run.measured_compute_seconds > 0:
             (model,) = run.models
-            unscaled = run.plan.predicted.compute_seconds * run.applied_efficiency[model]
-            ratios.setdefault(model, []).append(unscaled / run.measured_compute_seconds)
+            ratios.setdefault(model, []).append(run.compute_at_figures_seconds / run.measured_compute_seconds)
     links = dict(sweeps)
     bandwidths: dict[LinkClass, list[tuple[float, float]]] = {}
     for run in runs:
-        waits = run.plan.predicted.exposed_communication_seconds >= LINK_SHARE_MIN * run.plan.predicted.step_seconds
-        if run.link is not None and run.link not in sweeps and run.exposed_seconds > 0 and waits:
-            scale = run.plan.predicted.exposed_communication_seconds / run.exposed_seconds
+        scale = _link_scale(run, sweeps)
+        if scale is not None:
             bandwidths.setdefault(run.link, []).append((run.plan.bottleneck_gb_per_s * scale,
                                                         run.plan.bottleneck_alpha_us))
     for link, rows in bandwidths.items():

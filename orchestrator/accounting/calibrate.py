@@ -5,6 +5,7 @@ prediction, and what each link class's reduction cost, with the prediction error
     archipelago calibrate runs/a --sweep out/multigpu    # with a benchmarks/multigpu.py sweep's link rows
 
     runs, left_out = load_runs(dirs)                     # planning.calibration_fit.FinishedRun; (name, why)
+    runs, implausible = calibration_fit.plausible(runs, sweeps)   # and those no plausible figure explains
     calibration = calibration_fit.fit(runs, sweeps)      # a planning.calibration.Calibration
     check = calibration_fit.leave_one_out(runs, sweeps)  # per run: the plan's error, and the error after
 
@@ -15,10 +16,12 @@ efficiency of a device model is the geometric mean, over the runs that ran on th
 its predicted compute at efficiency 1 over the compute measured (step less exposed communication).
 A link class's bandwidth is the geometric mean, over its runs whose plans waited on the wire for 5 % of
 the step or more, of the costed bandwidth scaled by exposed communication predicted over measured; a
-sweep's row (alpha and bus bandwidth from an all-reduce sweep) takes precedence. A run is predicted again by scaling its plan's own compute and
-exposed communication: a heterogeneous plan's compute by the rate its devices' new efficiencies give
-its split (a re-balanced split), its communication by the bandwidth ratio (exact where nothing of it
-hid behind backward).
+sweep's row (alpha and bus bandwidth from an all-reduce sweep) takes precedence. A run whose compute or
+exposed communication took over 30 times what its plan's figures give, or under a tenth, is left out of
+both (calibration_fit.SLOWER_AT_MOST, FASTER_AT_MOST), and so is a run fit has not finished. A run is
+predicted again by scaling its plan's own compute and exposed communication: a heterogeneous plan's
+compute by the rate its devices' new efficiencies give its split (a re-balanced split), its
+communication by the bandwidth ratio (exact where nothing of it hid behind backward).
 """
 
 from __future__ import annotations

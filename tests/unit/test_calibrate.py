@@ -153,12 +153,66 @@ def test_a_slow_devices_efficiency_keeps_four_significant_digits(tmp_path):
 
 
 def test_a_slow_links_bandwidth_keeps_four_significant_digits(tmp_path):
-    """A run that waited 311x its predicted communication fits the 3.4 GB/s row at 0.01093 GB/s; three
-    decimals (0.011) would predict that run's step 0.6 % short."""
+    """A run that waited 29x its predicted communication fits the 3.4 GB/s row at 0.1172 GB/s; three
+    decimals (0.117) would predict that run's step 0.2 % long."""
     plan = plan_on("8xH200:1", gpus=2, calibration=Calibration.load(TOPOLOGIES / "h200x2-sockets.calibration.json"))
     predicted = plan.predicted
-    waited = 311 * predicted.exposed_communication_seconds
+    waited = 29 * predicted.exposed_communication_seconds
     run = calibrate.load_run(finished(tmp_path / "slow", plan, predicted.compute_seconds + waited, waited))
     fitted = calibration_fit.fit([run], {})
-    assert fitted.links[LinkClass.NVSWITCH].bus_gb_per_s == pytest.approx(3.4 / 311, rel=5e-4)
+    assert fitted.links[LinkClass.NVSWITCH].bus_gb_per_s == pytest.approx(3.4 / 29, rel=5e-4)
     assert calibration_fit.predict(run, fitted) == pytest.approx(run.step_seconds, rel=1e-3)
+
+
+def cpu_plan(model: dict) -> Plan:
+    """Two CPU workers of one machine, reducing over loopback, as the CPU demo runs."""
+    config = JobConfig.from_dict({"name": "t", "model": model,
+                                  "cluster": {"use_gpu": False, "num_workers": 2, "cpus_per_worker": 1},
+                                  "train": {"global_batch_size": 32, "micro_batch_size": 16}})
+    return Planner(machines.cluster("1xH200:1"), config, exact_memory=False).plan()
+
+
+def test_a_run_no_plausible_figure_explains_is_left_out_by_name(capsys, tmp_path, monkeypatch):
+    """An audit's runs: a GPT and a Llama whose CPU compute took twice the prediction, and a recurrent model
+    whose step, bound by per-step latency, took 800x, a fifth of it waiting on stragglers. Fitted with the
+    others, it dragged the CPUs' efficiency down and set loopback 770x slower, and nothing said so."""
+    monkeypatch.setenv("COLUMNS", "200")
+    dirs = []
+    for name, model in (("gpt", TINY_MODEL), ("llama", {**TINY_MODEL, "kind": "llama", "n_kv_head": 2})):
+        plan = cpu_plan(model)
+        dirs.append(str(finished(tmp_path / "runs" / name, plan, plan.predicted.step_seconds * 2)))
+    lstm = cpu_plan({"kind": "custom", "factory": "tests.custom_models:lstm", "seq_len": 128, "vocab_size": 257,
+                     "width": 4})
+    assert lstm.predicted.exposed_communication_seconds >= calibration_fit.LINK_SHARE_MIN * lstm.predicted.step_seconds
+    step = lstm.predicted.compute_seconds * 800 / 0.8
+    dirs.append(str(finished(tmp_path / "runs" / "lstm", lstm, step, 0.2 * step)))
+    assert main(["calibrate", *dirs]) == 0
+    out = capsys.readouterr().out
+    assert "left out lstm: its compute took" in out and ", 800x as long" in out
+    written = Calibration.load(tmp_path / "runs" / "calibration.json")
+    assert written.links == {} and written.compute_efficiency == {"cpu": pytest.approx(0.5, rel=0.01)}
+
+
+def test_a_link_far_slower_than_its_figure_is_left_out_for_a_sweep_to_measure(tmp_path):
+    plan = plan_on("8xH200:1", gpus=2, calibration=Calibration.load(TOPOLOGIES / "h200x2-sockets.calibration.json"))
+    predicted = plan.predicted
+    waited = 100 * predicted.exposed_communication_seconds
+    run = calibrate.load_run(finished(tmp_path / "pair", plan, predicted.compute_seconds + waited, waited))
+    kept, left_out = calibration_fit.plausible([run], {})
+    assert kept == [] and left_out[0][0] == "pair"
+    assert "100x as long (a fit learns from 1/10 to 30x)" in left_out[0][1] and "--sweep" in left_out[0][1]
+    # A sweep measured the link: the run tells nothing of it, and its compute is as predicted.
+    sweep = calibrate.load_sweeps([TOPOLOGIES / "h200x2-nvswitch.calibration.json"])
+    assert calibration_fit.plausible([run], sweep) == ([run], [])
+
+
+def test_a_run_far_faster_than_its_figures_is_left_out_rather_than_written_unreadable(capsys, tmp_path):
+    """12x the H200's figures: a wrong figure, not a speed. Fitted alone, it wrote an efficiency of 12, which
+    every later fit and plan then refused to read (a calibration file holds at most MAX_EFFICIENCY)."""
+    h200 = plan_on("1xH200:1")
+    fast = str(finished(tmp_path / "runs" / "fast", h200, h200.predicted.step_seconds / 12))
+    ok = str(finished(tmp_path / "runs" / "ok", h200, h200.predicted.step_seconds))
+    assert main(["calibrate", fast, ok]) == 0
+    assert "left out fast: its compute took" in capsys.readouterr().out
+    assert Calibration.load(tmp_path / "runs" / "calibration.json").compute_efficiency == {
+        "H200-SXM5-141GB": pytest.approx(1.0)}
