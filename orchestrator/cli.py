@@ -251,6 +251,12 @@ def _print_checks(checks: list[calibration_fit.Check], console: Console) -> None
     after = statistics.mean(abs(c.error_after) for c in checks)
     console.print(f"mean |error|: {before:.1%} as planned, {after:.1%} calibrated on the other runs",
                   markup=False, highlight=False)
+    informed = [abs(c.error_after) for c in checks if c.fitted_on]  # the others' fit changed nothing of the rest
+    if informed and statistics.mean(informed) > calibration_fit.LARGE_CHECK_ERROR:
+        console.print(f"warning: calibrated on the others, the runs are still off by {statistics.mean(informed):.0%} "
+                      f"on average (over {calibration_fit.LARGE_CHECK_ERROR:.0%}): they disagree on a figure they "
+                      "share, so the fitted one predicts none of them well; see the table, and calibrate on runs of "
+                      "the models you will plan (--dry-run writes nothing)", markup=False, highlight=False)
 
 
 def _parser() -> argparse.ArgumentParser:

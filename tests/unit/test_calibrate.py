@@ -111,7 +111,7 @@ def test_the_command_writes_the_runs_directorys_calibration_and_reports_the_erro
     Calibration(compute_efficiency={"cpu": 0.9}).save(tmp_path / "runs" / "calibration.json")  # an earlier fit
     assert main(["calibrate", *dirs]) == 0
     out = capsys.readouterr().out
-    assert "mean |error|: 9.1% as planned, 0.0% calibrated on the other runs" in out
+    assert "mean |error|: 9.1% as planned, 0.0% calibrated on the other runs" in out and "warning" not in out
     written = Calibration.load(tmp_path / "runs" / "calibration.json")
     assert written.compute_efficiency == {"cpu": 0.9, "H200-SXM5-141GB": pytest.approx(1.1)}
     assert main(["calibrate", dirs[0], "--dry-run", "--out", str(tmp_path / "other.json")]) == 0
@@ -130,6 +130,17 @@ def test_a_run_fit_has_not_finished_is_left_out_by_name(capsys, tmp_path):
     assert fitted.compute_efficiency == {"H200-SXM5-141GB": pytest.approx(1.1)}  # the running run's 1/3 is not in it
     assert main(["calibrate", running, "--dry-run"]) == 2
     assert "no run is left to fit" in capsys.readouterr().out
+
+
+def test_runs_that_disagree_on_a_figure_they_share_are_warned_of(capsys, tmp_path, monkeypatch):
+    """Two H200 runs, one at 3x the figures and one at 1/3: each is plausible, but each predicts the other 9x off."""
+    monkeypatch.setenv("COLUMNS", "300")
+    h200 = plan_on("1xH200:1")
+    dirs = [str(finished(tmp_path / "runs" / name, h200, h200.predicted.step_seconds * factor))
+            for name, factor in (("fast", 1 / 3), ("slow", 3))]
+    assert main(["calibrate", *dirs, "--dry-run"]) == 0
+    assert "warning: calibrated on the others, the runs are still off by 444% on average (over 25%)" in \
+        capsys.readouterr().out
 
 
 def test_a_run_that_cannot_be_calibrated_on_is_one_line(capsys, tmp_path):
