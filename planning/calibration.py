@@ -97,11 +97,14 @@ class Calibration:
     def save(self, path: str | Path) -> Path:
         return write_text_atomically(path, json.dumps(self.to_dict(), indent=1) + "\n")
 
-    def describe(self) -> str:
-        """One line for a plan's notes."""
-        parts = [f"links {', '.join(link.value for link in self.links)}"] if self.links else []
-        parts += [f"{model} compute ×{value:.3g}" for model, value in sorted(self.compute_efficiency.items())]
-        return f"calibrated by {self.path}: {'; '.join(parts) or 'nothing in it'}"
+    def describe(self, models: set[str], links: set[LinkClass]) -> str | None:
+        """One line for the notes of a plan on device `models` (the plan's model keys) over `links`: what of
+        the file it used; None when it used nothing (a GPU plan beside a calibration of the CPU demo's runs)."""
+        used = [link.value for link in self.links if link in links]
+        parts = [f"links {', '.join(used)}"] if used else []
+        parts += [f"{model} compute ×{value:.3g}" for model, value in sorted(self.compute_efficiency.items())
+                  if model in models]
+        return f"calibrated by {self.path}: {'; '.join(parts)}" if parts else None
 
 
 def _parse_efficiency(data: object, where: str) -> dict[str, float]:

@@ -580,8 +580,10 @@ class Planner:
             notes.append(f"FLOPs per token estimated as 6 × {facts.parameters:,} parameters, not counted: the model's "
                          "loss does not run on meta tensors (nor fake ones), so the step times, MFU and dollars "
                          "rest on that estimate")
-        if self.calibration.path:
-            notes.append(self.calibration.describe())
+        calibrated = self.calibration.describe({self.pool.domains[i].type.model for i, _ in best.selection},
+                                               {hop.link_class for hop in best.hops.values()})
+        if self.calibration.path and calibrated:
+            notes.append(calibrated)
         if self.pool.unknown:
             notes.append(f"left out GPUs nothing gives figures for ({_listed(self.pool.unknown)}): "
                          f"{_unknown_gpus_error(self.pool.unknown).fix}")

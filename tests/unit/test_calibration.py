@@ -67,6 +67,19 @@ def test_the_planner_runs_each_model_at_its_calibrated_efficiency_and_says_so(tm
     assert f"calibrated by {path}: H200-SXM5-141GB compute ×2" in calibrated.notes
 
 
+def test_a_plan_notes_the_calibration_only_where_it_changed_a_figure_the_plan_uses(tmp_path):
+    """A runs directory calibrated on the CPU demo's runs changes nothing of a GPU plan there: no note."""
+    path = Calibration(links={LinkClass.LOOPBACK: LinkCalibration(alpha_us=40.0, bus_gb_per_s=1.5)},
+                       compute_efficiency={"cpu": 0.5}).save(tmp_path / "runs" / "calibration.json")
+    gpu = Planner(machines.cluster("1xH200:1"), job(tmp_path), exact_memory=False,
+                  calibration=Calibration.for_job(job(tmp_path))).plan()
+    assert not [note for note in gpu.notes if "calibrated by" in note]
+    cpu_job = JobConfig.from_dict({**job(tmp_path).to_dict(),
+                                   "cluster": {"use_gpu": False, "num_workers": 2, "cpus_per_worker": 1}})
+    cpu = Planner(machines.cluster("1xH200:1"), cpu_job, exact_memory=False, calibration=Calibration.load(path)).plan()
+    assert f"calibrated by {path}: links loopback; cpu compute ×0.5" in cpu.notes
+
+
 def test_fit_and_plan_read_the_runs_directorys_calibration_and_python_callers_only_a_named_one(tmp_path):
     config = job(tmp_path)
     assert Calibration.for_job(config).path == ""
