@@ -47,7 +47,7 @@ def user_code(tmp_path, monkeypatch):
         path.write_text(text)
 
     yield write
-    for name in [name for name in sys.modules if name.split(".")[0] in ("beside_the_job", "my_models")]:
+    for name in [name for name in sys.modules if name.split(".")[0] in ("beside_the_job", "next_to_the_job", "my_models", "my_layers")]:
         del sys.modules[name]
 
 
@@ -58,6 +58,13 @@ def custom(factory: str):
 def test_a_module_beside_the_job_is_shipped(user_code):
     user_code("beside_the_job.py", FACTORY)
     assert modules_to_ship(custom("beside_the_job:build")) == [importlib.import_module("beside_the_job")]
+
+
+def test_a_module_the_factory_s_module_imports_from_beside_it_is_shipped_too(user_code):
+    user_code("my_layers.py", "import torch.nn as nn\ndef head(width, vocab):\n    return nn.Linear(width, vocab)\n")
+    user_code("next_to_the_job.py", FACTORY.replace("import torch.nn as nn", "import torch.nn as nn\nimport my_layers"))
+    shipped = modules_to_ship(custom("next_to_the_job:build"))
+    assert [m.__name__ for m in shipped] == ["next_to_the_job", "my_layers"]  # a worker elsewhere imports both
 
 
 def test_a_package_of_the_user_s_is_shipped_whole_and_so_is_a_workload_s(user_code):
