@@ -63,6 +63,17 @@ def test_kill_mid_save_then_load_the_previous_step(tmp_path, async_save):
     assert store.remove_uncommitted() == [store.step(2)] and not step2.exists()
 
 
+def in_a_mount_namespace(script: str, root: Path):
+    """Runs `script` with `root` (made here) as its argument in a child with its own user and mount namespace, where
+    it may mount a filesystem there without privileges; returns the JSON the child printed last."""
+    root.mkdir()
+    child = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", sys.executable, "-c", script,
+                            str(root)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                           text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
 FULL_DISK = r"""
 import json, os, subprocess, sys
 import torch
@@ -105,13 +116,7 @@ def test_a_full_disk_stops_the_save_with_a_checkpoint_error_and_commits_nothing_
     committed whole and loads, or the save raises a CheckpointError that says the disk is full and
     names the file, step 2 stays uncommitted without a temporary file on the full disk, and step 1
     loads intact."""
-    root = tmp_path / "small-disk"
-    root.mkdir()
-    child = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", sys.executable, "-c", FULL_DISK,
-                            str(root)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
-                           text=True, timeout=300)
-    assert child.returncode == 0, child.stderr[-3000:]
-    rows = json.loads(child.stdout.strip().splitlines()[-1])
+    rows = in_a_mount_namespace(FULL_DISK, tmp_path / "small-disk")
     assert len(rows) == 100
     for row in rows:
         assert row["temporary_files"] == [], row
@@ -150,12 +155,7 @@ def test_storage_the_workers_may_not_write_is_a_checkpoint_error_naming_it(tmp_p
     """A read-only mount (EROFS; a directory without write permission is EACCES, the same way): no retry on other
     workers would write there, so the save says where and what to change instead of raising torch's error."""
     root = tmp_path / "read-only"
-    root.mkdir()
-    child = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", sys.executable, "-c", READ_ONLY,
-                            str(root)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
-                           text=True, timeout=300)
-    assert child.returncode == 0, child.stderr[-3000:]
-    said = json.loads(child.stdout.strip().splitlines()[-1])
+    said = in_a_mount_namespace(READ_ONLY, root)
     assert said["what"].startswith("cannot write a checkpoint there (") and "Read-only file system" in said["what"], said
     assert said["where"] == str(root / "step_00000002") and said["committed"] == [1]
     assert "make [checkpoint] storage writable" in said["fix"]
