@@ -98,32 +98,40 @@ def check_workload(config: ModelConfig, workload: Workload) -> None:
     batch is a differentiable scalar: run on the meta device, or where that cannot run it, on fake CPU tensors
     (as the memory estimate runs it)."""
     where = f"the workload {config.factory} returned"
-    try:
-        loss = _workload_loss(workload, config, where, torch.device("meta"))
-    except ConfigError:
-        raise
-    except Exception:  # noqa: BLE001 - an op the meta device cannot run: fake tensors decide
-        try:
-            with fake_tensors():
-                loss = _workload_loss(workload, config, where, torch.device("cpu"))
-        except ConfigError:
-            raise
-        except Exception as e:  # the user's code: whatever it raises on a batch is theirs to fix
-            said = (str(e).strip().splitlines() or [""])[0]
-            raise ConfigError(f"{where}: its loss fails on a batch of token ids (batch {CHECK_TOKENS[0]}, seq "
-                              f"{min(config.seq_len, CHECK_TOKENS[1])}): {type(e).__name__}: {said}", where=FACTORY,
-                              fix="compute the loss from the model and the batch (a tensor the workload keeps moved to "
-                                  "the batch's device), with no branch on a tensor's value") from None
+    seq = min(config.seq_len, CHECK_TOKENS[1])
+    loss = _on_meta_then_fake(lambda device: _workload_loss(workload, config, where, device), lambda said: ConfigError(
+        f"{where}: its loss fails on a batch of token ids (batch {CHECK_TOKENS[0]}, seq {seq}): {said}", where=FACTORY,
+        fix="compute the loss from the model and the batch (a tensor the workload keeps moved to the batch's device), "
+            "with no branch on a tensor's value"))
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point() or not loss.requires_grad:
-        got = (f"a {list(loss.shape)} {loss.dtype} tensor" + ("" if loss.requires_grad else " no gradient reaches")
+        got = (f"a {list(loss.shape)} {loss.dtype} tensor" + ("" if loss.requires_grad else " that no gradient reaches")
                if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}")
         raise ConfigError(f"{where}: its loss is {got}, not a scalar to differentiate", where=FACTORY,
                           fix="return the mean loss over the batch, a 0-dimensional floating-point tensor computed "
                               "from the model's parameters")
 
 
-def _workload_loss(workload: Workload, config: ModelConfig, where: str, device: torch.device) -> Any:
-    with device:
+def _on_meta_then_fake(attempt: Callable[[str], Any], failed: Callable[[str], ConfigError]) -> Any:
+    """attempt(device) on the meta device (nothing is allocated), and where the meta device cannot run it (a value
+    read with .item(), a tensor the user's code keeps on the CPU) again on fake CPU tensors, as the memory estimate
+    runs the model; what fake tensors raise becomes failed("Type: first line"). A ConfigError passes as it is."""
+    try:
+        return attempt("meta")
+    except ConfigError:
+        raise
+    except Exception:  # noqa: BLE001 - an op the meta device cannot run: fake tensors decide
+        try:
+            with fake_tensors():
+                return attempt("cpu")
+        except ConfigError:
+            raise
+        except Exception as e:  # the user's code: whatever it raises on a batch is theirs to fix
+            said = (str(e).strip().splitlines() or [""])[0]  # torch's guard errors run on for lines
+            raise failed(f"{type(e).__name__}: {said}") from None
+
+
+def _workload_loss(workload: Workload, config: ModelConfig, where: str, device: str) -> Any:
+    with torch.device(device):
         model = workload.build()
     if not isinstance(model, nn.Module):
         raise ConfigError(f"{where}: its build() made a {type(model).__name__}, not an nn.Module", where=FACTORY,
@@ -164,24 +172,18 @@ def _seeded_weights(config: ModelConfig, factory: Callable[[dict], Any]) -> dict
 
 
 def _check_output(model: nn.Module, config: ModelConfig, factory: Callable[[dict], Any]) -> tuple[nn.Module, Any]:
-    """The model maps a batch of token ids to logits of the table's vocabulary: run on the meta device,
-    and where that cannot run it (a forward that reads a value, .item()), built again on fake tensors.
-    Returns the model that ran and its logits."""
+    """The model maps a batch of token ids to logits of the table's vocabulary (where the meta device cannot run
+    it, built again on fake tensors). Returns the model that ran and its logits."""
     tokens = (CHECK_TOKENS[0], min(config.seq_len, CHECK_TOKENS[1]))
-    try:
-        logits = _forward(model, tokens)
-    except Exception:  # noqa: BLE001 - an op the meta device cannot run: fake tensors decide
-        try:
-            with fake_tensors():
-                with torch.device("meta"):
-                    model = factory(factory_table(config))
-                    logits = _forward(model, tokens)
-        except Exception as e:
-            said = (str(e).strip().splitlines() or [""])[0]  # torch's guard errors run on for lines
-            raise ConfigError(f"the model {config.factory} built fails on a batch of token ids (batch 2, seq "
-                              f"{tokens[1]}): {type(e).__name__}: {said}", where=FACTORY,
-                              fix="its forward takes token ids (batch, seq) and returns logits (batch, seq, vocab), "
-                                  "with no branch on a tensor's value") from None
+
+    def attempt(device: str) -> tuple[nn.Module, Any]:
+        built = model if device == "meta" else factory(factory_table(config))  # the meta one is made already
+        return built, built(torch.zeros(tokens, dtype=torch.long, device=device))
+
+    model, logits = _on_meta_then_fake(attempt, lambda said: ConfigError(
+        f"the model {config.factory} built fails on a batch of token ids (batch {tokens[0]}, seq {tokens[1]}): {said}",
+        where=FACTORY, fix="its forward takes token ids (batch, seq) and returns logits (batch, seq, vocab), with no "
+                           "branch on a tensor's value"))
     expected = (*tokens, config.vocab_size)
     if not isinstance(logits, torch.Tensor) or tuple(logits.shape) != expected:
         got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
@@ -199,10 +201,6 @@ def _check_output(model: nn.Module, config: ModelConfig, factory: Callable[[dict
                           fix="compute the logits from the parameters, with no torch.no_grad(), detach() or "
                               "integer cast in forward")
     return model, logits
-
-
-def _forward(model: nn.Module, tokens: tuple[int, int]) -> Any:
-    return model(torch.zeros(tokens, dtype=torch.long, device="meta"))
 
 
 def fake_tensors() -> FakeTensorMode:
