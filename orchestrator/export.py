@@ -240,12 +240,9 @@ def _copy_tokenizer(config: JobConfig, tokenizer: DataTokenizer, out: Path) -> N
     tokenizer_config.json naming its end-of-document token (so AutoTokenizer's eos_token_id is config.json's)."""
     copied = [shutil.copy(source, out / source.name) for source in _hf_dir_tokenizer_files(config)]
     if not copied and isinstance(tokenizer.found, HFJsonTokenizer):
-        from tokenizers import Tokenizer
-
         shutil.copy(tokenizer.found.path, out / "tokenizer.json")
-        eos = Tokenizer.from_file(tokenizer.found.path).id_to_token(tokenizer.found.eos_id)
         (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
-                                                               "eos_token": eos}, indent=2) + "\n")
+                                                               "eos_token": tokenizer.found.eos_token}, indent=2) + "\n")
 
 
 def _hf_dir_tokenizer_files(config: JobConfig) -> list[Path]:

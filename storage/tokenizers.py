@@ -120,6 +120,11 @@ class HFJsonTokenizer:
     def decode(self, tokens: np.ndarray) -> str:
         return self._tokenizer.decode([int(t) for t in tokens])
 
+    @property
+    def eos_token(self) -> str:
+        """The end-of-document token's text ("<|endoftext|>")."""
+        return self._tokenizer.id_to_token(self.eos_id)
+
 
 def load_tokenizer(spec: str) -> ByteTokenizer | HFJsonTokenizer:
     """"bytes" or "hf:PATH" (a tokenizers JSON file)."""
