@@ -182,6 +182,7 @@ def test_export_of_a_run_on_a_prepared_dataset_copies_the_tokenizers_file_the_da
     exported = export_run(run.path, tmp_path / "out")
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == original
     assert token_ids(tmp_path / "out") == [(None, 5), (None, 5)] and exported.tokenizer_note == ""
+    assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())["eos_token"] == "<|endoftext|>"
 
 
 def test_export_says_when_the_data_tokenizers_file_is_not_found_and_writes_no_end_of_document_id(tmp_path):
