@@ -2,7 +2,8 @@
 without config.json, an architecture transformers does not know, safetensors of another shape, and the
 built-in Llama asked to take a Llama's o_proj bias or a window shorter than seq_len. Nothing is written
 into the run directory. Good input streams into FSDP2 and tensor-parallel shards: each rank reads its
-part, and the sharded model computes transformers' loss, Qwen2's q, k and v biases included; the
+part, and the sharded model computes transformers' loss (Llama, Qwen2 and Mistral directories as
+`kind = "hf"`; Llama and Qwen2 in the built-in), Qwen2's q, k and v biases included; the
 built-in exports back to the Qwen2ForCausalLM of its logits."""
 
 import json
@@ -173,7 +174,8 @@ def test_a_built_in_with_qkv_biases_exports_to_the_qwen2_of_its_logits(tmp_path,
         torch.testing.assert_close(exported(input_ids=tokens).logits, model(tokens), rtol=1e-5, atol=1e-5)
 
 
-RUNS = (("llama", "hf", 1), ("llama", "llama", 1), ("llama", "llama", 2), ("qwen2", "llama", 1), ("qwen2", "llama", 2))
+RUNS = (("llama", "hf", 1), ("qwen2", "hf", 1), ("mistral", "hf", 1), ("llama", "llama", 1), ("llama", "llama", 2),
+        ("qwen2", "llama", 1), ("qwen2", "llama", 2))
 """(architecture of hf_dir, [model] kind, tensor_parallel_size) of each sharded loss."""
 
 
@@ -215,7 +217,7 @@ def test_weights_stream_into_fsdp2_and_tensor_parallel_shards(tmp_path):
     torch.manual_seed(0)
     batch = torch.randint(0, 320, (2, 33))
     expected = {architecture: hf_loss(write_model(tmp_path / architecture, architecture), batch)
-                for architecture in ("llama", "qwen2")}
+                for architecture in ("llama", "qwen2", "mistral")}
     losses = run_ranks(2, sharded_losses, {architecture: str(tmp_path / architecture) for architecture in expected})
     assert len(losses) == len(RUNS)
     for run, loss in losses.items():
