@@ -108,13 +108,26 @@ def _check_priced(names: Iterable[str], devices: Collection[str] | None, *, wher
     for name in names:
         if name in known:
             continue
-        named = catalog.lookup(name)  # an NVML name, or part of one, is priced by its catalog key
-        close = dict.fromkeys(([named.key] if named else []) + difflib.get_close_matches(name, sorted(known), n=2))
-        guess = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+        guess = did_you_mean(name, known)
         raise ConfigError(f"{name!r} is no device of the catalog or of this cluster, so its price would apply to "
                           "nothing", where=f"{where}{name}",
                           fix=f"{guess}name the device by its catalog key (`archipelago prices` lists them) or as "
                               f"the cluster's map names it (`archipelago topology`), or remove {remove}")
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """"did you mean 'H100-SXM5-80GB'? " for a price name close to a known one (an NVML name, or part of one,
+    by its catalog key), or ""."""
+    named = catalog.lookup(name)
+    close = dict.fromkeys(([named.key] if named else []) + difflib.get_close_matches(name, sorted(known), n=2))
+    return f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+
+
+def uncatalogued(table: PriceTable) -> list[str]:
+    """The names `table` prices that are no catalog device: `archipelago prices` cannot list them as rows,
+    and only a cluster device the map names so would be paid at them."""
+    known = {*DEFAULT_PRICES, *(model.key for model in catalog.MODELS)}
+    return sorted(name for name in table.prices if name not in known)
 
 
 def load_price_rows(path: str | Path) -> dict[str, dict[str, float]]:

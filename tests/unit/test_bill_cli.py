@@ -29,6 +29,17 @@ def test_prices_lists_devices_cheapest_compute_first(capsys, tmp_path, monkeypat
     assert "cheapest spot $/TF·h first" in out
 
 
+def test_prices_names_a_price_for_no_catalog_device_with_the_closest_names(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")
+    job = tmp_path / "job.toml"
+    job.write_text('[placement]\nprices = { "H100-SXM" = 2.1, "A10G" = 0.9 }\n')
+    code, out = run(capsys, "prices", "--config", str(job))
+    assert code == 0 and "'A10G'" not in out  # a catalog device's price is a row, not a note
+    assert (f"{job} prices 'H100-SXM' ($2.10/h, spot $2.10/h), which is no catalog device: only a GPU the "
+            "cluster's map names 'H100-SXM' is paid at it (`archipelago topology` shows the names); did you mean "
+            "'H100-SXM5-80GB'") in out
+
+
 def test_report_takes_one_or_two_runs(capsys, tmp_path):
     code, out = run(capsys, "report", str(tmp_path), str(tmp_path), str(tmp_path))
     assert code == 2 and "3 run directories given — give one run, or two to compare" in out
