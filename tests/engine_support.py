@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 import tempfile
 import traceback
@@ -37,12 +36,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, backend: str, fn, args, errors, out_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _entry(rank: int, world: int, store: str, backend: str, fn, args, errors, out_path: str) -> None:
     if backend == "nccl":
         import torch
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    # A file store, not a TCP port: a port picked free and then bound by rank 0 can be taken in between
+    # (by the Ray cluster of the tests running beside these), and then the ranks hang until the timeout.
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         result = fn(rank, world, *args)
         if rank == 0:
@@ -61,7 +61,8 @@ def run_ranks(world: int, fn, *args, backend: str = "gloo"):
     with tempfile.TemporaryDirectory() as tmp:
         out_path = str(Path(tmp) / "rank0.json")
         try:
-            mp.spawn(_entry, args=(world, free_port(), backend, fn, args, errors, out_path), nprocs=world)
+            store = str(Path(tmp) / "rendezvous")
+            mp.spawn(_entry, args=(world, store, backend, fn, args, errors, out_path), nprocs=world)
         except mp.ProcessRaisedException:
             rank, text = errors.get()
             raise AssertionError(f"rank {rank} failed:\n{text}") from None

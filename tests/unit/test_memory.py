@@ -6,7 +6,6 @@ so the running sum of those events over a step peaks where the process's tensor 
 """
 
 import contextlib
-import os
 
 import pytest
 import torch
@@ -104,10 +103,9 @@ def tiny_profile() -> memory.MemoryProfile:
 
 
 @pytest.fixture(scope="module")
-def gloo_world_of_one():
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+def gloo_world_of_one(tmp_path_factory):
+    store = tmp_path_factory.mktemp("rendezvous") / "store"  # no fixed port another process may hold
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
 
