@@ -120,6 +120,27 @@ def ray_cpu_slots(topology: ClusterTopology, cpus_per_worker: int) -> tuple[Clus
     return granted_topology(topology.nodes, reports, cpus_per_worker=cpus_per_worker, use_gpu=False), len(reports)
 
 
+PLACEMENT_NOTE_S = 30.0
+"""How long the driver waits for a group's first row before it asks Ray whether the group is held back."""
+
+
+def placement_wait_note(pending_bundles: list[dict[str, float]], available: dict[str, float],
+                        total: dict[str, float], *, use_gpu: bool) -> str | None:
+    """What to tell a user whose worker group Ray has not placed: the CPUs or GPUs its pending bundles ask for
+    against those free (Ray waits silently, and forever unless they free up), or None when nothing is short."""
+    needed: Counter = Counter()
+    for bundle in pending_bundles:
+        needed.update({k: v for k, v in bundle.items() if k in ("CPU", "GPU")})
+    short = [f"{needed[k]:g} {k}s where the cluster has {available.get(k, 0):g} of its {total.get(k, 0):g} free"
+             for k in ("GPU", "CPU") if needed[k] > available.get(k, 0)]
+    if not short:
+        return None
+    knob = "lower [placement] max_gpus" if use_gpu else "lower [cluster] num_workers (or set [elastic] min_workers)"
+    return (f"waiting for Ray to place {len(pending_bundles)} workers: they need {'; '.join(short)} "
+            f"(other jobs or actors hold the rest; `ray status` lists the demands). The run starts once they are "
+            f"free; to start now, stop what holds them or {knob}.")
+
+
 def config_for_world(config: JobConfig, world_size: int) -> JobConfig:
     """The job with its device range pinned to `world_size`: what the planner plans for a granted group."""
     if config.cluster.use_gpu:

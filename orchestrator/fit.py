@@ -417,11 +417,18 @@ class Orchestrator:
         with ProgressDisplay.for_run(self.console, plan, cfg, self.run.path, first_step,
                                      started=self._clock.started) as display, _environ(_controller_settings(cfg)):
             thread.start()
+            rows_before, ask_at = len(self._rows), time.monotonic() + coordinator.PLACEMENT_NOTE_S
             try:
                 with _sigterm_as_interrupt():
                     while thread.is_alive():
                         thread.join(timeout=0.5)
                         self._collect(sink, display)
+                        if ask_at is not None and time.monotonic() > ask_at:  # nothing heard yet: held back?
+                            heard = len(self._rows) > rows_before
+                            note = None if heard else _placement_wait_note(cfg)
+                            if note:
+                                self.console.print(note, markup=False)
+                            ask_at = None if heard or note else ask_at + coordinator.PLACEMENT_NOTE_S
             except BaseException:  # Ctrl-C or SIGTERM: the workers stop before Ray does, what they sent is kept
                 _stop_workers(job.coordinator, thread)
                 with contextlib.suppress(Exception):
@@ -471,6 +478,19 @@ def scaling_config(plan: Plan, cfg: JobConfig) -> ScalingConfig:
     if cfg.elastic.min_workers and not cfg.cluster.use_gpu:
         scaling["num_workers"] = (cfg.elastic.min_workers, cfg.cluster.num_workers)
     return ScalingConfig(**scaling, elastic_resize_monitor_interval_s=cfg.elastic.resize_check_s)
+
+
+def _placement_wait_note(cfg: JobConfig) -> str | None:
+    """The note for placement groups Ray holds pending (Ray Train places a worker group as one); None if none is."""
+    try:
+        table = ray.util.placement_group_table()
+    except Exception:  # noqa: BLE001 - only a hint: a failed query must not stop the run
+        return None
+    bundles = [b for group in table.values() if group.get("state") == "PENDING" for b in group["bundles"].values()]
+    if not bundles:
+        return None
+    return coordinator.placement_wait_note(bundles, ray.available_resources(), ray.cluster_resources(),
+                                           use_gpu=cfg.cluster.use_gpu)
 
 
 @contextlib.contextmanager

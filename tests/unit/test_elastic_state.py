@@ -8,7 +8,8 @@ import planning
 from core.config import JobConfig
 from core.errors import ConfigError, PlacementError
 from core.spec import WorkerSpec
-from orchestrator.coordinator import ElasticState, config_for_world, granted_topology, matches, ray_cpu_slots
+from orchestrator.coordinator import (ElasticState, config_for_world, granted_topology, matches, placement_wait_note,
+                                      ray_cpu_slots)
 from planning.memory import profile
 from topology.cluster import ClusterTopology, NodeTopology, NumaNode
 from workers.elastic import WorkerReport
@@ -182,3 +183,22 @@ def test_a_failure_a_restart_may_fix_is_retried(state_and_nodes, first, second, 
     state.reached(second_step, at=1995.0)
     state.failed({1: second})
     assert state.fatal is None
+
+
+def test_a_worker_group_ray_holds_back_for_cpus_is_named_with_what_is_free():
+    note = placement_wait_note([{"CPU": 1.0}, {"CPU": 1.0}], {"CPU": 1.0}, {"CPU": 2.0}, use_gpu=False)
+    assert note == ("waiting for Ray to place 2 workers: they need 2 CPUs where the cluster has 1 of its 2 free (other "
+                    "jobs or actors hold the rest; `ray status` lists the demands). The run starts once they are free; "
+                    "to start now, stop what holds them or lower [cluster] num_workers (or set [elastic] min_workers).")
+
+
+def test_a_gpu_group_held_back_names_the_gpus_and_max_gpus():
+    bundles = [{"CPU": 1.0, "GPU": 1.0}] * 4
+    note = placement_wait_note(bundles, {"CPU": 60.0, "GPU": 2.0}, {"CPU": 64.0, "GPU": 8.0}, use_gpu=True)
+    assert "need 4 GPUs where the cluster has 2 of its 8 free" in note and "CPUs" not in note
+    assert note.endswith("lower [placement] max_gpus.")
+
+
+def test_a_group_whose_resources_are_free_gets_no_note():
+    # Pending only for a moment (Ray is placing it), or held by something other than CPUs and GPUs.
+    assert placement_wait_note([{"CPU": 1.0}] * 2, {"CPU": 2.0}, {"CPU": 2.0}, use_gpu=False) is None
