@@ -31,8 +31,8 @@ demo: $(STAMP)
 # tests, then the integration files listed in INTEGRATION_BESIDE_UNIT, which need neither. The first
 # process's log prints when both have ended. (pytest-xdist's --dist loadgroup cannot keep the Ray tests
 # together under pytest 9: it renames tests through a field pytest 9 no longer reads.) The split keeps the two
-# about even: on 2026-12-06 the first took 28 min with test_workloads.py (5.4 min of it), the second 18.5
-# (33.5 with the 15-minute hang of a port clash, since removed).
+# about even: on 2026-12-06 (2-core VM, fresh clone) the first took 15.4 min and the second 17.2, with
+# test_workloads.py moved to the second (before: 28 and 18.5).
 INTEGRATION_BESIDE_UNIT := $(addprefix tests/integration/,test_adaptive_batch.py test_hf_models.py \
 	test_island_placement.py test_overlap_fit.py test_topology_discover.py test_job_submit.py test_workloads.py)
 INTEGRATION_LOG := $(VENV)/integration-tests.log
