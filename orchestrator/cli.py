@@ -49,7 +49,7 @@ from planning.calibration import DEFAULT_FILE as DEFAULT_CALIBRATION_FILE
 from planning.calibration import Calibration
 from planning.plan_table import print_plan
 from planning.planner import Planner
-from planning.prices import PriceTable, did_you_mean, uncatalogued
+from planning.prices import PriceTable, uncatalogued
 from storage.prepare import prepare_dataset
 from storage.verify import verify_dataset
 from topology import ClusterTopology, catalog, load_files, machines
@@ -210,13 +210,11 @@ def _prices(args: argparse.Namespace, console: Console) -> int:
     print_fitted(console, _price_columns(spot), [row for _, row in sorted(rows, key=lambda r: r[0])],  # cheapest first
                  title="devices and prices: dense peaks (bf16 as fp16 on V100); $/h per device; $/TF·h = dollars "
                        f"per bf16 TFLOP/s held an hour; cheapest {'spot' if spot else 'on-demand'} $/TF·h first")
-    known = [model.key for model in catalog.MODELS]
-    for name in uncatalogued(prices):  # the config's typos would otherwise vanish from the table unseen
+    for name, guess in uncatalogued(prices):  # the config's typos would otherwise vanish from the table unseen
         on_demand, spot_price = prices.prices[name]
         console.print(f"{args.config} prices {name!r} (${on_demand:.2f}/h, spot ${spot_price:.2f}/h), which is no "
                       f"catalog device: only a GPU the cluster's map names {name!r} is paid at it "
-                      f"(`archipelago topology` shows the names); {did_you_mean(name, known)}".rstrip("; "),
-                      markup=False)
+                      f"(`archipelago topology` shows the names); {guess}".rstrip("; "), markup=False)
     return 0
 
 

@@ -123,11 +123,11 @@ def did_you_mean(name: str, known: Iterable[str]) -> str:
     return f"did you mean {' or '.join(map(repr, close))}? " if close else ""
 
 
-def uncatalogued(table: PriceTable) -> list[str]:
-    """The names `table` prices that are no catalog device: `archipelago prices` cannot list them as rows,
-    and only a cluster device the map names so would be paid at them."""
+def uncatalogued(table: PriceTable) -> list[tuple[str, str]]:
+    """(name, did_you_mean's guess) for each name `table` prices that is no catalog device: `archipelago prices`
+    cannot list them as rows, and only a cluster device the map names so would be paid at them."""
     known = {*DEFAULT_PRICES, *(model.key for model in catalog.MODELS)}
-    return sorted(name for name in table.prices if name not in known)
+    return [(name, did_you_mean(name, known)) for name in sorted(table.prices) if name not in known]
 
 
 def load_price_rows(path: str | Path) -> dict[str, dict[str, float]]:
