@@ -78,3 +78,21 @@ def test_a_second_run_of_the_same_name_needs_resume_or_overwrite(straight, small
         Orchestrator(job(small_dataset, straight.dir.parent, "straight", straight.steps)).fit()
     assert "already holds a run" in str(info.value) and "--resume" in str(info.value)
     assert (straight.dir / f"step_{straight.steps:08d}").is_dir()  # nothing was deleted
+
+
+def test_a_worker_group_ray_cannot_place_is_named_with_what_it_needs(cluster):
+    """What fit prints while Ray holds a group back, read from Ray's own placement-group table: a group of
+    three 1-CPU bundles on a cluster of two CPUs stays pending."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from core.config import JobConfig
+    from orchestrator.fit import _placement_wait_note
+
+    group = placement_group([{"CPU": 1.0}] * 3)
+    try:
+        note = _placement_wait_note(JobConfig())
+    finally:
+        remove_placement_group(group)
+    assert note is not None and note.startswith("waiting for Ray to place 3 workers: they need 3 CPUs where the cluster")
+    assert note.endswith("lower [cluster] num_workers (or set [elastic] min_workers).")
+    assert _placement_wait_note(JobConfig()) is None  # once it is gone, nothing is pending
